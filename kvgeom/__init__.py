@@ -1,0 +1,64 @@
+"""kvgeom: plan and check KV-cache transfers between engines whose cache geometries differ.
+
+Pure arithmetic on integers and numpy arrays: importing kvgeom never imports torch or nixl.
+"""
+
+from __future__ import annotations
+
+from .errors import GeometryError, IncompatibleGeometry, KvGeomError, PlanError, RequestError
+from .geometry import (
+    AttentionGroupGeometry,
+    AttentionView,
+    EngineGeometry,
+    PageLayout,
+    Region,
+    SectionPlacement,
+    StateGroupGeometry,
+    StateLayout,
+    StateView,
+)
+from .model import AttentionSpec, GroupKind, ModelSpec, StateSection, StateSpec
+from .pair import Compatibility, Pair, fresh_request, incompatibilities, pairable
+from .plan import Copies, Rearrange, TransferPlan, Zeros
+from .request import BlockList, GroupRequest, Request, StateSlots
+from .shard import Slice, owned_slice, sources
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionGroupGeometry",
+    "AttentionSpec",
+    "AttentionView",
+    "BlockList",
+    "Compatibility",
+    "Copies",
+    "EngineGeometry",
+    "GeometryError",
+    "GroupKind",
+    "GroupRequest",
+    "IncompatibleGeometry",
+    "KvGeomError",
+    "ModelSpec",
+    "PageLayout",
+    "Pair",
+    "PlanError",
+    "Rearrange",
+    "Region",
+    "Request",
+    "RequestError",
+    "SectionPlacement",
+    "Slice",
+    "StateGroupGeometry",
+    "StateLayout",
+    "StateSection",
+    "StateSlots",
+    "StateSpec",
+    "StateView",
+    "TransferPlan",
+    "Zeros",
+    "fresh_request",
+    "incompatibilities",
+    "owned_slice",
+    "pairable",
+    "sources",
+]

@@ -1,0 +1,62 @@
+"""Field validators shared by the value classes: integers are ints (never bool, never float)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import GeometryError, KvGeomError
+
+
+def is_int(value: Any) -> bool:
+    """True for ``int`` and numpy integers; ``bool`` and ``float`` are not sizes."""
+    import numpy as np
+
+    if isinstance(value, bool) or isinstance(value, np.bool_):
+        return False
+    return isinstance(value, (int, np.integer))
+
+
+def check_int(
+    path: str, value: Any, *, minimum: int = 0, error: type[KvGeomError] = GeometryError
+) -> None:
+    """Raise ``error`` unless ``value`` is an integer >= ``minimum``."""
+    if not is_int(value):
+        raise error(
+            path,
+            f"must be an integer, got {type(value).__name__} {value!r}",
+            actual=value,
+            expected=f"int >= {minimum}",
+            fix=f"pass a plain int (e.g. {minimum if minimum > 0 else 0})",
+        )
+    if value < minimum:
+        raise error(
+            path,
+            f"must be >= {minimum}, got {value}",
+            actual=value,
+            expected=f">= {minimum}",
+            fix=f"use a value of at least {minimum}",
+        )
+
+
+def attr_int(minimum: int) -> Any:
+    """attrs validator: the field is an int >= ``minimum``; the path is ``Class.field``."""
+
+    def _validator(instance: Any, attribute: Any, value: Any) -> None:
+        check_int(f"{type(instance).__name__}.{attribute.name}", value, minimum=minimum)
+
+    return _validator
+
+
+pos_int = attr_int(1)
+nonneg_int = attr_int(0)
+
+
+def int_tuple(value: Any) -> tuple[int, ...]:
+    """attrs converter: any iterable of ints to a tuple of python ints (hashable, frozen)."""
+    out = []
+    for v in tuple(value):
+        if is_int(v):
+            out.append(int(v))
+        else:
+            out.append(v)  # left for the validator to reject with a path
+    return tuple(out)

@@ -1,0 +1,74 @@
+"""The exception family of kvgeom: every rejection is a ``ValueError`` that names its field.
+
+Each error carries ``path`` (where the bad value sits, e.g. ``decode.groups[1].window_tokens``),
+``actual`` (the value given), ``expected`` (what would have been accepted) and ``fix`` (what to
+change). ``str(err)`` puts all four in one line so a log line alone says what to do::
+
+    GeometryError: decode.tp: 3 does not divide num_kv_heads=8 and is not a multiple of it
+    (expected: a divisor or multiple of 8; fix: use tp in {1, 2, 4, 8, 16, ...})
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "KvGeomError",
+    "GeometryError",
+    "RequestError",
+    "IncompatibleGeometry",
+    "PlanError",
+]
+
+
+class KvGeomError(ValueError):
+    """Root of every error kvgeom raises on bad input. A ``ValueError``, never an ``assert``."""
+
+    def __init__(
+        self,
+        path: str,
+        message: str,
+        *,
+        actual: Any = None,
+        expected: Any = None,
+        fix: str = "",
+    ) -> None:
+        self.path = path
+        self.message = message
+        self.actual = actual
+        self.expected = expected
+        self.fix = fix
+        text = f"{path}: {message}"
+        extras = []
+        if expected is not None:
+            extras.append(f"expected: {expected}")
+        if fix:
+            extras.append(f"fix: {fix}")
+        if extras:
+            text += " (" + "; ".join(extras) + ")"
+        super().__init__(text)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keep the fields through pickling (multiprocessing)
+        return (_rebuild, (type(self), self.path, self.message, self.actual, self.expected, self.fix))
+
+
+def _rebuild(
+    cls: type[KvGeomError], path: str, message: str, actual: Any, expected: Any, fix: str
+) -> KvGeomError:
+    return cls(path, message, actual=actual, expected=expected, fix=fix)
+
+
+class GeometryError(KvGeomError):
+    """One engine's description is invalid on its own (sizes, layouts, regions, TP)."""
+
+
+class RequestError(KvGeomError):
+    """A request does not fit the pair it is planned for (block ids, token positions, lengths)."""
+
+
+class IncompatibleGeometry(KvGeomError):
+    """Two valid engines cannot exchange KV cache (different model facts, group sets...)."""
+
+
+class PlanError(KvGeomError):
+    """A plan container was built with malformed columns (lengths, dtypes, negative sizes)."""

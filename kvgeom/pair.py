@@ -1,0 +1,214 @@
+"""A prefill/decode pair: the one place that decides whether two engines can exchange KV cache.
+
+``Pair(prefill, decode)`` runs :func:`incompatibilities` when built, before any request, and
+:func:`pairable` answers the same question without raising, from the same list of rules.
+
+    prefill (P) engine ----- same model facts? ----- decode (D) engine
+          TP, K, ppl, layout may differ            dtype, groups, layers, heads, head bytes,
+                                                   windows and state sections may not
+
+Worked number: P with head_bytes 256 and D with head_bytes 128 fail with
+``decode.model.groups[0].head_bytes: 128 != prefill's 256``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from .errors import IncompatibleGeometry, RequestError
+from .geometry import EngineGeometry
+from .model import AttentionSpec, StateSpec
+from .request import BlockList, GroupRequest, Request, StateSlots
+
+__all__ = ["Pair", "Compatibility", "incompatibilities", "pairable", "fresh_request"]
+
+
+def incompatibilities(prefill: EngineGeometry, decode: EngineGeometry) -> tuple[IncompatibleGeometry, ...]:
+    """Every reason the two engines cannot be paired (empty when they can). The only rule list."""
+    out: list[IncompatibleGeometry] = []
+
+    def differ(path: str, p: Any, d: Any, fix: str) -> None:
+        if p != d:
+            out.append(IncompatibleGeometry(f"decode.model.{path}", f"{d!r} != prefill's {p!r}",
+                                            actual=d, expected=p, fix=fix))
+
+    pm, dm = prefill.model, decode.model
+    differ("dtype", pm.dtype, dm.dtype, "run both engines with the same KV cache dtype")
+    pnames = [g.name for g in pm.groups]
+    dnames = [g.name for g in dm.groups]
+    if pnames != dnames:
+        only_p = [n for n in pnames if n not in dnames]
+        only_d = [n for n in dnames if n not in pnames]
+        what = []
+        if only_p:
+            what.append(f"only prefill has {only_p}")
+        if only_d:
+            what.append(f"only decode has {only_d}")
+        if not what:
+            what.append("the groups are in a different order")
+        out.append(IncompatibleGeometry("decode.model.groups", f"group lists differ: {'; '.join(what)}",
+                                        actual=dnames, expected=pnames,
+                                        fix="configure both engines with the same KV-cache groups in the same order"))
+        return tuple(out)
+    for gi, (pg, dg) in enumerate(zip(pm.groups, dm.groups)):
+        base = f"groups[{gi}]({pg.name})"
+        if type(pg) is not type(dg):
+            out.append(IncompatibleGeometry(f"decode.model.{base}.kind", f"{dg.kind.value} != prefill's {pg.kind.value}",
+                                            actual=dg.kind.value, expected=pg.kind.value,
+                                            fix="the same group must be attention or state on both sides"))
+            continue
+        if isinstance(pg, AttentionSpec) and isinstance(dg, AttentionSpec):
+            differ(f"{base}.kind", pg.kind.value, dg.kind.value, "use the same attention kind on both sides")
+            differ(f"{base}.num_layers", pg.num_layers, dg.num_layers, "both engines must serve every layer")
+            differ(f"{base}.num_kv_heads", pg.num_kv_heads, dg.num_kv_heads, "total KV heads is a model fact")
+            differ(f"{base}.head_bytes", pg.head_bytes, dg.head_bytes,
+                   "use the same head size and cache dtype on both sides")
+            differ(f"{base}.window_tokens", pg.window_tokens, dg.window_tokens, "use the same sliding window")
+        elif isinstance(pg, StateSpec) and isinstance(dg, StateSpec):
+            differ(f"{base}.num_layers", pg.num_layers, dg.num_layers, "both engines must serve every layer")
+            differ(f"{base}.sections", pg.sections, dg.sections,
+                   "describe the state sections identically (names, channels, unit bytes, rows, replication)")
+    return tuple(out)
+
+
+@attrs.frozen
+class Compatibility:
+    """The answer to "can these two engines be paired": ``ok`` and every reason when not."""
+
+    ok: bool
+    reasons: tuple[IncompatibleGeometry, ...]
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __str__(self) -> str:
+        if self.ok:
+            return "pairable"
+        return "not pairable:\n" + "\n".join(f"  - {r}" for r in self.reasons)
+
+
+def pairable(prefill: EngineGeometry, decode: EngineGeometry) -> Compatibility:
+    """Whether ``Pair(prefill, decode)`` would succeed, and why not, without raising."""
+    reasons = incompatibilities(prefill, decode)
+    return Compatibility(not reasons, reasons)
+
+
+@attrs.frozen(repr=False)
+class Pair:
+    """Two engines that can exchange KV cache; raises :class:`IncompatibleGeometry` otherwise."""
+
+    prefill: EngineGeometry
+    decode: EngineGeometry
+
+    def __attrs_post_init__(self) -> None:
+        reasons = incompatibilities(self.prefill, self.decode)
+        if reasons:
+            first = reasons[0]
+            more = f" (+{len(reasons) - 1} more: " + "; ".join(str(r) for r in reasons[1:]) + ")" \
+                if len(reasons) > 1 else ""
+            raise IncompatibleGeometry(first.path, first.message + more, actual=first.actual,
+                                       expected=first.expected, fix=first.fix)
+
+    @property
+    def model(self) -> Any:
+        return self.prefill.model
+
+    def side(self, name: str) -> EngineGeometry:
+        return self.prefill if name == "prefill" else self.decode
+
+    def check_request(self, request: Request) -> None:
+        """Raise :class:`RequestError` unless ``request`` fits both engines."""
+        groups = self.model.groups
+        if len(request.groups) != len(groups):
+            raise RequestError("Request.groups", f"{len(request.groups)} group listings for a model with "
+                               f"{len(groups)} groups", actual=len(request.groups), expected=len(groups),
+                               fix="list every group, in the model's order")
+        M, S = request.computed_tokens, request.prefix_hit_tokens
+        bd = self.decode.logical_block_tokens
+        if S % bd:
+            raise RequestError("Request.prefix_hit_tokens", f"S={S} is not on a decode block boundary "
+                               f"({bd} tokens per logical block)", actual=S, expected=f"a multiple of {bd}",
+                               fix=f"round S down to {S // bd * bd}")
+        for gi, (spec, gr) in enumerate(zip(groups, request.groups)):
+            for side_name in ("prefill", "decode"):
+                eng = self.side(side_name)
+                listing = getattr(gr, side_name)
+                path = f"Request.groups[{gi}]({spec.name}).{side_name}"
+                nblocks = min(eng.num_logical_blocks(r) for r in eng.group_regions(gi))
+                if isinstance(spec, AttentionSpec):
+                    if not isinstance(listing, BlockList):
+                        raise RequestError(path, f"attention group needs a BlockList, got {type(listing).__name__}",
+                                           actual=type(listing).__name__, expected="BlockList")
+                    B = eng.logical_block_tokens
+                    if listing.first_token % B:
+                        raise RequestError(f"{path}.first_token", f"{listing.first_token} is not on a {side_name} "
+                                           f"block boundary ({B} tokens per logical block)",
+                                           actual=listing.first_token, expected=f"a multiple of {B}",
+                                           fix=f"start at token {listing.first_token // B * B}")
+                    ids = listing.block_ids
+                else:
+                    if not isinstance(listing, StateSlots):
+                        raise RequestError(path, f"state group needs StateSlots, got {type(listing).__name__}",
+                                           actual=type(listing).__name__, expected="StateSlots")
+                    ids = listing.slot_ids
+                    if side_name == "prefill" and any(t > M for t in listing.tokens):
+                        raise RequestError(f"{path}.tokens", f"a prefill state after {max(listing.tokens)} "
+                                           f"tokens, but P computed only M={M}", actual=listing.tokens,
+                                           expected=f"<= {M}", fix="list states P has computed")
+                bad = [b for b in ids if b >= nblocks]
+                if bad:
+                    raise RequestError(f"{path}.block_ids", f"block id {bad[0]} is outside the {nblocks} logical "
+                                       f"blocks of {side_name}'s regions", actual=bad[0],
+                                       expected=f"0 <= id < {nblocks}", fix="use ids of this engine's block pool")
+
+    def __repr__(self) -> str:
+        return f"Pair(\n  {self.prefill.summary()}\n  {self.decode.summary()}\n)"
+
+    def _repr_html_(self) -> str:
+        return self.prefill._repr_html_() + self.decode._repr_html_()
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def fresh_request(
+    pair: Pair,
+    computed_tokens: int,
+    *,
+    decode_tokens: int | None = None,
+    prefix_hit_tokens: int = 0,
+    prefill_first_block: int = 0,
+    decode_first_block: int = 0,
+) -> Request:
+    """A request on fresh consecutive blocks: the common case, and the CLI's default.
+
+    P lists blocks for ``[0, M)``; D lists blocks for ``[S, N)`` (``N = decode_tokens``, default
+    ``M``; the mamba N-1 rule gives ``N = M + 1``). Sliding groups list only the blocks their
+    window needs at the end of each side's range; state groups list one running state after M
+    tokens. Ids are handed out group after group from the ``*_first_block`` counters, so groups
+    that share a region never share a block.
+    """
+    M, S = computed_tokens, prefix_hit_tokens
+    N = M if decode_tokens is None else decode_tokens
+    counters = {"prefill": prefill_first_block, "decode": decode_first_block}
+    groups: list[GroupRequest] = []
+    for spec in pair.model.groups:
+        sides = {}
+        for side_name, lo, hi in (("prefill", 0, M), ("decode", S, N)):
+            eng = pair.side(side_name)
+            B = eng.logical_block_tokens
+            if isinstance(spec, StateSpec):
+                sides[side_name] = StateSlots.running(counters[side_name], M)
+                counters[side_name] += 1
+                continue
+            first = lo // B * B
+            if spec.window_tokens is not None:
+                first = max(first, max(0, hi - spec.window_tokens) // B * B)
+            count = max(0, _ceil(hi - first, B)) if hi > first else 0
+            sides[side_name] = BlockList.consecutive(counters[side_name], count, first)
+            counters[side_name] += count
+        groups.append(GroupRequest(sides["prefill"], sides["decode"]))
+    return Request(M, tuple(groups), S)

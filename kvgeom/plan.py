@@ -1,0 +1,256 @@
+"""The plan container: copies, rearranges and zeros as numpy columns, plus notes.
+
+A plan is data, applied on the D side in this order::
+
+    copies      P rank/region/offset  ->  D rank/region/offset, nbytes      (NIXL descriptor pairs)
+    rearranges  in-place permutations of whole D kernel pages (staged strategy)
+    zeros       D rank/region/offset, nbytes                                (stale bytes)
+
+Offsets are bytes from the start of the region. One global plan serves both executors:
+:meth:`TransferPlan.for_decode_rank` (pull: a D rank posts READs) and
+:meth:`TransferPlan.for_prefill_rank` (push: a P rank posts WRITEs).
+
+Worked number: a copy row ``(p_rank=1, p_region=0, p_offset=8192, d_rank=0, d_region=0,
+d_offset=4096, nbytes=4096)`` moves P rank 1's region-0 bytes [8192, 12288) into D rank 0's
+region-0 bytes [4096, 8192).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+
+from .errors import PlanError
+
+__all__ = ["Copies", "Zeros", "Rearrange", "TransferPlan", "COPY_COLUMNS", "ZERO_COLUMNS"]
+
+COPY_COLUMNS = ("p_rank", "p_region", "p_offset", "d_rank", "d_region", "d_offset", "nbytes")
+ZERO_COLUMNS = ("d_rank", "d_region", "d_offset", "nbytes")
+
+
+def _column(name: str) -> Any:
+    def convert(value: Any) -> np.ndarray:
+        arr = np.asarray(value)
+        if arr.size == 0:
+            arr = arr.reshape(0)
+        if arr.ndim != 1:
+            raise PlanError(name, f"must be one-dimensional, got shape {arr.shape}", actual=arr.shape,
+                            expected="(n,)")
+        if arr.dtype.kind not in "iu":
+            if arr.size and arr.dtype.kind != "i":
+                raise PlanError(name, f"must hold integers, got dtype {arr.dtype}", actual=str(arr.dtype),
+                                expected="int64", fix="build columns with dtype=np.int64")
+        out = np.ascontiguousarray(arr, dtype=np.int64)
+        out.setflags(write=False)
+        return out
+
+    return convert
+
+
+class _Columns:
+    _names: tuple[str, ...] = ()
+
+    def _check(self) -> None:
+        n = len(getattr(self, self._names[0]))
+        for c in self._names:
+            col = getattr(self, c)
+            if len(col) != n:
+                raise PlanError(f"{type(self).__name__}.{c}", f"has {len(col)} rows, {self._names[0]} has {n}",
+                                actual=len(col), expected=n, fix="give every column the same length")
+            if n and int(col.min()) < 0:
+                raise PlanError(f"{type(self).__name__}.{c}", f"holds a negative value {int(col.min())}",
+                                actual=int(col.min()), expected=">= 0")
+        if n and int(self.nbytes.min()) <= 0:  # type: ignore[attr-defined]
+            raise PlanError(f"{type(self).__name__}.nbytes", "every row must move at least one byte",
+                            actual=int(self.nbytes.min()), expected=">= 1")  # type: ignore[attr-defined]
+
+    def __len__(self) -> int:
+        return len(getattr(self, self._names[0]))
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())  # type: ignore[attr-defined]
+
+    def as_array(self) -> np.ndarray:
+        """An ``(n, columns)`` int64 array in column order."""
+        return np.stack([getattr(self, c) for c in self._names], axis=1) if len(self) else \
+            np.zeros((0, len(self._names)), np.int64)
+
+    def take(self, index: Any) -> Any:
+        return type(self)(**{c: getattr(self, c)[index] for c in self._names})
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(np.array_equal(getattr(self, c), getattr(other, c)) for c in self._names)
+
+    def __hash__(self) -> int:
+        return hash(tuple(getattr(self, c).tobytes() for c in self._names))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} rows, {self.total_bytes} B)"
+
+    @classmethod
+    def empty(cls) -> Any:
+        return cls(**{c: np.zeros(0, np.int64) for c in cls._names})
+
+    @classmethod
+    def concat(cls, parts: list[Any]) -> Any:
+        if not parts:
+            return cls.empty()
+        return cls(**{c: np.concatenate([getattr(p, c) for p in parts]) for c in cls._names})
+
+
+@attrs.frozen(eq=False, repr=False)
+class Copies(_Columns):
+    """Copy rows as int64 columns (struct of arrays)."""
+
+    _names = COPY_COLUMNS
+    p_rank: np.ndarray = attrs.field(converter=_column("p_rank"))
+    p_region: np.ndarray = attrs.field(converter=_column("p_region"))
+    p_offset: np.ndarray = attrs.field(converter=_column("p_offset"))
+    d_rank: np.ndarray = attrs.field(converter=_column("d_rank"))
+    d_region: np.ndarray = attrs.field(converter=_column("d_region"))
+    d_offset: np.ndarray = attrs.field(converter=_column("d_offset"))
+    nbytes: np.ndarray = attrs.field(converter=_column("nbytes"))
+
+    def __attrs_post_init__(self) -> None:
+        self._check()
+
+
+@attrs.frozen(eq=False, repr=False)
+class Zeros(_Columns):
+    """Zero rows as int64 columns."""
+
+    _names = ZERO_COLUMNS
+    d_rank: np.ndarray = attrs.field(converter=_column("d_rank"))
+    d_region: np.ndarray = attrs.field(converter=_column("d_region"))
+    d_offset: np.ndarray = attrs.field(converter=_column("d_offset"))
+    nbytes: np.ndarray = attrs.field(converter=_column("nbytes"))
+
+    def __attrs_post_init__(self) -> None:
+        self._check()
+
+
+@attrs.frozen
+class Rearrange:
+    """An in-place permutation of bytes inside each listed D kernel page.
+
+    For every page ``k`` in ``pages`` of region ``d_region`` on D rank ``d_rank``, the element at
+    multi-index ``i`` (over ``shape``, innermost last, elements of ``unit_bytes`` contiguous bytes)
+    moves from ``k*page_bytes + src_offset + sum(i*src_strides)`` to
+    ``k*page_bytes + dst_offset + sum(i*dst_strides)``. All sources are read before any write, so
+    numpy (``as_strided``) and torch apply it the same way.
+
+    Worked number: NHD -> HND for 2 heads x 4 tokens of 8 B: ``shape=(2, 4)`` (head, token),
+    ``src_strides=(8, 16)``, ``dst_strides=(32, 8)``, ``unit_bytes=8``.
+    """
+
+    d_rank: int
+    d_region: int
+    pages: tuple[int, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    src_strides: tuple[int, ...] = attrs.field(converter=tuple)
+    dst_strides: tuple[int, ...] = attrs.field(converter=tuple)
+    unit_bytes: int
+    src_offset: int = 0
+    dst_offset: int = 0
+    page_bytes: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if not (len(self.shape) == len(self.src_strides) == len(self.dst_strides)):
+            raise PlanError("Rearrange.shape", "shape, src_strides and dst_strides differ in length",
+                            actual=(self.shape, self.src_strides, self.dst_strides))
+        if self.page_bytes <= 0:
+            raise PlanError("Rearrange.page_bytes", "must name the D region's page size", actual=self.page_bytes,
+                            expected=">= 1")
+
+    @property
+    def nbytes_per_page(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.unit_bytes
+
+
+def _notes(value: Any) -> tuple[str, ...]:
+    return tuple(str(v) for v in value)
+
+
+@attrs.frozen(repr=False)
+class TransferPlan:
+    """Everything one request's transfer does; see the module docstring for the order."""
+
+    prefill_tp: int
+    decode_tp: int
+    copies: Copies
+    zeros: Zeros
+    rearranges: tuple[Rearrange, ...] = attrs.field(default=(), converter=tuple)
+    notes: tuple[str, ...] = attrs.field(default=(), converter=_notes)
+    copies_before_coalescing: int = -1
+    zeros_before_coalescing: int = -1
+
+    def __attrs_post_init__(self) -> None:
+        for col, tp in (("p_rank", self.prefill_tp), ("d_rank", self.decode_tp)):
+            arr = getattr(self.copies, col)
+            if len(arr) and int(arr.max()) >= tp:
+                raise PlanError(f"TransferPlan.copies.{col}", f"rank {int(arr.max())} outside tp={tp}",
+                                actual=int(arr.max()), expected=f"< {tp}")
+        if len(self.zeros) and int(self.zeros.d_rank.max()) >= self.decode_tp:
+            raise PlanError("TransferPlan.zeros.d_rank", f"rank {int(self.zeros.d_rank.max())} outside "
+                            f"tp={self.decode_tp}", actual=int(self.zeros.d_rank.max()),
+                            expected=f"< {self.decode_tp}")
+
+    # ---- projections -----------------------------------------------------------------------
+    def for_decode_rank(self, d_rank: int) -> TransferPlan:
+        """The rows a pull executor on D rank ``d_rank`` posts and applies."""
+        return attrs.evolve(
+            self,
+            copies=self.copies.take(self.copies.d_rank == d_rank),
+            zeros=self.zeros.take(self.zeros.d_rank == d_rank),
+            rearranges=tuple(r for r in self.rearranges if r.d_rank == d_rank),
+        )
+
+    def for_prefill_rank(self, p_rank: int) -> Copies:
+        """The copies a push executor on P rank ``p_rank`` posts (D applies the rest)."""
+        return self.copies.take(self.copies.p_rank == p_rank)
+
+    def consumers(self) -> np.ndarray:
+        """For every P rank, how many distinct D ranks read from it (it may free after that many)."""
+        out = np.zeros(self.prefill_tp, np.int64)
+        if len(self.copies):
+            pairs = np.unique(self.copies.p_rank * self.decode_tp + self.copies.d_rank)
+            np.add.at(out, pairs // self.decode_tp, 1)
+        return out
+
+    def sources_of(self, d_rank: int) -> tuple[int, ...]:
+        """The P ranks D rank ``d_rank`` reads from, sorted."""
+        return tuple(int(p) for p in np.unique(self.copies.p_rank[self.copies.d_rank == d_rank]))
+
+    # ---- summaries -------------------------------------------------------------------------
+    @property
+    def bytes_copied(self) -> int:
+        return self.copies.total_bytes
+
+    @property
+    def bytes_zeroed(self) -> int:
+        return self.zeros.total_bytes
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TransferPlan):
+            return NotImplemented
+        return (self.prefill_tp == other.prefill_tp and self.decode_tp == other.decode_tp
+                and self.copies == other.copies and self.zeros == other.zeros
+                and self.rearranges == other.rearranges)
+
+    def __hash__(self) -> int:
+        return hash((self.prefill_tp, self.decode_tp, self.copies, self.zeros, self.rearranges))
+
+    def __repr__(self) -> str:
+        from .render import plan_repr
+
+        return plan_repr(self)
+
+    def _repr_html_(self) -> str:
+        from .render import plan_html
+
+        return plan_html(self)
