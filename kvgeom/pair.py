@@ -163,6 +163,12 @@ class Pair:
                                        f"blocks of {side_name}'s regions", actual=bad[0],
                                        expected=f"0 <= id < {nblocks}", fix="use ids of this engine's block pool")
 
+    def plan(self, request: Request, *, strategy: str = "direct", **kwargs: Any) -> Any:
+        """Plan ``request`` for this pair (:func:`kvgeom.planner.plan_pair`)."""
+        from .planner import plan_pair
+
+        return plan_pair(self, request, strategy=strategy, **kwargs)  # type: ignore[arg-type]
+
     def __repr__(self) -> str:
         return f"Pair(\n  {self.prefill.summary()}\n  {self.decode.summary()}\n)"
 

@@ -1,0 +1,192 @@
+"""Direct copies and zeros for attention groups (full, sliding window, MLA): any K, ppl, TP, layout.
+
+For one group, D rank ``d`` needs tokens ``[lo, hi)`` with ``lo = max(S, d0, p0)`` and
+``hi = min(M, d1, p1)`` ([p0, p1) and [d0, d1) being the tokens each side lists) and the heads of
+its slice, each read from exactly one P rank (:func:`kvgeom.shard.sources`). Every other token
+D lists from ``max(S, d0)`` on is zeroed, in D's layout, for every head D holds::
+
+    D listed       d0=S ............................................ d1
+    transferred        lo ======================== hi
+    zeroed         [S, lo)                             [hi, d1)      (token tail, whole stale pages)
+
+Per (D rank, source P rank, plane, segment, layer) the bytes form a strided block over
+(token, head[, plane]) with head vectors contiguous; :func:`kvgeom.runs.strided_rows` folds the
+modes that are contiguous on both sides into one run and enumerates the others.
+
+Worked number (E2 of the vLLM notes): 4 heads of 512 B, P TP1 HND (head stride 512 with K=1) and
+D TP2: D rank 1 holds heads [2, 4) and reads them from offset 2 * 512 = 1024 of each 2048 B P page,
+1024 B per page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .align import Segments, SideTokens, segments
+from .geometry import AttentionGroupGeometry, EngineGeometry, PageLayout
+from .model import AttentionSpec
+from .pair import Pair
+from .plan import Copies, Zeros
+from .request import BlockList, Request
+from .runs import strided_rows
+from .shard import owned_slice, sources
+
+__all__ = ["needed_tokens", "zero_intervals", "plan_attention_group", "SideView"]
+
+
+def needed_tokens(request: Request, pair: Pair, group: int) -> tuple[int, int]:
+    """``[lo, hi)``: the tokens D needs and P has for ``group`` (may be empty: lo >= hi)."""
+    g = request.groups[group]
+    assert isinstance(g.prefill, BlockList) and isinstance(g.decode, BlockList)  # noqa: S101 - checked by Pair
+    p0, p1 = g.prefill.token_range(pair.prefill.logical_block_tokens)
+    d0, d1 = g.decode.token_range(pair.decode.logical_block_tokens)
+    return max(request.prefix_hit_tokens, d0, p0), min(request.computed_tokens, d1, p1)
+
+
+def zero_intervals(request: Request, pair: Pair, group: int) -> list[tuple[int, int]]:
+    """Token intervals of D's listing (from S on) that receive nothing and must be zeroed."""
+    g = request.groups[group]
+    assert isinstance(g.decode, BlockList)  # noqa: S101 - checked by Pair
+    d0, d1 = g.decode.token_range(pair.decode.logical_block_tokens)
+    zs = max(request.prefix_hit_tokens, d0)
+    lo, hi = needed_tokens(request, pair, group)
+    if hi <= lo:
+        return [(zs, d1)] if zs < d1 else []
+    out = []
+    if zs < lo:
+        out.append((zs, lo))
+    if hi < d1:
+        out.append((max(hi, zs), d1))
+    return out
+
+
+class SideView:
+    """One engine's attention group as the planner addresses it: per-layer regions and offsets,
+    the page layout's strides, and where a token slot sits inside a page."""
+
+    def __init__(self, engine: EngineGeometry, group: int, layout: PageLayout | None = None) -> None:
+        geo = engine.groups[group]
+        assert isinstance(geo, AttentionGroupGeometry)  # noqa: S101 - checked by the caller
+        self.engine = engine
+        self.layout = geo.layout if layout is None else layout
+        self.views = geo.views
+        self.page_bytes = np.array([r.page_bytes for r in engine.regions], np.int64)
+
+    def slot_offset(self, slot: np.ndarray) -> np.ndarray:
+        """Byte offset of token slot ``slot`` inside a page (before head and plane terms)."""
+        return slot * self.layout.token_stride
+
+    def planes_share_region(self) -> bool:
+        return all(len(set(v.regions)) == 1 for v in self.views)
+
+    def linear(self) -> bool:
+        """Token-outermost pages: consecutive pages continue the token stride."""
+        K = self.engine.kernel_block_tokens
+        ts = self.layout.token_stride
+        regions = {r for v in self.views for r in v.regions}
+        return ts > 0 and all(int(self.page_bytes[r]) == K * ts for r in regions)
+
+    def layer_arrays(self, plane: int) -> tuple[np.ndarray, np.ndarray]:
+        """(region, offset of plane ``plane`` inside the page) for every layer."""
+        reg = np.array([v.regions[plane] for v in self.views], np.int64)
+        off = np.array([v.offset + plane * self.layout.kv_stride for v in self.views], np.int64)
+        return reg, off
+
+    def tokens(self, listing: BlockList) -> SideTokens:
+        e = self.engine
+        return SideTokens(np.asarray(listing.block_ids, np.int64), listing.first_token,
+                          e.kernel_block_tokens, e.blocks_per_logical, self.linear())
+
+
+def _bases(segs: Segments, k: int, side: SideView, reg: np.ndarray, off: np.ndarray,
+           head0: int) -> tuple[np.ndarray, np.ndarray]:
+    """Base offsets (segment x layer, flattened) and their regions for side ``k``."""
+    lay = side.layout
+    start = segs.page[k][:, None] * side.page_bytes[reg][None, :] + off[None, :] \
+        + head0 * lay.head_stride + side.slot_offset(segs.slot[k])[:, None]
+    regions = np.broadcast_to(reg[None, :], start.shape)
+    return start.ravel(), regions.ravel()
+
+
+def _by_length(segs: Segments) -> list[tuple[int, Segments]]:
+    lengths = np.unique(segs.length)
+    return [(int(n), segs.take(np.flatnonzero(segs.length == n))) for n in lengths]
+
+
+def plan_attention_group(pair: Pair, request: Request, group: int, *,
+                         landing: SideView | None = None) -> tuple[Copies, Zeros, list[str]]:
+    """Uncoalesced direct copies and zeros of one attention group, plus notes on the choices.
+
+    ``landing`` replaces D's own layout as the place copies land (the staged strategy's
+    "arrived" layout); zeros are always in D's own layout.
+    """
+    spec = pair.model.groups[group]
+    assert isinstance(spec, AttentionSpec)  # noqa: S101 - dispatched on kind
+    g = request.groups[group]
+    assert isinstance(g.prefill, BlockList) and isinstance(g.decode, BlockList)  # noqa: S101
+    P, D = pair.prefill, pair.decode
+    ps, ds_final = SideView(P, group), SideView(D, group)
+    ds = ds_final if landing is None else landing
+    H, hb = spec.num_kv_heads, spec.head_bytes
+    lo, hi = needed_tokens(request, pair, group)
+    notes: list[str] = []
+
+    copy_parts: list[Copies] = []
+    planes_inner = spec.planes > 1 and ps.planes_share_region() and ds.planes_share_region()
+    plane_sets: Sequence[tuple[int, ...]] = [(0,)] if spec.planes == 1 or planes_inner else [(0,), (1,)]
+    segs = segments(lo, hi, [ps.tokens(g.prefill), ds.tokens(g.decode)])
+    if hi > lo:
+        notes.append(f"{spec.name}: tokens [{lo}, {hi}) move in {len(segs)} aligned segments "
+                     f"(P K={P.kernel_block_tokens} ppl={P.blocks_per_logical}, "
+                     f"D K={D.kernel_block_tokens} ppl={D.blocks_per_logical})")
+    else:
+        notes.append(f"{spec.name}: no token is both listed by P (computed) and needed by D")
+    by_len = _by_length(segs)
+    for d in range(D.tp):
+        d_slice = owned_slice(H, D.tp, d, replicated=spec.replicated)
+        srcs = sources(H, p_tp=P.tp, p_replicated=spec.replicated, d_tp=D.tp, d_rank=d,
+                       d_replicated=spec.replicated)
+        if hi > lo and (d < 4 or d == D.tp - 1):
+            notes.append(f"{spec.name}: D rank {d} heads {d_slice} <- " +
+                         ", ".join(f"P{s.p_rank} {s.items}" for s in srcs))
+        for src in srcs:
+            p_slice = owned_slice(H, P.tp, src.p_rank, replicated=spec.replicated)
+            hp0, hd0, nh = src.items.start - p_slice.start, src.items.start - d_slice.start, src.items.size
+            for planes in plane_sets:
+                preg, poff = ps.layer_arrays(planes[0])
+                dreg, doff = ds.layer_arrays(planes[0])
+                for n, sub in by_len:
+                    bp, rp = _bases(sub, 0, ps, preg, poff, hp0)
+                    bd, rd = _bases(sub, 1, ds, dreg, doff, hd0)
+                    modes = [(n, (ps.layout.token_stride, ds.layout.token_stride)),
+                             (nh, (ps.layout.head_stride, ds.layout.head_stride))]
+                    if planes_inner:
+                        modes.append((spec.planes, (ps.layout.kv_stride, ds.layout.kv_stride)))
+                    (op, od), run, per = strided_rows(hb, modes, [bp, bd])
+                    rows = len(op)
+                    copy_parts.append(Copies(
+                        np.full(rows, src.p_rank, np.int64), np.repeat(rp, per), op,
+                        np.full(rows, d, np.int64), np.repeat(rd, per), od, np.full(rows, run, np.int64)))
+
+    zero_parts: list[Zeros] = []
+    d_planes_inner = spec.planes > 1 and ds_final.planes_share_region()
+    d_plane_sets: Sequence[tuple[int, ...]] = [(0,)] if spec.planes == 1 or d_planes_inner else [(0,), (1,)]
+    h_local = D.local_heads(group)
+    for z0, z1 in zero_intervals(request, pair, group):
+        zsegs = segments(z0, z1, [ds_final.tokens(g.decode)])
+        notes.append(f"{spec.name}: D tokens [{z0}, {z1}) receive nothing and are zeroed")
+        for planes in d_plane_sets:
+            dreg, doff = ds_final.layer_arrays(planes[0])
+            for n, sub in _by_length(zsegs):
+                bd, rd = _bases(sub, 0, ds_final, dreg, doff, 0)
+                modes = [(n, (ds_final.layout.token_stride,)), (h_local, (ds_final.layout.head_stride,))]
+                if d_planes_inner:
+                    modes.append((spec.planes, (ds_final.layout.kv_stride,)))
+                (od,), run, per = strided_rows(hb, modes, [bd])
+                rows = len(od)
+                for d in range(D.tp):
+                    zero_parts.append(Zeros(np.full(rows, d, np.int64), np.repeat(rd, per), od,
+                                            np.full(rows, run, np.int64)))
+    return Copies.concat(copy_parts), Zeros.concat(zero_parts), notes

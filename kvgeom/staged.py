@@ -1,0 +1,160 @@
+"""The staged strategy: P pages land whole inside the D page, then one rearrange per page fixes
+the layout in place.
+
+With the direct strategy a layout mismatch multiplies descriptors: HND into NHD gives one per
+token per head. Staged copies land in an *arrived* layout instead: D's page dimensions, but P's
+order of modes, in sub-pages of ``K_s = min(K_p, K_d)`` tokens, so each P page slice is one run::
+
+    P page (HND, K_p = 4)        [K: h0 t0..3 | h1 t0..3][V: h0 t0..3 | h1 t0..3]
+    D page, arrived (K_d = 8)    [ sub 0 = P page 5, HND ][ sub 1 = P page 1, HND ]   2 copies
+    rearrange (per D page)       arrived (sub, kv, head, token) -> D's NHD (kv, token, head)
+    zeros                        afterwards, in D's final layout
+
+Worked number: 2 heads x 256 B, K_p = 4, K_d = 8, HND -> NHD, one layer: direct posts
+2 planes * 2 heads * 8 tokens = 32 descriptors of 256 B per D page; staged posts 2 descriptors of
+2 * 2 * 4 * 256 = 4096 B and one rearrange of 8192 B.
+
+Staged needs the larger kernel page to be a whole number of the smaller one and a dense D page
+layout (its strides pack ``planes * heads * K_d * head_bytes`` bytes from the view offset);
+otherwise the group falls back to direct and the plan's notes say why.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from .align import SideTokens, segments
+from .attention import SideView, needed_tokens, plan_attention_group
+from .geometry import EngineGeometry, PageLayout
+from .model import AttentionSpec
+from .pair import Pair
+from .plan import Copies, Rearrange, Zeros
+from .request import BlockList, Request
+
+__all__ = ["Arrival", "arrival", "plan_staged_group"]
+
+
+@attrs.frozen
+class Arrival:
+    """How bytes land in a D page under the staged strategy (one group, one engine pair)."""
+
+    layout: PageLayout  # arrived strides of (kv, head, token) inside one sub-page
+    sub_tokens: int  # K_s = min(K_p, K_d)
+    sub_bytes: int  # bytes of one sub-page
+    sub_pages: int  # K_d // K_s
+    planes_in_page: int  # 2 when D packs K and V in one page, else 1
+
+
+def _dense(sizes_strides: list[tuple[int, int]], unit: int) -> bool:
+    """The modes pack densely from offset 0: sorted by stride, each stride is the product before."""
+    expect = unit
+    for size, stride in sorted((m for m in sizes_strides if m[0] > 1), key=lambda m: m[1]):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def arrival(P: EngineGeometry, D: EngineGeometry, group: int) -> Arrival | str:
+    """The arrived layout for ``group``, or the reason staged does not apply."""
+    spec = P.model.groups[group]
+    assert isinstance(spec, AttentionSpec)  # noqa: S101 - dispatched on kind
+    Kp, Kd = P.kernel_block_tokens, D.kernel_block_tokens
+    if max(Kp, Kd) % min(Kp, Kd):
+        return f"kernel pages {Kp} and {Kd} tokens do not nest"
+    ds, ps = SideView(D, group), SideView(P, group)
+    hd, hb = D.local_heads(group), spec.head_bytes
+    packed = spec.planes == 2 and ds.planes_share_region()
+    planes_in_page = 2 if packed else 1
+    dl, pl = ds.layout, ps.layout
+    d_modes = [(hd, dl.head_stride), (Kd, dl.token_stride)] + ([(2, dl.kv_stride)] if packed else [])
+    if not _dense(d_modes, hb):
+        return "D's page layout is not dense, so arrived bytes could not be permuted in place"
+    Ks = min(Kp, Kd)
+    # P's mode order, innermost first (smallest P stride); K/V in separate P regions: kv outermost
+    p_order = sorted(["head", "token"] + (["kv"] if spec.planes == 2 else []),
+                     key=lambda m: {"head": pl.head_stride, "token": pl.token_stride,
+                                    "kv": pl.kv_stride if pl.kv_stride else 1 << 62}[m])
+    size = {"head": hd, "token": Ks, "kv": planes_in_page}
+    stride = {"kv": 0}
+    cur = hb
+    for m in p_order:
+        if m == "kv" and not packed:
+            continue
+        stride[m] = cur
+        cur *= size[m]
+    return Arrival(PageLayout(kv_stride=stride["kv"], head_stride=stride["head"], token_stride=stride["token"]),
+                   Ks, cur, Kd // Ks, planes_in_page)
+
+
+class ArrivedView(SideView):
+    """D's group addressed through the arrived layout (sub-pages of K_s tokens)."""
+
+    def __init__(self, engine: EngineGeometry, group: int, arr: Arrival) -> None:
+        super().__init__(engine, group, arr.layout)
+        self.arr = arr
+
+    def slot_offset(self, slot: np.ndarray) -> np.ndarray:
+        a = self.arr
+        return (slot // a.sub_tokens) * a.sub_bytes + (slot % a.sub_tokens) * a.layout.token_stride
+
+    def linear(self) -> bool:
+        return False
+
+    def tokens(self, listing: BlockList) -> SideTokens:
+        e = self.engine
+        return SideTokens(np.asarray(listing.block_ids, np.int64), listing.first_token, e.kernel_block_tokens,
+                          e.blocks_per_logical, False, cut_tokens=self.arr.sub_tokens)
+
+
+def plan_staged_group(pair: Pair, request: Request, group: int) -> tuple[Copies, Zeros, list[Rearrange], list[str]]:
+    """Staged copies, zeros (final layout) and rearranges of one attention group; falls back to
+    direct (no rearranges) when staging does not apply or would change nothing."""
+    spec = pair.model.groups[group]
+    assert isinstance(spec, AttentionSpec)  # noqa: S101 - dispatched on kind
+    P, D = pair.prefill, pair.decode
+    arr = arrival(P, D, group)
+    if isinstance(arr, str):
+        c, z, notes = plan_attention_group(pair, request, group)
+        return c, z, [], notes + [f"{spec.name}: staged does not apply ({arr}); direct copies"]
+    final = SideView(D, group)
+    fl = final.layout
+    a = arr.layout
+    # one rearrange shape for the whole page: (sub-page, [plane,] head, token)
+    shape = [arr.sub_pages]
+    src = [arr.sub_bytes]
+    dst = [arr.sub_tokens * fl.token_stride]
+    if arr.planes_in_page == 2:
+        shape.append(2)
+        src.append(a.kv_stride)
+        dst.append(fl.kv_stride)
+    hd = D.local_heads(group)
+    shape += [hd, arr.sub_tokens]
+    src += [a.head_stride, a.token_stride]
+    dst += [fl.head_stride, fl.token_stride]
+    identity = all(s == t for n, s, t in zip(shape, src, dst) if n > 1)
+    if identity:
+        c, z, notes = plan_attention_group(pair, request, group)
+        return c, z, [], notes + [f"{spec.name}: arrived layout equals D's layout; staged = direct"]
+    c, z, notes = plan_attention_group(pair, request, group, landing=ArrivedView(D, group, arr))
+    g = request.groups[group]
+    assert isinstance(g.decode, BlockList)  # noqa: S101
+    lo, hi = needed_tokens(request, pair, group)
+    touched = np.unique(segments(lo, hi, [final.tokens(g.decode)]).page[0]) if hi > lo else np.zeros(0, np.int64)
+    rearranges: list[Rearrange] = []
+    if len(touched):
+        pages = tuple(int(p) for p in touched)
+        plane_regions = [0] if arr.planes_in_page == 2 or spec.planes == 1 else [0, 1]
+        for d in range(D.tp):
+            for view in final.views:
+                for plane in plane_regions:
+                    region = view.regions[plane]
+                    rearranges.append(Rearrange(
+                        d_rank=d, d_region=region, pages=pages, shape=tuple(shape), src_strides=tuple(src),
+                        dst_strides=tuple(dst), unit_bytes=spec.head_bytes, src_offset=view.offset,
+                        dst_offset=view.offset, page_bytes=D.regions[region].page_bytes))
+    moved = sum(r.nbytes_per_page * len(r.pages) for r in rearranges)
+    notes.append(f"{spec.name}: staged: P pages land in sub-pages of {arr.sub_tokens} tokens in P's mode order, "
+                 f"then {len(rearranges)} rearranges move {moved} B into D's layout")
+    return c, z, rearranges, notes
