@@ -19,13 +19,29 @@ from .geometry import (
 )
 from .model import AttentionSpec, GroupKind, ModelSpec, StateSection, StateSpec
 from .pair import Compatibility, Pair, fresh_request, incompatibilities, pairable
+from .coalesce import coalesce, coalesce_zeros
 from .plan import Copies, Rearrange, TransferPlan, Zeros
+from .planner import STRATEGIES, CostModel, plan_pair, plan_transfer
 from .request import BlockList, GroupRequest, Request, StateSlots
 from .shard import Slice, owned_slice, sources
+from .simulate import Memory, Report, Violation, ViolationKind, verify
 
 __version__ = "0.1.0"
 
+# ``kvgeom.simulate`` stays the module (the reference simulator); its ``simulate`` function is
+# ``kvgeom.simulate.simulate`` and :func:`verify` plans and simulates in one call.
 __all__ = [
+    "STRATEGIES",
+    "CostModel",
+    "Memory",
+    "Report",
+    "Violation",
+    "ViolationKind",
+    "coalesce",
+    "coalesce_zeros",
+    "plan_pair",
+    "plan_transfer",
+    "verify",
     "AttentionGroupGeometry",
     "AttentionSpec",
     "AttentionView",

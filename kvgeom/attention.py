@@ -30,7 +30,7 @@ from .model import AttentionSpec
 from .pair import Pair
 from .plan import Copies, Zeros
 from .request import BlockList, Request
-from .runs import strided_rows
+from .runs import Mode, strided_rows
 from .shard import owned_slice, sources
 
 __all__ = ["needed_tokens", "zero_intervals", "plan_attention_group", "SideView"]
@@ -160,11 +160,11 @@ def plan_attention_group(pair: Pair, request: Request, group: int, *,
                 for n, sub in by_len:
                     bp, rp = _bases(sub, 0, ps, preg, poff, hp0)
                     bd, rd = _bases(sub, 1, ds, dreg, doff, hd0)
-                    modes = [(n, (ps.layout.token_stride, ds.layout.token_stride)),
+                    cmodes: list[Mode] = [(n, (ps.layout.token_stride, ds.layout.token_stride)),
                              (nh, (ps.layout.head_stride, ds.layout.head_stride))]
                     if planes_inner:
-                        modes.append((spec.planes, (ps.layout.kv_stride, ds.layout.kv_stride)))
-                    (op, od), run, per = strided_rows(hb, modes, [bp, bd])
+                        cmodes.append((spec.planes, (ps.layout.kv_stride, ds.layout.kv_stride)))
+                    (op, od), run, per = strided_rows(hb, cmodes, [bp, bd])
                     rows = len(op)
                     copy_parts.append(Copies(
                         np.full(rows, src.p_rank, np.int64), np.repeat(rp, per), op,
@@ -181,7 +181,7 @@ def plan_attention_group(pair: Pair, request: Request, group: int, *,
             dreg, doff = ds_final.layer_arrays(planes[0])
             for n, sub in _by_length(zsegs):
                 bd, rd = _bases(sub, 0, ds_final, dreg, doff, 0)
-                modes = [(n, (ds_final.layout.token_stride,)), (h_local, (ds_final.layout.head_stride,))]
+                modes: list[Mode] = [(n, (ds_final.layout.token_stride,)), (h_local, (ds_final.layout.head_stride,))]
                 if d_planes_inner:
                     modes.append((spec.planes, (ds_final.layout.kv_stride,)))
                 (od,), run, per = strided_rows(hb, modes, [bd])

@@ -42,11 +42,31 @@ def _merge(keys: list[np.ndarray], starts: list[np.ndarray], nbytes: np.ndarray)
     return heads, sums
 
 
+def _order(keys: list[np.ndarray], offset: np.ndarray) -> np.ndarray:
+    """Row order sorted by ``keys`` (most significant first), then ``offset``.
+
+    Packs everything into one int64 key when it fits (one argsort instead of a lexsort).
+    """
+    packed = np.zeros(len(offset), np.int64)
+    span = 1
+    for k in keys:
+        width = int(k.max()) + 1
+        span *= width
+        packed = packed * width + k
+    width = int(offset.max()) + 1
+    if span * width < 1 << 62:
+        packed = packed * width + offset
+        if np.all(packed[1:] >= packed[:-1]):
+            return np.arange(len(offset))
+        return np.argsort(packed, kind="stable")
+    return np.lexsort((offset, packed))
+
+
 def coalesce(copies: Copies) -> Copies:
     """Fewest copy rows with the same byte mapping (see module docstring)."""
     if len(copies) == 0:
         return copies
-    order = np.lexsort((copies.d_offset, copies.p_region, copies.p_rank, copies.d_region, copies.d_rank))
+    order = _order([copies.d_rank, copies.d_region, copies.p_rank, copies.p_region], copies.d_offset)
     c = copies.take(order)
     heads, sums = _merge([c.d_rank, c.d_region, c.p_rank, c.p_region], [c.p_offset, c.d_offset], c.nbytes)
     return Copies(c.p_rank[heads], c.p_region[heads], c.p_offset[heads], c.d_rank[heads], c.d_region[heads],
@@ -60,7 +80,6 @@ def coalesce_zeros(zeros: Zeros) -> Zeros:
     """
     if len(zeros) == 0:
         return zeros
-    order = np.lexsort((zeros.d_offset, zeros.d_region, zeros.d_rank))
-    z = zeros.take(order)
+    z = zeros.take(_order([zeros.d_rank, zeros.d_region], zeros.d_offset))
     heads, sums = _merge([z.d_rank, z.d_region], [z.d_offset], z.nbytes)
     return Zeros(z.d_rank[heads], z.d_region[heads], z.d_offset[heads], sums)

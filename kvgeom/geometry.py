@@ -30,7 +30,7 @@ import numpy as np
 
 from ._validate import check_int, int_tuple, nonneg_int, pos_int
 from .errors import GeometryError
-from .model import AttentionSpec, GroupKind, ModelSpec, StateSpec
+from .model import AttentionSpec, ModelSpec, StateSpec
 from .shard import Slice, check_divisible, local_count, owned_slice
 
 __all__ = [
@@ -359,7 +359,7 @@ class EngineGeometry:
         num_pages = num_blocks * ppl
         layouts: list[PageLayout | StateLayout] = []
         layer_bytes: list[int] = []  # per rank, one layer: kernel page bytes (attn) or state bytes
-        for gi, spec in enumerate(model.groups):
+        for spec in model.groups:
             if isinstance(spec, AttentionSpec):
                 check_divisible(f"{name}.tp (group {spec.name!r} num_kv_heads)", spec.num_kv_heads,
                                 tp, replicated=spec.replicated)
@@ -405,7 +405,7 @@ class EngineGeometry:
                     group_geos.append(attn_views(gi, spec, [(i,) * spec.planes for i in range(spec.num_layers)],
                                                  [0] * spec.num_layers))
                 else:
-                    slay = layouts[gi]
+                    slay = layouts[gi]  # type: ignore[assignment]
                     assert isinstance(slay, StateLayout)  # noqa: S101
                     group_geos.append(StateGroupGeometry(slay, tuple(StateView(i, 0) for i in range(spec.num_layers))))
         else:
@@ -427,7 +427,7 @@ class EngineGeometry:
                         group_geos.append(attn_views(gi, spec, [rs] * spec.num_layers,
                                                      [layer_bytes[gi] * li for li in range(spec.num_layers)]))
                 else:
-                    slay = layouts[gi]
+                    slay = layouts[gi]  # type: ignore[assignment]
                     assert isinstance(slay, StateLayout)  # noqa: S101
                     if regions == "per_layer":
                         first = len(region_pages)

@@ -129,7 +129,13 @@ class StateSection:
     channels: int = attrs.field(validator=pos_int)
     unit_bytes: int = attrs.field(validator=pos_int)
     rows: int = attrs.field(default=1, validator=pos_int)
-    replicated: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    replicated: bool = attrs.field(default=False)
+
+    @replicated.validator
+    def _replicated_is_bool(self, attribute: Any, value: Any) -> None:
+        if not isinstance(value, bool):
+            raise GeometryError("StateSection.replicated", f"must be a bool, got {type(value).__name__} {value!r}",
+                                actual=value, expected="True or False", fix="pass replicated=True or False")
 
     @property
     def channel_bytes(self) -> int:
@@ -153,11 +159,11 @@ class StateSpec:
         if not self.sections:
             raise GeometryError(path, "a state group needs at least one section", actual=(),
                                 fix="list its sections, e.g. conv x, B, C and ssm")
-        names = [s.name for s in self.sections]
         for i, s in enumerate(self.sections):
             if not isinstance(s, StateSection):
                 raise GeometryError(f"{path}[{i}]", f"expected StateSection, got {type(s).__name__}",
                                     actual=s, fix="build sections with StateSection(...)")
+        names = [s.name for s in self.sections]
         if len(set(names)) != len(names):
             raise GeometryError(path, f"section names repeat: {names}", actual=names,
                                 fix="give every section a distinct name")

@@ -20,7 +20,7 @@ import attrs
 from .errors import IncompatibleGeometry, RequestError
 from .geometry import EngineGeometry
 from .model import AttentionSpec, StateSpec
-from .request import BlockList, GroupRequest, Request, StateSlots
+from .request import BlockList, GroupRequest, Request, SideBlocks, StateSlots
 
 __all__ = ["Pair", "Compatibility", "incompatibilities", "pairable", "fresh_request"]
 
@@ -131,6 +131,7 @@ class Pair:
             raise RequestError("Request.prefix_hit_tokens", f"S={S} is not on a decode block boundary "
                                f"({bd} tokens per logical block)", actual=S, expected=f"a multiple of {bd}",
                                fix=f"round S down to {S // bd * bd}")
+        owners: dict[tuple[str, int, int], int] = {}  # (side, region, logical block) -> group
         for gi, (spec, gr) in enumerate(zip(groups, request.groups)):
             for side_name in ("prefill", "decode"):
                 eng = self.side(side_name)
@@ -162,6 +163,15 @@ class Pair:
                     raise RequestError(f"{path}.block_ids", f"block id {bad[0]} is outside the {nblocks} logical "
                                        f"blocks of {side_name}'s regions", actual=bad[0],
                                        expected=f"0 <= id < {nblocks}", fix="use ids of this engine's block pool")
+                for region in eng.group_regions(gi):
+                    for b in ids:
+                        other = owners.setdefault((side_name, region, b), gi)
+                        if other != gi:
+                            raise RequestError(f"{path}.block_ids", f"block {b} of region {region} is also listed by "
+                                               f"group {other} ({groups[other].name}); groups sharing a region "
+                                               "must use distinct blocks", actual=b,
+                                               expected="ids no other group of the region lists",
+                                               fix="give every group its own blocks from the shared pool")
 
     def plan(self, request: Request, *, strategy: str = "direct", **kwargs: Any) -> Any:
         """Plan ``request`` for this pair (:func:`kvgeom.planner.plan_pair`)."""
@@ -202,7 +212,7 @@ def fresh_request(
     counters = {"prefill": prefill_first_block, "decode": decode_first_block}
     groups: list[GroupRequest] = []
     for spec in pair.model.groups:
-        sides = {}
+        sides: dict[str, SideBlocks] = {}
         for side_name, lo, hi in (("prefill", 0, M), ("decode", S, N)):
             eng = pair.side(side_name)
             B = eng.logical_block_tokens

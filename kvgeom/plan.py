@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from ._validate import check_int, int_tuple
 from .errors import PlanError
 
 __all__ = ["Copies", "Zeros", "Rearrange", "TransferPlan", "COPY_COLUMNS", "ZERO_COLUMNS"]
@@ -30,8 +31,8 @@ COPY_COLUMNS = ("p_rank", "p_region", "p_offset", "d_rank", "d_region", "d_offse
 ZERO_COLUMNS = ("d_rank", "d_region", "d_offset", "nbytes")
 
 
-def _column(name: str) -> Any:
-    def convert(value: Any) -> np.ndarray:
+def _as_column(name: str, value: Any) -> np.ndarray:
+    if True:
         arr = np.asarray(value)
         if arr.size == 0:
             arr = arr.reshape(0)
@@ -46,7 +47,33 @@ def _column(name: str) -> Any:
         out.setflags(write=False)
         return out
 
-    return convert
+
+def _p_rank(v: Any) -> np.ndarray:
+    return _as_column("p_rank", v)
+
+
+def _p_region(v: Any) -> np.ndarray:
+    return _as_column("p_region", v)
+
+
+def _p_offset(v: Any) -> np.ndarray:
+    return _as_column("p_offset", v)
+
+
+def _d_rank(v: Any) -> np.ndarray:
+    return _as_column("d_rank", v)
+
+
+def _d_region(v: Any) -> np.ndarray:
+    return _as_column("d_region", v)
+
+
+def _d_offset(v: Any) -> np.ndarray:
+    return _as_column("d_offset", v)
+
+
+def _nbytes(v: Any) -> np.ndarray:
+    return _as_column("nbytes", v)
 
 
 class _Columns:
@@ -108,13 +135,13 @@ class Copies(_Columns):
     """Copy rows as int64 columns (struct of arrays)."""
 
     _names = COPY_COLUMNS
-    p_rank: np.ndarray = attrs.field(converter=_column("p_rank"))
-    p_region: np.ndarray = attrs.field(converter=_column("p_region"))
-    p_offset: np.ndarray = attrs.field(converter=_column("p_offset"))
-    d_rank: np.ndarray = attrs.field(converter=_column("d_rank"))
-    d_region: np.ndarray = attrs.field(converter=_column("d_region"))
-    d_offset: np.ndarray = attrs.field(converter=_column("d_offset"))
-    nbytes: np.ndarray = attrs.field(converter=_column("nbytes"))
+    p_rank: np.ndarray = attrs.field(converter=_p_rank)
+    p_region: np.ndarray = attrs.field(converter=_p_region)
+    p_offset: np.ndarray = attrs.field(converter=_p_offset)
+    d_rank: np.ndarray = attrs.field(converter=_d_rank)
+    d_region: np.ndarray = attrs.field(converter=_d_region)
+    d_offset: np.ndarray = attrs.field(converter=_d_offset)
+    nbytes: np.ndarray = attrs.field(converter=_nbytes)
 
     def __attrs_post_init__(self) -> None:
         self._check()
@@ -125,10 +152,10 @@ class Zeros(_Columns):
     """Zero rows as int64 columns."""
 
     _names = ZERO_COLUMNS
-    d_rank: np.ndarray = attrs.field(converter=_column("d_rank"))
-    d_region: np.ndarray = attrs.field(converter=_column("d_region"))
-    d_offset: np.ndarray = attrs.field(converter=_column("d_offset"))
-    nbytes: np.ndarray = attrs.field(converter=_column("nbytes"))
+    d_rank: np.ndarray = attrs.field(converter=_d_rank)
+    d_region: np.ndarray = attrs.field(converter=_d_region)
+    d_offset: np.ndarray = attrs.field(converter=_d_offset)
+    nbytes: np.ndarray = attrs.field(converter=_nbytes)
 
     def __attrs_post_init__(self) -> None:
         self._check()
@@ -150,22 +177,35 @@ class Rearrange:
 
     d_rank: int
     d_region: int
-    pages: tuple[int, ...] = attrs.field(converter=tuple)
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
-    src_strides: tuple[int, ...] = attrs.field(converter=tuple)
-    dst_strides: tuple[int, ...] = attrs.field(converter=tuple)
+    pages: tuple[int, ...] = attrs.field(converter=int_tuple)
+    shape: tuple[int, ...] = attrs.field(converter=int_tuple)
+    src_strides: tuple[int, ...] = attrs.field(converter=int_tuple)
+    dst_strides: tuple[int, ...] = attrs.field(converter=int_tuple)
     unit_bytes: int
     src_offset: int = 0
     dst_offset: int = 0
     page_bytes: int = 0
 
     def __attrs_post_init__(self) -> None:
+        for name in ("d_rank", "d_region", "src_offset", "dst_offset"):
+            check_int(f"Rearrange.{name}", getattr(self, name), minimum=0, error=PlanError)
+        for name in ("unit_bytes", "page_bytes"):
+            check_int(f"Rearrange.{name}", getattr(self, name), minimum=1, error=PlanError)
+        for name in ("pages", "src_strides", "dst_strides"):
+            for i, v in enumerate(getattr(self, name)):
+                check_int(f"Rearrange.{name}[{i}]", v, minimum=0, error=PlanError)
+        for i, v in enumerate(self.shape):
+            check_int(f"Rearrange.shape[{i}]", v, minimum=1, error=PlanError)
         if not (len(self.shape) == len(self.src_strides) == len(self.dst_strides)):
             raise PlanError("Rearrange.shape", "shape, src_strides and dst_strides differ in length",
-                            actual=(self.shape, self.src_strides, self.dst_strides))
-        if self.page_bytes <= 0:
-            raise PlanError("Rearrange.page_bytes", "must name the D region's page size", actual=self.page_bytes,
-                            expected=">= 1")
+                            actual=(self.shape, self.src_strides, self.dst_strides),
+                            fix="give one src and one dst stride per mode of shape")
+        for side, off, strides in (("src", self.src_offset, self.src_strides), ("dst", self.dst_offset, self.dst_strides)):
+            end = off + sum((n - 1) * s for n, s in zip(self.shape, strides)) + self.unit_bytes
+            if end > self.page_bytes:
+                raise PlanError(f"Rearrange.{side}_strides", f"elements reach byte {end} of a {self.page_bytes} B page",
+                                actual=end, expected=f"<= {self.page_bytes}",
+                                fix="keep every element inside its page")
 
     @property
     def nbytes_per_page(self) -> int:
@@ -176,6 +216,14 @@ def _notes(value: Any) -> tuple[str, ...]:
     return tuple(str(v) for v in value)
 
 
+def _rearranges(value: Any) -> tuple[Rearrange, ...]:
+    out = tuple(value)
+    for i, r in enumerate(out):
+        if not isinstance(r, Rearrange):
+            raise PlanError(f"TransferPlan.rearranges[{i}]", f"expected Rearrange, got {type(r).__name__}", actual=r)
+    return out
+
+
 @attrs.frozen(repr=False)
 class TransferPlan:
     """Everything one request's transfer does; see the module docstring for the order."""
@@ -184,7 +232,7 @@ class TransferPlan:
     decode_tp: int
     copies: Copies
     zeros: Zeros
-    rearranges: tuple[Rearrange, ...] = attrs.field(default=(), converter=tuple)
+    rearranges: tuple[Rearrange, ...] = attrs.field(default=(), converter=_rearranges)
     notes: tuple[str, ...] = attrs.field(default=(), converter=_notes)
     copies_before_coalescing: int = -1
     zeros_before_coalescing: int = -1
@@ -195,6 +243,10 @@ class TransferPlan:
             if len(arr) and int(arr.max()) >= tp:
                 raise PlanError(f"TransferPlan.copies.{col}", f"rank {int(arr.max())} outside tp={tp}",
                                 actual=int(arr.max()), expected=f"< {tp}")
+        for i, r in enumerate(self.rearranges):
+            if r.d_rank >= self.decode_tp:
+                raise PlanError(f"TransferPlan.rearranges[{i}].d_rank", f"rank {r.d_rank} outside tp={self.decode_tp}",
+                                actual=r.d_rank, expected=f"< {self.decode_tp}")
         if len(self.zeros) and int(self.zeros.d_rank.max()) >= self.decode_tp:
             raise PlanError("TransferPlan.zeros.d_rank", f"rank {int(self.zeros.d_rank.max())} outside "
                             f"tp={self.decode_tp}", actual=int(self.zeros.d_rank.max()),

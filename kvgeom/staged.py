@@ -151,8 +151,8 @@ def plan_staged_group(pair: Pair, request: Request, group: int) -> tuple[Copies,
                 for plane in plane_regions:
                     region = view.regions[plane]
                     rearranges.append(Rearrange(
-                        d_rank=d, d_region=region, pages=pages, shape=tuple(shape), src_strides=tuple(src),
-                        dst_strides=tuple(dst), unit_bytes=spec.head_bytes, src_offset=view.offset,
+                        d_rank=d, d_region=region, pages=pages, shape=shape, src_strides=src,
+                        dst_strides=dst, unit_bytes=spec.head_bytes, src_offset=view.offset,
                         dst_offset=view.offset, page_bytes=D.regions[region].page_bytes))
     moved = sum(r.nbytes_per_page * len(r.pages) for r in rearranges)
     notes.append(f"{spec.name}: staged: P pages land in sub-pages of {arr.sub_tokens} tokens in P's mode order, "

@@ -179,3 +179,18 @@ def test_attention_and_state_share_regions_without_touching_each_other() -> None
     assert pages(plan.copies.d_offset, plan.copies.nbytes) <= att_pages | state_pages
     assert pages(plan.zeros.d_offset, plan.zeros.nbytes) <= att_pages  # zeros never touch a state slot
     assert simulate(pair, req, plan).ok
+
+
+def test_groups_sharing_a_region_may_not_list_the_same_block() -> None:
+    from kvgeom import RequestError
+
+    pair = engines(kimi_like(1), dict(tp=1, kernel_block_tokens=4, blocks_per_logical=2),
+                   dict(tp=1, kernel_block_tokens=4, blocks_per_logical=2), 8)
+    ok = Request(8, [GroupRequest(BlockList([0]), BlockList([0])), GroupRequest(StateSlots.running(1, 8),
+                 StateSlots.running(1, 8)), GroupRequest(StateSlots.running(2, 8), StateSlots.running(2, 8))])
+    pair.check_request(ok)
+    clash = Request(8, [GroupRequest(BlockList([0]), BlockList([0])), GroupRequest(StateSlots.running(1, 8),
+                    StateSlots.running(0, 8)), GroupRequest(StateSlots.running(2, 8), StateSlots.running(2, 8))])
+    with pytest.raises(RequestError) as err:
+        pair.check_request(clash)
+    assert err.value.path == "Request.groups[1](kda_a).decode.block_ids" and err.value.actual == 0

@@ -8,8 +8,6 @@ tail of a P page kvgeom zeros it instead. Each test says where that changes a nu
 
 from __future__ import annotations
 
-import numpy as np
-
 from kvgeom import (
     AttentionSpec,
     BlockList,

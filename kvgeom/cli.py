@@ -1,0 +1,499 @@
+"""The ``kvgeom`` command line: plan and verify a transfer, list presets, run one with NIXL.
+
+    kvgeom plan [--preset NAME] [--tokens M] [--prefix S] [--strategy direct|staged|auto]
+                [--layers L] [--json] [--pair FILE] [--svg FILE | --png FILE]
+    kvgeom presets
+    kvgeom transfer [--preset NAME] [--tokens M] [--prefix S] [--push] [--mode coalesced|prepped] [--json]
+
+    argv --> COMMANDS[name] --> add_arguments(parser) --> run(args) --> exit status
+                                                          0 ok, 1 verification failed or internal error,
+                                                          2 bad input / unpairable / missing extra
+
+Worked number: ``kvgeom plan`` (preset ``gqa-tp2-tp4``, M=100, S=16) moves tokens [16, 100):
+84 tokens x 4 layers x 2 planes x 8 heads x 256 B = 1,376,256 B over the four D ranks.
+
+Adding a subcommand: write ``add_arguments(parser)`` and ``run(args) -> int`` and add one
+``Command`` to :data:`COMMANDS`; or, for a subcommand that lives in its own module, add
+``Command(help, module="kvgeom.something")`` whose module defines ``add_arguments`` and ``run``.
+That module is imported only when its subcommand is chosen (and listed only when it exists), so
+it may import hypothesis or torch at its top. ``fuzz`` and ``bench`` are registered this way.
+Importing this module never imports torch, nixl, matplotlib or hypothesis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from .errors import IncompatibleGeometry, KvGeomError
+from .geometry import EngineGeometry
+from .model import StateSpec
+from .pair import Pair, fresh_request, pairable
+from .presets import DEFAULT_PRESET, PRESETS, Preset, get_preset
+from .render import engine_line, format_bytes, plan_rank_rows, text_table
+
+__all__ = ["main", "build_parser", "resolve_preset", "Command", "COMMANDS", "STRATEGY_CHOICES"]
+
+STRATEGY_CHOICES = ("direct", "staged", "auto")
+NIXL_HINT = 'pip install torch==2.13.0 && pip install -e ".[nixl]"'
+MAX_LISTED = 10  # violations and notes shown in the human summary (--json lists all)
+
+
+@attrs.frozen
+class Command:
+    """A subcommand: built in (``add_arguments`` + ``run``) or in its own ``module`` (loaded lazily)."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+    run: Callable[[argparse.Namespace], int] | None = None
+    module: str | None = None
+
+    def available(self) -> bool:
+        if self.module is None:
+            return True
+        try:
+            return importlib.util.find_spec(self.module) is not None
+        except ImportError:
+            return False
+
+    def load(self) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
+        if self.module is None:
+            if self.add_arguments is None or self.run is None:  # pragma: no cover - a registry typo
+                raise TypeError("a built-in Command needs add_arguments and run")
+            return self.add_arguments, self.run
+        mod = importlib.import_module(self.module)
+        return mod.add_arguments, mod.run
+
+
+class _Unavailable(KvGeomError):
+    """An optional part (extra, module) the command needs is not installed."""
+
+
+# ---- shared helpers ---------------------------------------------------------------------------------
+
+def _print(text: str = "") -> None:
+    print(text, flush=False)
+
+
+def _json_out(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj, indent=1, sort_keys=True, default=str))
+
+
+def _preset_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default=DEFAULT_PRESET, metavar="NAME",
+                   help=f"a named P/D pair (default {DEFAULT_PRESET}; `kvgeom presets` lists them)")
+    p.add_argument("--tokens", type=int, default=None, metavar="M",
+                   help="prompt tokens P computes and sends (default: the preset's)")
+    p.add_argument("--prefix", type=int, default=None, metavar="S",
+                   help="tokens D already holds (prefix-cache hit, on a D block boundary; default: the preset's)")
+    p.add_argument("--layers", type=int, default=None, metavar="L",
+                   help="layers per group (default: the preset's; fewer is faster)")
+    p.add_argument("--strategy", choices=STRATEGY_CHOICES, default="direct",
+                   help="direct: every copy lands in place; staged: copy pages whole, then rearrange; "
+                        "auto: choose by cost (default direct)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
+
+
+def resolve_preset(args: argparse.Namespace) -> tuple[Preset, int, int]:
+    """The preset, M and S that ``--preset``/``--tokens``/``--prefix`` name (shared with ``kvgeom transfer``).
+
+    Missing ``--tokens``/``--prefix`` take the preset's defaults (its prefix only if it fits the tokens);
+    build with ``preset.build(tokens, prefix, layers=args.layers)``.
+    """
+    preset = get_preset(args.preset)
+    tokens = preset.default_tokens if args.tokens is None else args.tokens
+    if args.prefix is not None:
+        return preset, tokens, args.prefix
+    prefix = preset.default_prefix if preset.default_prefix < tokens else 0
+    return preset, tokens, prefix
+
+
+def _optional(module: str) -> Any | None:
+    """Import ``module`` if it exists (a missing module gives ``None``; its own errors propagate)."""
+    try:
+        if importlib.util.find_spec(module) is None:
+            return None
+    except ImportError:
+        return None
+    return importlib.import_module(module)
+
+
+def _planner() -> Callable[..., Any] | None:
+    mod = _optional("kvgeom.planner")
+    return None if mod is None else mod.plan_transfer  # type: ignore[no-any-return]
+
+
+def _simulator() -> Callable[..., Any] | None:
+    mod = _optional("kvgeom.simulate")
+    return None if mod is None else mod.simulate  # type: ignore[no-any-return]
+
+
+def _reason_dict(e: KvGeomError) -> dict[str, Any]:
+    return {"path": e.path, "message": e.message, "actual": e.actual, "expected": e.expected, "fix": e.fix,
+            "text": str(e)}
+
+
+# ---- kvgeom plan --------------------------------------------------------------------------------------
+
+def _plan_arguments(p: argparse.ArgumentParser) -> None:
+    _preset_arguments(p)
+    p.add_argument("--pair", metavar="FILE", default=None,
+                   help="plan a pair file ({prefill, decode, request} JSON, e.g. from `kvgeom fuzz`) instead of "
+                        "a preset")
+    draw = p.add_mutually_exclusive_group()
+    draw.add_argument("--svg", metavar="FILE", default=None, help="also draw the transfer to an SVG file")
+    draw.add_argument("--png", metavar="FILE", default=None, help="also draw the transfer to a PNG file")
+
+
+def _load_pair(args: argparse.Namespace) -> tuple[dict[str, Any], Pair | None, Any, tuple[EngineGeometry, ...]]:
+    """(header, pair or None when unpairable, request, (prefill, decode) when known)."""
+    if args.pair is not None:
+        serialize = _optional("kvgeom.serialize")
+        if serialize is None:
+            raise _Unavailable("--pair", "this kvgeom has no kvgeom.serialize to read pair files",
+                               fix="update kvgeom")
+        try:
+            pair, request = serialize.load_pair_file(args.pair)
+        except KvGeomError as e:
+            if isinstance(e.__cause__, IncompatibleGeometry):
+                raise e.__cause__ from None
+            raise
+        header = {"pair_file": args.pair, "preset": None}
+        if request is None:
+            tokens = args.tokens if args.tokens is not None else 256
+            prefix = args.prefix or 0
+            hybrid = any(isinstance(g, StateSpec) for g in pair.model.groups)
+            request = fresh_request(pair, tokens, decode_tokens=tokens + 1 if hybrid else tokens,
+                                    prefix_hit_tokens=prefix)
+            pair.check_request(request)
+        header.update(tokens=request.computed_tokens, prefix=request.prefix_hit_tokens, layers=None)
+        return header, pair, request, (pair.prefill, pair.decode)
+    preset, tokens, prefix = resolve_preset(args)
+    header = {"preset": preset.name, "pair_file": None, "tokens": tokens, "prefix": prefix,
+              "layers": args.layers if args.layers is not None else preset.default_layers}
+    prefill, decode = preset.geometries(tokens, prefix, layers=args.layers)
+    if not pairable(prefill, decode):
+        return header, None, None, (prefill, decode)
+    pair, request = preset.build(tokens, prefix, layers=args.layers)
+    return header, pair, request, (pair.prefill, pair.decode)
+
+
+def _label(header: dict[str, Any]) -> str:
+    src = f"preset {header['preset']}" if header.get("preset") else f"pair file {header.get('pair_file')}"
+    return f"{src}: M={header['tokens']} tokens, prefix S={header['prefix']}"
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    try:
+        header, pair, request, engines = _load_pair(args)
+    except IncompatibleGeometry as e:  # a pair file whose engines cannot be paired
+        return _report_unpairable({"pair_file": args.pair, "preset": None}, [e], None, args)
+    header["strategy"] = args.strategy
+    if pair is None:
+        compat = pairable(*engines)
+        return _report_unpairable(header, list(compat.reasons), engines, args)
+    plan_transfer = _planner()
+    if plan_transfer is None:
+        return _report_holdings(header, pair, args)
+    plan = plan_transfer(pair.prefill, pair.decode, request, strategy=args.strategy)
+    simulate = _simulator()
+    report = None
+    if simulate is not None:  # planning twice lets the simulator check determinism (invariant 6)
+        replan = plan_transfer(pair.prefill, pair.decode, request, strategy=args.strategy)
+        report = simulate(pair, request, plan, replan=replan)
+    if args.svg or args.png:
+        _draw(plan, pair, request, args.svg or args.png, "svg" if args.svg else "png")
+    verified = bool(report is not None and report.ok)
+    if args.json:
+        _json_out(_plan_json(header, pair, plan, report, verified))
+    else:
+        _print_plan(header, pair, plan, report, verified)
+        if args.svg or args.png:
+            _print(f"drawing: {args.svg or args.png}")
+    if report is None:
+        return 0  # planned, nothing to verify with: said so in the output
+    return 0 if verified else 1
+
+
+def _report_unpairable(header: dict[str, Any], reasons: Sequence[KvGeomError],
+                       engines: tuple[EngineGeometry, ...] | None, args: argparse.Namespace) -> int:
+    if args.json:
+        out = {**header, "pairable": False, "reasons": [_reason_dict(r) for r in reasons], "copies": None,
+               "copies_before_coalescing": None, "bytes": None, "zeros": None, "violations": [], "verified": False,
+               "notes": []}
+        if engines:
+            out.update(prefill=engine_line(engines[0]), decode=engine_line(engines[1]))
+        _json_out(out)
+    else:
+        if header.get("tokens") is not None:
+            _print(f"kvgeom plan: {_label(header)}")
+        if engines:
+            _print(f"  P  {engine_line(engines[0])}")
+            _print(f"  D  {engine_line(engines[1])}")
+        _print(f"not pairable ({len(reasons)} reason{'s' if len(reasons) != 1 else ''}):")
+        for r in reasons:
+            _print(f"  - {r}")
+    return 2
+
+
+def _report_holdings(header: dict[str, Any], pair: Pair, args: argparse.Namespace) -> int:
+    """Before the planner exists: both geometries and the global coordinates each rank holds."""
+    sides = {"prefill": pair.prefill, "decode": pair.decode}
+    if args.json:
+        holds = {name: [{g: {a: [s.start, s.stop] for a, s in axes.items()} for g, axes in e.holds(r).items()}
+                        for r in range(e.tp)] for name, e in sides.items()}
+        _json_out({**header, "pairable": True, "planned": False, "copies": None, "copies_before_coalescing": None,
+                   "bytes": None, "zeros": None, "violations": [], "verified": False, "holds": holds,
+                   "prefill": engine_line(pair.prefill), "decode": engine_line(pair.decode),
+                   "notes": ["kvgeom.planner is not installed: geometries only"]})
+        return 0
+    _print(f"kvgeom plan: {_label(header)} (no planner in this install: geometries only)")
+    for e in sides.values():
+        _print(repr(e))
+    return 0
+
+
+def _violation_dicts(report: Any) -> list[Any]:
+    if report is None:
+        return []
+    try:
+        d = report.to_dict()
+        if isinstance(d, dict) and isinstance(d.get("violations"), list):
+            return list(d["violations"])
+    except (AttributeError, TypeError):
+        pass
+    return [v.to_dict() if hasattr(v, "to_dict") else str(v) for v in report.violations]
+
+
+def _plan_json(header: dict[str, Any], pair: Pair, plan: Any, report: Any, verified: bool) -> dict[str, Any]:
+    rows = plan_rank_rows(plan)
+    per_rank = [{"d_rank": r[0], "p_ranks": list(plan.sources_of(r[0])), "copies": r[2], "bytes": r[3],
+                 "zeros": r[4], "zero_bytes": r[5], "rearranged_pages": r[6]} for r in rows[1:]]
+    sim: Any = None
+    if report is not None:
+        try:
+            sim = report.to_dict()
+        except AttributeError:
+            sim = {"ok": bool(report.ok)}
+    return {
+        **header,
+        "pairable": True,
+        "planned": True,
+        "prefill": engine_line(pair.prefill),
+        "decode": engine_line(pair.decode),
+        "copies": len(plan.copies),
+        "copies_before_coalescing": plan.copies_before_coalescing,
+        "bytes": plan.bytes_copied,
+        "zeros": len(plan.zeros),
+        "zero_bytes": plan.bytes_zeroed,
+        "rearranges": len(plan.rearranges),
+        "per_decode_rank": per_rank,
+        "violations": _violation_dicts(report),
+        "verified": verified,
+        "simulated": report is not None,
+        "simulation": sim,
+        "notes": list(plan.notes),
+    }
+
+
+def _print_plan(header: dict[str, Any], pair: Pair, plan: Any, report: Any, verified: bool) -> None:
+    _print(f"kvgeom plan: {_label(header)}, strategy {header['strategy']}")
+    _print(f"  P  {engine_line(pair.prefill)}")
+    _print(f"  D  {engine_line(pair.decode)}")
+    rows = plan_rank_rows(plan)
+    rows.append(["total", "", len(plan.copies), plan.bytes_copied, len(plan.zeros), plan.bytes_zeroed,
+                 sum(len(r.pages) for r in plan.rearranges)])
+    _print(text_table(rows))
+    before = plan.copies_before_coalescing
+    _print(f"descriptors: {before:,} before coalescing, {len(plan.copies):,} after" if before >= 0
+           else f"descriptors: {len(plan.copies):,}")
+    _print(f"moved {format_bytes(plan.bytes_copied)}, zeroed {format_bytes(plan.bytes_zeroed)}")
+    notes = list(plan.notes)
+    if notes:
+        _print("notes:")
+        for n in notes[:MAX_LISTED]:
+            _print(f"  - {n}")
+        if len(notes) > MAX_LISTED:
+            _print(f"  ... {len(notes) - MAX_LISTED} more (--json lists all)")
+    if report is None:
+        _print("verdict: NOT VERIFIED (kvgeom.simulate is not installed)")
+        return
+    checked = getattr(report, "bytes_checked", None)
+    checked_text = f", {format_bytes(checked)} checked" if checked is not None else ""
+    if verified:
+        _print(f"verdict: OK (simulator: 0 violations{checked_text})")
+        return
+    violations = list(report.violations)
+    counts = {str(k): int(n) for k, n in dict(getattr(report, "counts", {})).items() if n}
+    total = sum(counts.values()) or len(violations)
+    kinds = ", ".join(f"{k} x{n}" for k, n in counts.items())
+    _print(f"verdict: FAILED (simulator: {total} violation{'s' if total != 1 else ''}"
+           f"{' (' + kinds + ')' if kinds else ''}{checked_text})")
+    for v in violations[:MAX_LISTED]:
+        _print(f"  - {v}")
+    if len(violations) > MAX_LISTED:
+        _print(f"  ... {len(violations) - MAX_LISTED} more listed (--json lists them)")
+
+
+def _draw(plan: Any, pair: Pair, request: Any, path: str, fmt: str) -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise _Unavailable(f"--{fmt}", "drawing needs matplotlib, which is not installed",
+                           fix='pip install -e ".[notebook]"')
+    draw_mod = _optional("kvgeom.draw")
+    if draw_mod is None:
+        raise _Unavailable(f"--{fmt}", "this kvgeom has no kvgeom.draw yet", fix="update kvgeom")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = draw_mod.draw(plan, pair, request)
+    fig.savefig(path, format=fmt, bbox_inches="tight")
+
+
+# ---- kvgeom presets -----------------------------------------------------------------------------------
+
+def _presets_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the presets as JSON")
+
+
+def _run_presets(args: argparse.Namespace) -> int:
+    if args.json:
+        _json_out({"default": DEFAULT_PRESET, "presets": [
+            {"name": p.name, "description": p.description, "pairable": p.pairable, "hybrid": p.hybrid,
+             "default_tokens": p.default_tokens, "default_prefix": p.default_prefix,
+             "default_layers": p.default_layers} for p in PRESETS.values()]})
+        return 0
+    rows: list[list[Any]] = [["name", "M", "S", "layers", "description"]]
+    for p in PRESETS.values():
+        mark = " (default)" if p.name == DEFAULT_PRESET else ""
+        rows.append([p.name + mark, p.default_tokens, p.default_prefix, p.default_layers, p.description])
+    _print(text_table(rows, indent=""))
+    _print("\nM: default --tokens, S: default --prefix, layers: per group (--layers). "
+           "Use: kvgeom plan --preset NAME [--tokens M]")
+    return 0
+
+
+# ---- kvgeom transfer ----------------------------------------------------------------------------------
+
+def _transfer_arguments(p: argparse.ArgumentParser) -> None:
+    _preset_arguments(p)
+    p.add_argument("--push", action="store_true", help="P writes into D (default: D pulls with READs)")
+    p.add_argument("--mode", choices=("coalesced", "prepped"), default="coalesced",
+                   help="coalesced: per-request descriptor lists of the plan's copies; prepped: prepared "
+                        "per-region tables + index lists (default coalesced)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="SEC",
+                   help="give up on the transfer after SEC seconds (default 60)")
+
+
+def _missing_modules(names: Sequence[str]) -> list[str]:
+    """The modules of ``names`` that cannot be found (without importing them)."""
+    return [m for m in names if importlib.util.find_spec(m) is None]
+
+
+def _run_transfer(args: argparse.Namespace) -> int:
+    missing = _missing_modules(("torch", "nixl"))
+    if missing:
+        raise _Unavailable("transfer", f"needs {' and '.join(missing)}, not installed", fix=NIXL_HINT)
+    run = _optional("kvgeom_nixl.cli")
+    if run is None:
+        raise _Unavailable("transfer", "the kvgeom_nixl executor (kvgeom_nixl.cli) is not installed", fix=NIXL_HINT)
+    return int(run.run_transfer(args))
+
+
+# ---- registry and main ---------------------------------------------------------------------------------
+
+COMMANDS: dict[str, Command] = {
+    "plan": Command("plan a preset's (or a pair file's) transfer and verify it with the simulator",
+                    _plan_arguments, _run_plan),
+    "presets": Command("list the named P/D pairs", _presets_arguments, _run_presets),
+    "transfer": Command("run a preset's transfer with real NIXL agents on this machine and verify every D byte",
+                        _transfer_arguments, _run_transfer),
+    "fuzz": Command("fuzz the planner against the simulator with hypothesis", module="kvgeom.fuzz"),
+    "bench": Command("measure plan and transfer costs", module="kvgeom.bench"),
+}
+
+
+def _chosen(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first word that is not an option)."""
+    for a in argv:
+        if not a.startswith("-"):
+            return a
+    return None
+
+
+def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser; only the ``chosen`` lazy subcommand's module is imported."""
+    parser = argparse.ArgumentParser(
+        prog="kvgeom",
+        description="Plan and check KV-cache transfers between prefill and decode engines whose cache "
+                    "geometries differ.",
+        epilog="exit status: 0 ok; 1 verification failed or internal error; 2 bad input, unpairable engines "
+               "or a missing optional extra",
+    )
+    parser.add_argument("--debug", action="store_true", help="print the traceback of internal errors")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"kvgeom {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="print the traceback of internal errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, cmd in COMMANDS.items():
+        if not cmd.available():
+            continue
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help, parents=[common])
+        if cmd.module is None or name == chosen:
+            add_arguments, run = cmd.load()
+            add_arguments(p)
+            p.set_defaults(_run=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (``python -m kvgeom`` and ``kvgeom`` exit with it)."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args_list
+    chosen = _chosen(args_list)
+    as_json = "--json" in args_list
+    try:
+        parser = build_parser(chosen)
+        try:
+            args = parser.parse_args(args_list)
+        except SystemExit as e:  # argparse: --help (0) or a usage error (2), already printed
+            return e.code if isinstance(e.code, int) else 2
+        run = getattr(args, "_run", None)
+        if run is None:
+            parser.print_help()
+            return 2
+        return int(run(args))
+    except KvGeomError as e:
+        print(f"kvgeom {chosen or ''}: error: {e}".replace("  ", " "), file=sys.stderr)
+        if as_json:
+            _json_out({"error": _reason_dict(e), "pairable": False if isinstance(e, IncompatibleGeometry) else None,
+                       "verified": False, "violations": []})
+        return 2
+    except KeyboardInterrupt:
+        print("kvgeom: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (`kvgeom presets | head`): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+    except Exception as e:  # noqa: BLE001 - the CLI's last line of defence: one line first, always
+        print(f"kvgeom {chosen or ''}: internal error: {type(e).__name__}: {e}"
+              + ("" if debug else " (run with --debug for the traceback)"), file=sys.stderr)
+        if debug:
+            traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

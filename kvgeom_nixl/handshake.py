@@ -1,0 +1,183 @@
+"""The handshake payload: what one rank tells a peer engine about itself, as versioned JSON.
+
+    {"kvgeom_handshake": 1,                     <- payload version
+     "role": "prefill", "rank": 1, "agent": "kvgeom-prefill-1-3f2a",
+     "engine": {... kvgeom.serialize document of the engine's geometry ...},
+     "memory": {"mem_type": "DRAM",
+                "regions": [{"addr": 139..., "nbytes": 1048576, "device": 0}, ...]},
+     "nixl_metadata": "<base64 of nixl_agent.get_agent_metadata()>"}
+
+No pickle: the NIXL metadata travels as base64 and everything else is plain JSON. Decoding checks
+everything before the payload is used: the version, every field's type, the geometry (through
+:mod:`kvgeom.serialize`), ``0 <= rank < tp``, one memory entry per region of the geometry and each
+exactly ``num_pages * page_bytes`` bytes, addresses that do not wrap around. Any failure raises
+:class:`HandshakeError` naming the field; a peer that advertises regions not fitting its own
+geometry is refused before any transfer.
+
+Worked number: a TP1 engine with one region of 64 pages x 16384 B must advertise exactly one
+region of ``64 * 16384 = 1048576`` bytes; advertising 1048575 fails with
+``$.memory.regions[0].nbytes: 1048575 B advertised for a region of 64 x 16384 = 1048576 B``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from typing import Any
+
+import attrs
+
+from kvgeom._validate import is_int
+from kvgeom.geometry import EngineGeometry
+from kvgeom.serialize import SchemaError, from_dict, to_dict
+
+from .errors import HandshakeError
+from .memory import MEM_TYPES
+
+__all__ = ["HANDSHAKE_VERSION", "RankInfo", "encode_rank", "decode_rank", "ROLES"]
+
+HANDSHAKE_VERSION = 1
+ROLES = ("prefill", "decode")
+_KEYS = {"kvgeom_handshake", "role", "rank", "agent", "engine", "memory", "nixl_metadata"}
+
+
+@attrs.frozen
+class RankInfo:
+    """A validated handshake: one rank of an engine, its memory and its NIXL agent."""
+
+    engine: EngineGeometry
+    role: str
+    rank: int
+    agent: str
+    mem_type: str
+    regions: tuple[tuple[int, int, int], ...]  # (addr, nbytes, device) per region
+    metadata: bytes = attrs.field(repr=False)
+
+    @property
+    def bases(self) -> Any:
+        import numpy as np
+
+        return np.array([r[0] for r in self.regions], np.uint64)
+
+    @property
+    def devices(self) -> Any:
+        import numpy as np
+
+        return np.array([r[2] for r in self.regions], np.uint64)
+
+
+def encode_rank(info: RankInfo) -> bytes:
+    """The payload bytes for :func:`decode_rank` on the peer."""
+    doc = {
+        "kvgeom_handshake": HANDSHAKE_VERSION,
+        "role": info.role,
+        "rank": info.rank,
+        "agent": info.agent,
+        "engine": to_dict(info.engine),
+        "memory": {"mem_type": info.mem_type,
+                   "regions": [{"addr": a, "nbytes": n, "device": d} for a, n, d in info.regions]},
+        "nixl_metadata": base64.b64encode(info.metadata).decode("ascii"),
+    }
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def _fail(path: str, message: str, **kw: Any) -> HandshakeError:
+    return HandshakeError(path, message, **kw)
+
+
+def _int(path: str, v: Any, lo: int, hi: int | None = None) -> int:
+    if not is_int(v):
+        raise _fail(path, f"expected an integer, got {type(v).__name__} {v!r}"[:120], actual=v, expected="integer")
+    if v < lo or (hi is not None and v >= hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
+        raise _fail(path, f"{v} is out of range", actual=v, expected=rng)
+    return int(v)
+
+
+def _str(path: str, v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise _fail(path, f"expected a non-empty string, got {type(v).__name__}", actual=v, expected="string")
+    return v
+
+
+def decode_rank(payload: bytes | bytearray | str) -> RankInfo:
+    """Validate a peer's payload; raises :class:`HandshakeError` naming the first bad field."""
+    if isinstance(payload, (bytes, bytearray)):
+        try:
+            text = bytes(payload).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _fail("$", f"payload is not UTF-8 (byte {e.start})", fix="send the bytes encode_rank made") from e
+    elif isinstance(payload, str):
+        text = payload
+    else:
+        raise _fail("$", f"expected bytes, got {type(payload).__name__}", actual=type(payload).__name__,
+                    expected="bytes")
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _fail("$", f"malformed or truncated payload at byte {e.pos} of {len(text)}: {e.msg}",
+                    fix="send the whole payload encode_rank made") from e
+    if not isinstance(doc, dict):
+        raise _fail("$", f"expected a JSON object, got {type(doc).__name__}", expected="object")
+    if "kvgeom_handshake" not in doc:
+        raise _fail("$.kvgeom_handshake", "missing payload version (not a kvgeom handshake?)",
+                    expected=HANDSHAKE_VERSION)
+    ver = doc["kvgeom_handshake"]
+    if not is_int(ver) or ver != HANDSHAKE_VERSION:
+        raise _fail("$.kvgeom_handshake", f"unsupported handshake version {ver!r}", actual=ver,
+                    expected=HANDSHAKE_VERSION, fix="run the same kvgeom_nixl version on both engines")
+    missing = sorted(_KEYS - set(doc))
+    if missing:
+        raise _fail(f"$.{missing[0]}", "missing field", expected=sorted(_KEYS), fix=f'send "{missing[0]}"')
+    extra = sorted(set(doc) - _KEYS)
+    if extra:
+        raise _fail(f"$.{extra[0]}", "unknown field", actual=extra, expected=sorted(_KEYS))
+    role = _str("$.role", doc["role"])
+    if role not in ROLES:
+        raise _fail("$.role", f"unknown role {role!r}", actual=role, expected=list(ROLES))
+    agent = _str("$.agent", doc["agent"])
+    try:
+        engine = from_dict(doc["engine"], expect=EngineGeometry)
+    except HandshakeError:
+        raise
+    except SchemaError as e:
+        raise _fail("$.engine" + e.path[1:], e.message, actual=e.actual, expected=e.expected, fix=e.fix) from e
+    rank = _int("$.rank", doc["rank"], 0, engine.tp)
+    mem = doc["memory"]
+    if not isinstance(mem, dict) or set(mem) != {"mem_type", "regions"}:
+        raise _fail("$.memory", "expected {mem_type, regions}", actual=sorted(mem) if isinstance(mem, dict) else mem,
+                    expected=["mem_type", "regions"])
+    mem_type = mem["mem_type"]
+    if mem_type not in MEM_TYPES:
+        raise _fail("$.memory.mem_type", f"unknown memory type {mem_type!r}", actual=mem_type, expected=list(MEM_TYPES))
+    regs = mem["regions"]
+    if not isinstance(regs, list):
+        raise _fail("$.memory.regions", "expected an array", actual=type(regs).__name__, expected="array")
+    if len(regs) != len(engine.regions):
+        raise _fail("$.memory.regions", f"{len(regs)} regions advertised for a geometry with {len(engine.regions)}",
+                    actual=len(regs), expected=len(engine.regions),
+                    fix="register one allocation per region of the geometry")
+    regions: list[tuple[int, int, int]] = []
+    for i, (r, geo) in enumerate(zip(regs, engine.regions, strict=True)):
+        p = f"$.memory.regions[{i}]"
+        if not isinstance(r, dict) or set(r) != {"addr", "nbytes", "device"}:
+            raise _fail(p, "expected {addr, nbytes, device}", actual=r, expected=["addr", "device", "nbytes"])
+        addr = _int(f"{p}.addr", r["addr"], 1, 1 << 64)
+        nbytes = _int(f"{p}.nbytes", r["nbytes"], 1)
+        device = _int(f"{p}.device", r["device"], 0, 1 << 31)
+        if nbytes != geo.nbytes:
+            raise _fail(f"{p}.nbytes", f"{nbytes} B advertised for a region of {geo.num_pages} x {geo.page_bytes} = "
+                        f"{geo.nbytes} B", actual=nbytes, expected=geo.nbytes,
+                        fix="the peer's memory does not match its geometry; fix the peer's configuration")
+        if addr + nbytes > 1 << 64:
+            raise _fail(f"{p}.addr", "region wraps past the end of the address space", actual=addr)
+        regions.append((addr, nbytes, device))
+    md = doc["nixl_metadata"]
+    if not isinstance(md, str) or not md:
+        raise _fail("$.nixl_metadata", "expected base64 text", actual=type(md).__name__, expected="string")
+    try:
+        metadata = base64.b64decode(md.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError) as e:
+        raise _fail("$.nixl_metadata", f"not valid base64: {e}", fix="send the payload unmodified") from e
+    return RankInfo(engine, role, rank, agent, mem_type, tuple(regions), metadata)

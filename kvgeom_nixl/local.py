@@ -1,0 +1,140 @@
+"""Both engines of a pair on this machine: caches, simulator fills, endpoints, one transfer, a verdict.
+
+    allocate_caches(engine)          caches[rank][region] = torch.empty(nbytes, uint8, device)
+    fill_caches(pair, request, ...)  P: kvgeom.simulate.fill_prefill, D: fill_decode (numpy views)
+    LocalDeployment(pair, P, D)      one Endpoint (NIXL agent) per rank, every D rank linked to every
+                                     P rank and back, all in this process
+      .run(id, request, plan, push=False, mode="coalesced")   pull: D ranks READ, P ranks serve
+                                                              push: P ranks WRITE, D ranks accept
+    check_caches(pair, request, D)   kvgeom.simulate.check_decode on every D byte
+
+This is what ``kvgeom transfer`` runs, and what the executor tests use. On CUDA the caches live in
+VRAM; fills and checks stage through host copies (the simulator is numpy).
+
+Worked number: the default preset (P TP2 -> D TP4, 100 tokens) makes 2 + 4 = 6 agents and 2 x 4
+links each way; a pull posts one NIXL request per (D rank, P rank) pair that has rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvgeom.pair import Pair
+from kvgeom.plan import TransferPlan
+from kvgeom.request import Request
+from kvgeom.simulate import Memory, check_decode, fill_decode, fill_prefill
+
+from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, Link, Transfer, TransferResult, wait_all
+
+__all__ = ["allocate_caches", "fill_caches", "check_caches", "host_memory", "LocalDeployment"]
+
+Caches = list[list[torch.Tensor]]
+
+
+def allocate_caches(engine: Any, device: str | torch.device = "cpu") -> Caches:
+    """One flat ``uint8`` tensor per region per rank (uninitialised)."""
+    dev = torch.device(device)
+    return [[torch.empty(r.nbytes, dtype=torch.uint8, device=dev) for r in engine.regions] for _ in range(engine.tp)]
+
+
+def host_memory(engine: Any, caches: Caches) -> Memory:
+    """A simulator :class:`Memory` over the caches: the same bytes on CPU, a host copy on CUDA."""
+    arrays = [[(t if t.device.type == "cpu" else t.cpu()).numpy() for t in regs] for regs in caches]
+    return Memory.wrap(engine, arrays)
+
+
+def _upload(mem: Memory, caches: Caches) -> None:
+    for regs, bufs in zip(caches, mem.buffers, strict=True):
+        for t, b in zip(regs, bufs, strict=True):
+            if t.device.type != "cpu":
+                t.copy_(torch.from_numpy(b))
+
+
+def fill_caches(pair: Pair, request: Request, p_caches: Caches, d_caches: Caches) -> None:
+    """The simulator's fills: coordinate hashes in P, the stale pattern (and the prefix) in D."""
+    pm = host_memory(pair.prefill, p_caches)
+    fill_prefill(pair, request, pm)
+    _upload(pm, p_caches)
+    dm = host_memory(pair.decode, d_caches)
+    fill_decode(pair, request, dm)
+    _upload(dm, d_caches)
+
+
+def check_caches(pair: Pair, request: Request, d_caches: Caches, *, max_per_kind: int | None = 5) -> tuple[list[Any], int]:
+    """Every D byte against the simulator's expectation: (violations, bytes checked)."""
+    if any(t.device.type == "cuda" for regs in d_caches for t in regs):
+        torch.cuda.synchronize()
+    return check_decode(pair, request, host_memory(pair.decode, d_caches), max_per_kind=max_per_kind)
+
+
+class LocalDeployment:
+    """Every rank of both engines as an :class:`Endpoint` in this process, fully linked."""
+
+    def __init__(self, pair: Pair, p_caches: Caches, d_caches: Caches, *, telemetry: bool = False) -> None:
+        self.pair = pair
+        self.p: list[Endpoint] = []
+        self.d: list[Endpoint] = []
+        try:
+            self.p = [Endpoint(pair.prefill, "prefill", r, p_caches[r], telemetry=telemetry)
+                      for r in range(pair.prefill.tp)]
+            self.d = [Endpoint(pair.decode, "decode", r, d_caches[r], telemetry=telemetry)
+                      for r in range(pair.decode.tp)]
+            p_payloads = [e.handshake() for e in self.p]
+            d_payloads = [e.handshake() for e in self.d]
+            self.d_links: list[Link] = [e.connect(p_payloads) for e in self.d]
+            self.p_links: list[Link] = [e.connect(d_payloads) for e in self.p]
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        return self.p + self.d
+
+    def post(self, request_id: str, request: Request | None, plan: TransferPlan, *, push: bool = False,
+             mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Transfer]:
+        """Post both sides of one request (initiators first); nothing is waited for."""
+        out: list[Transfer] = []
+        if push:
+            out += [lk.push(request_id, request, plan=plan, mode=mode, timeout_s=timeout_s) for lk in self.p_links]
+            out += [lk.accept_push(request_id, request, plan=plan, timeout_s=timeout_s) for lk in self.d_links]
+        else:
+            out += [lk.pull(request_id, request, plan=plan, mode=mode, timeout_s=timeout_s) for lk in self.d_links]
+            out += [lk.serve_pull(request_id, request, plan=plan, timeout_s=timeout_s) for lk in self.p_links]
+        return out
+
+    def run(self, request_id: str, request: Request | None, plan: TransferPlan, *, push: bool = False,
+            mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S) -> list[TransferResult]:
+        """Post and drive one request to the end on every rank; raises TransferFailed."""
+        return wait_all(self.post(request_id, request, plan, push=push, mode=mode, timeout_s=timeout_s),
+                        peers=self.endpoints)
+
+    def close(self) -> None:
+        for e in self.endpoints:
+            e.close()
+
+    def __enter__(self) -> LocalDeployment:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def summarize(results: Sequence[TransferResult]) -> dict[str, Any]:
+    """Totals over the initiators' results (descriptors and bytes are counted where they were posted)."""
+    initiators = [r for r in results if r.kind in ("pull", "push")]
+    receivers = [r for r in results if r.role == "decode"]
+    descs = [r.nixl_descs for r in initiators]
+    return {
+        "bytes_moved": int(sum(r.bytes_moved for r in initiators)),
+        "descriptors": int(sum(r.descriptors for r in initiators)),
+        "nixl_requests": int(sum(r.nixl_requests for r in initiators)),
+        "nixl_descs": None if any(d is None for d in descs) else int(np.sum([d or 0 for d in descs])),
+        "bytes_zeroed": int(sum(r.bytes_zeroed for r in receivers)),
+        "rearranges": int(sum(r.rearranges for r in receivers)),
+        "notes": sorted({n for r in results for n in r.notes}),
+    }

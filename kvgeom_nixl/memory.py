@@ -1,0 +1,166 @@
+"""A rank's regions as registrable memory: torch tensors, numpy arrays or raw (pointer, bytes).
+
+Each region of the rank's geometry is one caller allocation, registered whole, never copied::
+
+    geometry.regions[i] = Region(num_pages, page_bytes)
+    buffers[i]          = torch.Tensor (CPU -> DRAM, CUDA -> VRAM) | numpy array | (ptr, nbytes)
+                          must be contiguous and exactly num_pages * page_bytes bytes
+
+The caller's objects are kept (not replaced, permuted or made contiguous) and referenced for as
+long as the memory is registered; receive steps work on flat ``uint8`` *views* of them.
+
+Worked number: a region of 64 pages x 16384 B needs a 1 MiB buffer, e.g.
+``torch.empty(64, 2, 2, 16, 128, dtype=torch.bfloat16)`` (64 * 2 * 2 * 16 * 128 * 2 B = 1048576 B).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvgeom.geometry import EngineGeometry
+
+from .errors import RegistrationError
+
+__all__ = ["RegionMemory", "RankMemory", "MEM_TYPES"]
+
+MEM_TYPES = ("DRAM", "VRAM")
+
+
+@attrs.frozen(eq=False)
+class RegionMemory:
+    """One registered allocation: address, size, NIXL memory type and device id, and its owner."""
+
+    addr: int
+    nbytes: int
+    mem_type: str
+    device: int
+    owner: Any = attrs.field(repr=False)  # the caller's tensor / array (kept alive), or None
+
+
+def _is_tensor(obj: Any) -> bool:
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _region(path: str, buf: Any, want: int, mem_type: str | None, device: int | None) -> RegionMemory:
+    if _is_tensor(buf):
+        if not buf.is_contiguous():
+            raise RegistrationError(path, f"tensor of shape {tuple(buf.shape)} and strides {tuple(buf.stride())} "
+                                    "is not contiguous", actual=tuple(buf.stride()), expected="a contiguous tensor",
+                                    fix="register the allocation itself; the executor never copies or re-lays it")
+        nbytes = buf.numel() * buf.element_size()
+        kind = buf.device.type
+        if kind == "cpu":
+            mt, dev = "DRAM", 0
+        elif kind == "cuda":
+            mt, dev = "VRAM", int(buf.device.index or 0)
+        else:
+            raise RegistrationError(path, f"tensors on {kind!r} cannot be registered", actual=kind,
+                                    expected="cpu or cuda")
+        if mem_type is not None and mem_type != mt:
+            raise RegistrationError(path, f"a {kind} tensor is {mt}, not {mem_type}", actual=mem_type, expected=mt,
+                                    fix="drop mem_type for tensors; it follows the tensor's device")
+        addr = int(buf.data_ptr())
+    elif isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise RegistrationError(path, "numpy array is not C-contiguous", actual=buf.strides,
+                                    expected="a C-contiguous array", fix="register the allocation itself")
+        nbytes, addr, mt, dev = int(buf.nbytes), int(buf.ctypes.data), "DRAM", 0
+        if mem_type not in (None, "DRAM"):
+            raise RegistrationError(path, f"a numpy array is host memory, not {mem_type}", actual=mem_type,
+                                    expected="DRAM")
+    elif isinstance(buf, tuple) and len(buf) == 2 and all(isinstance(x, (int, np.integer)) for x in buf):
+        addr, nbytes = int(buf[0]), int(buf[1])
+        mt = mem_type or "DRAM"
+        dev = 0 if device is None else int(device)
+        if addr <= 0:
+            raise RegistrationError(path, f"pointer {addr} is not a valid address", actual=addr, expected="> 0")
+        buf = None
+    else:
+        raise RegistrationError(path, f"cannot register a {type(buf).__name__}", actual=type(buf).__name__,
+                                expected="torch.Tensor, numpy.ndarray or (pointer, nbytes)")
+    if mt not in MEM_TYPES:
+        raise RegistrationError(path, f"unknown memory type {mt!r}", actual=mt, expected=list(MEM_TYPES))
+    if nbytes != want:
+        raise RegistrationError(path, f"{nbytes} B for a region of {want} B", actual=nbytes, expected=want,
+                                fix="pass exactly the region's num_pages * page_bytes bytes")
+    return RegionMemory(addr, nbytes, mt, dev, buf)
+
+
+class RankMemory:
+    """The regions of one rank, checked against its geometry, in region order."""
+
+    def __init__(self, engine: EngineGeometry, buffers: Sequence[Any], *, mem_type: str | None = None,
+                 device: int | None = None) -> None:
+        bufs = list(buffers)
+        if len(bufs) != len(engine.regions):
+            raise RegistrationError("regions", f"{len(bufs)} buffers for an engine with {len(engine.regions)} regions",
+                                    actual=len(bufs), expected=len(engine.regions),
+                                    fix="pass one buffer per region, in the geometry's region order")
+        self.engine = engine
+        self.regions: tuple[RegionMemory, ...] = tuple(
+            _region(f"regions[{i}]", b, r.nbytes, mem_type, device) for i, (b, r) in
+            enumerate(zip(bufs, engine.regions, strict=True)))
+        kinds = {r.mem_type for r in self.regions}
+        if len(kinds) > 1:
+            raise RegistrationError("regions", f"regions mix memory types {sorted(kinds)}", actual=sorted(kinds),
+                                    expected="one memory type per rank", fix="keep a rank's cache on one device")
+        self.mem_type = self.regions[0].mem_type
+        self._views: list[Any] | None = None
+
+    @property
+    def owners(self) -> tuple[Any, ...]:
+        return tuple(r.owner for r in self.regions)
+
+    def descs(self) -> np.ndarray:
+        """``(addr, nbytes, device)`` per region as the Nx3 uint64 array NIXL registers."""
+        out = np.empty((len(self.regions), 3), np.uint64)
+        out[:, 0] = [r.addr for r in self.regions]
+        out[:, 1] = [r.nbytes for r in self.regions]
+        out[:, 2] = [r.device for r in self.regions]
+        return out
+
+    @property
+    def bases(self) -> np.ndarray:
+        return np.array([r.addr for r in self.regions], np.uint64)
+
+    @property
+    def devices(self) -> np.ndarray:
+        return np.array([r.device for r in self.regions], np.uint64)
+
+    def byte_views(self) -> list[Any]:
+        """Flat ``torch.uint8`` views of every region (``None`` for raw VRAM pointers)."""
+        if self._views is None:
+            self._views = [_byte_view(r) for r in self.regions]
+        return self._views
+
+    def device(self) -> Any:
+        import torch
+
+        r = self.regions[0]
+        return torch.device("cuda", r.device) if r.mem_type == "VRAM" else torch.device("cpu")
+
+    def release(self) -> None:
+        self._views = None
+        self.regions = ()
+
+
+def _byte_view(r: RegionMemory) -> Any:
+    import torch
+
+    obj = r.owner
+    if _is_tensor(obj):
+        return obj.detach().reshape(-1).view(torch.uint8)
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.reshape(-1).view(np.uint8))
+    if r.mem_type == "DRAM":
+        arr = np.ctypeslib.as_array((ctypes.c_uint8 * r.nbytes).from_address(r.addr))
+        return torch.from_numpy(arr)
+    return None

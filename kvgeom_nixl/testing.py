@@ -1,0 +1,123 @@
+"""Helpers for the executor's tests and checks: one engine in a child process, driven over a pipe.
+
+    parent (this process)                         child (multiprocessing "spawn")
+      ctx.Process(target=engine_process, args=(conn, pair_file_text, side, device))
+                                        <-------  ("hello", [handshake of each rank])
+      ("connect", [peer handshakes])    ------->  connect every rank, fill caches (simulator)
+                                        <-------  ("ready",)
+      ("serve_pull" | "pull" | "push" | "accept_push", request_id, mode, timeout_s)
+                                        ------->  post on every rank, drive to the end
+                                        <-------  ("done", [result dicts], verdict) | ("failed", reason, detail)
+      ("die",)                          ------->  os._exit(0) with no cleanup (a crashed peer)
+      ("close",)                        ------->  close every endpoint and exit
+
+Between commands the child sits in ``conn.recv`` and does not poll NIXL: a peer that never
+progresses. The child's caches are filled by the simulator for its side, and a decode child checks every D
+byte with :func:`kvgeom.simulate.check_decode` before it answers ``done`` (the verdict is the
+violation count and the bytes checked). Everything that crosses the pipe is bytes or plain data.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import attrs
+
+from . import _nixl
+
+__all__ = ["engine_process", "result_dict"]
+
+
+def result_dict(r: Any) -> dict[str, Any]:
+    return attrs.asdict(r)
+
+
+def engine_process(conn: Any, pair_file_text: str, side: str, device: str = "cpu") -> None:
+    """Child entry point: host every rank of ``side`` ("prefill" or "decode") of the pair."""
+    _nixl.use_local_defaults()
+    import json
+
+    from kvgeom.serialize import parse_pair_file
+
+    from .endpoint import wait_all
+    from .errors import TransferFailed
+    from .local import Endpoint, allocate_caches, check_caches, fill_caches
+
+    pair, request = parse_pair_file(json.loads(pair_file_text))
+    assert request is not None  # noqa: S101 - the parent always sends a request
+    engine = pair.side(side)
+    other = pair.decode if side == "prefill" else pair.prefill
+    mine = allocate_caches(engine, device)
+    scratch = allocate_caches(other, "cpu")  # the other side's fill is computed and dropped
+    if side == "prefill":
+        fill_caches(pair, request, mine, scratch)
+    else:
+        fill_caches(pair, request, scratch, mine)
+    del scratch
+    eps = [Endpoint(engine, side, r, mine[r]) for r in range(engine.tp)]
+    conn.send(("hello", [e.handshake() for e in eps]))
+    links: list[Any] = []
+    while True:
+        msg = conn.recv()
+        cmd = msg[0]
+        if cmd == "connect":
+            links = [e.connect(msg[1]) for e in eps]
+            conn.send(("ready",))
+        elif cmd in ("serve_pull", "pull", "push", "accept_push"):
+            _, rid, mode, timeout_s = msg
+            try:
+                if cmd in ("pull", "push"):
+                    ts = [getattr(lk, cmd)(rid, request, mode=mode, timeout_s=timeout_s) for lk in links]
+                else:
+                    ts = [getattr(lk, cmd)(rid, request, timeout_s=timeout_s) for lk in links]
+                results = wait_all(ts, peers=eps)
+            except TransferFailed as e:
+                conn.send(("failed", e.reason, str(e)))
+                continue
+            verdict = None
+            if side == "decode":
+                violations, checked = check_caches(pair, request, mine)
+                verdict = (len(violations), checked, [str(v) for v in violations[:3]])
+            conn.send(("done", [result_dict(r) for r in results], verdict))
+        elif cmd == "die":
+            os._exit(0)
+        elif cmd == "close":
+            for e in eps:
+                e.close()
+            conn.send(("closed",))
+            return
+
+
+def requested_device(name: str | None = None) -> str:
+    """The device the executor tests run on: ``name``, else ``$KVGEOM_DEVICE``, else ``cpu``.
+
+    Calls ``pytest.skip("no CUDA device")`` when CUDA is asked for and torch has none.
+    """
+    import torch
+
+    dev = name or os.environ.get("KVGEOM_DEVICE", "cpu")
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("no CUDA device")
+    return dev
+
+
+def run_local(pair: Any, request: Any, *, push: bool = False, mode: str = "coalesced", device: str = "cpu",
+              telemetry: bool = False, plan: Any = None, timeout_s: float = 20.0) -> dict[str, Any]:
+    """Fill, plan, transfer in-process, check: everything a test asserts on, in one dict."""
+    from .local import LocalDeployment, allocate_caches, check_caches, fill_caches
+
+    if plan is None:
+        from kvgeom.planner import plan_pair
+
+        plan = plan_pair(pair, request)
+    p_caches = allocate_caches(pair.prefill, device)
+    d_caches = allocate_caches(pair.decode, device)
+    fill_caches(pair, request, p_caches, d_caches)
+    with LocalDeployment(pair, p_caches, d_caches, telemetry=telemetry) as dep:
+        results = dep.run("req-0", request, plan, push=push, mode=mode, timeout_s=timeout_s)
+    violations, checked = check_caches(pair, request, d_caches)
+    return {"plan": plan, "results": results, "violations": violations, "checked": checked,
+            "p_caches": p_caches, "d_caches": d_caches}

@@ -1,0 +1,332 @@
+"""The command line, run in-process through ``kvgeom.cli.main`` (plus one ``python -m kvgeom`` run).
+
+Expected byte counts are arithmetic on the presets' model facts:
+default preset gqa-tp2-tp4, M=100, S=16, 4 layers, 8 KV heads of 256 B, K and V planes:
+D receives tokens [16, 100): 84 * 4 * 2 * 8 * 256 = 1,376,256 B, a quarter per D rank (344,064 B).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgeom import cli
+from kvgeom.cli import COMMANDS, Command, main
+from kvgeom.presets import DEFAULT_PRESET, PRESETS
+
+DEFAULT_BYTES = (100 - 16) * 4 * 2 * 8 * 256
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
+    rc, out, _ = _run(capsys, *argv)
+    return rc, json.loads(out)
+
+
+def _needs_planner() -> None:
+    pytest.importorskip("kvgeom.planner", reason="kvgeom.planner (issue 3) is not in this tree yet")
+    pytest.importorskip("kvgeom.simulate", reason="kvgeom.simulate (issue 2) is not in this tree yet")
+
+
+# ---- kvgeom presets -------------------------------------------------------------------------------
+
+def test_presets_lists_every_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _run(capsys, "presets")
+    assert rc == 0 and err == ""
+    for name, preset in PRESETS.items():
+        assert name in out
+        assert preset.description[:40] in out
+    assert f"{DEFAULT_PRESET} (default)" in out
+
+
+def test_presets_json(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, doc = _json(capsys, "presets", "--json")
+    assert rc == 0 and doc["default"] == DEFAULT_PRESET
+    assert [p["name"] for p in doc["presets"]] == list(PRESETS)
+
+
+# ---- kvgeom plan ------------------------------------------------------------------------------------
+
+def test_plan_default_human_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    _needs_planner()
+    rc, out, err = _run(capsys, "plan")
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"kvgeom plan: preset {DEFAULT_PRESET}: M=100 tokens, prefix S=16")
+    assert lines[1].strip().startswith("P  prefill:") and "TP2 K=16" in lines[1]
+    assert lines[2].strip().startswith("D  decode:") and "TP4 K=8" in lines[2]
+    rank_rows = [line.split() for line in lines if line.strip()[:1].isdigit() and len(line.split()) == 7]
+    assert [r[0] for r in rank_rows] == ["0", "1", "2", "3"]
+    assert {r[3] for r in rank_rows} == {f"{DEFAULT_BYTES // 4:,}"}  # bytes column per D rank
+    assert any(line.strip().startswith("total") and f"{DEFAULT_BYTES:,}" in line for line in lines)
+    assert any(line.startswith("descriptors:") and "before coalescing" in line for line in lines)
+    assert lines[-1].startswith("verdict: OK")
+
+
+def test_plan_default_json(capsys: pytest.CaptureFixture[str]) -> None:
+    _needs_planner()
+    rc, doc = _json(capsys, "plan", "--json")
+    assert rc == 0
+    assert doc["pairable"] is True and doc["verified"] is True and doc["violations"] == []
+    assert (doc["preset"], doc["tokens"], doc["prefix"], doc["strategy"]) == (DEFAULT_PRESET, 100, 16, "direct")
+    assert doc["bytes"] == DEFAULT_BYTES
+    assert 1 <= doc["copies"] <= doc["copies_before_coalescing"]
+    # D tokens [100, 104) of the last 8-token block are zeroed: 4 tokens * 4 layers * 2 planes * 8 heads * 256 B
+    zero_bytes = sum(r["zero_bytes"] for r in doc["per_decode_rank"])
+    assert zero_bytes == 4 * 4 * 2 * 8 * 256
+    assert doc["zeros"] >= 1 and isinstance(doc["notes"], list)
+    assert [r["p_ranks"] for r in doc["per_decode_rank"]] == [[0], [0], [1], [1]]  # heads [2d, 2d+2) of P d//2
+
+
+@pytest.mark.parametrize(("argv", "expected_bytes"), [
+    # 64 tokens x 2 layers x 2 planes x 8 heads x 256 B
+    (["--preset", "llama3-70b-tp8-tp4", "--layers", "2", "--tokens", "64"], 64 * 2 * 2 * 8 * 256),
+    (["--preset", "llama3-70b-tp4-tp8", "--layers", "2", "--tokens", "40"], 40 * 2 * 2 * 8 * 256),
+    # MLA: one 1152 B latent per token per layer, read once per D rank (TP1)
+    (["--preset", "deepseek-v3-tp8-tp1", "--layers", "2", "--tokens", "130"], 130 * 2 * 1152),
+    # attention 2 layers x 300 tokens x 2 x 8 x 256 + mamba 2 layers x 4,255,744 B whole states
+    (["--preset", "nemotron-h-tp1-tp4"], 300 * 2 * 2 * 8 * 256 + 2 * 4_255_744),
+])
+def test_plan_presets_verify(capsys: pytest.CaptureFixture[str], argv: list[str], expected_bytes: int) -> None:
+    _needs_planner()
+    rc, doc = _json(capsys, "plan", *argv, "--json")
+    assert rc == 0, doc["violations"]
+    assert doc["verified"] is True and doc["bytes"] == expected_bytes
+
+
+def test_plan_unpairable_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _run(capsys, "plan", "--preset", "unpairable-fp8")
+    assert rc == 2
+    assert "not pairable (2 reasons)" in out
+    assert "head_bytes: 128 != prefill's 256" in out and "decode.model.dtype" in out
+
+
+def test_plan_unpairable_json(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, doc = _json(capsys, "plan", "--preset", "unpairable-fp8", "--json")
+    assert rc == 2
+    assert doc["pairable"] is False and doc["verified"] is False and doc["violations"] == []
+    assert {r["path"] for r in doc["reasons"]} == {"decode.model.dtype", "decode.model.groups[0](attn).head_bytes"}
+
+
+def test_plan_unknown_preset_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _run(capsys, "plan", "--preset", "nope")
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert "no preset named 'nope'" in err and DEFAULT_PRESET in err
+
+
+def test_plan_prefix_off_block_boundary_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = _run(capsys, "plan", "--prefix", "12")  # D blocks are 8 tokens
+    assert rc == 2
+    assert "Request.prefix_hit_tokens" in err and "multiple of 8" in err
+    assert "Traceback" not in err
+
+
+def test_plan_error_with_json_prints_error_object(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _run(capsys, "plan", "--tokens", "0", "--json")
+    assert rc == 2 and "tokens" in err
+    assert json.loads(out)["error"]["path"] == "tokens"
+
+
+def test_plan_bad_strategy_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = _run(capsys, "plan", "--strategy", "magic")
+    assert rc == 2 and "invalid choice" in err
+
+
+@pytest.mark.parametrize("strategy", ["staged", "auto"])
+def test_plan_other_strategies(capsys: pytest.CaptureFixture[str], strategy: str) -> None:
+    _needs_planner()
+    from kvgeom import planner
+
+    rc, out, err = _run(capsys, "plan", "--strategy", strategy, "--json")
+    if strategy in planner.STRATEGIES:
+        assert rc == 0 and json.loads(out)["verified"] is True
+    else:  # not implemented yet: a typed error naming the strategy, never a traceback
+        assert rc == 2 and "strategy" in err and "Traceback" not in err
+
+
+def test_plan_internal_error_one_line_then_traceback_only_with_debug(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def boom(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(cli, "_planner", lambda: boom)
+    rc, _, err = _run(capsys, "plan")
+    assert rc == 1
+    assert err.splitlines()[0].startswith("kvgeom plan: internal error: RuntimeError: boom")
+    assert "Traceback" not in err
+    rc, _, err = _run(capsys, "plan", "--debug")
+    assert rc == 1
+    assert err.splitlines()[0].startswith("kvgeom plan: internal error: RuntimeError: boom")
+    assert "Traceback" in err
+
+
+def test_plan_reports_violations_and_exits_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan that drops its zeros must be caught by the simulator, and the CLI must say so."""
+    _needs_planner()
+    import attrs
+
+    from kvgeom.plan import Zeros
+    from kvgeom.planner import plan_transfer
+
+    def no_zeros(*args: Any, **kwargs: Any) -> Any:
+        return attrs.evolve(plan_transfer(*args, **kwargs), zeros=Zeros.empty())
+
+    monkeypatch.setattr(cli, "_planner", lambda: no_zeros)
+    rc, out, _ = _run(capsys, "plan")
+    assert rc == 1
+    assert "verdict: FAILED" in out and "not_zeroed" in out
+    rc, doc = _json(capsys, "plan", "--json")
+    assert rc == 1 and doc["verified"] is False and doc["violations"]
+
+
+def test_plan_without_planner_prints_holdings(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli, "_planner", lambda: None)
+    rc, out, _ = _run(capsys, "plan")
+    assert rc == 0
+    assert "held coordinates" in out
+    assert "[6, 8)" in out  # D TP4 rank 3 holds heads [6, 8)
+    rc, doc = _json(capsys, "plan", "--json")
+    assert rc == 0 and doc["planned"] is False and doc["verified"] is False
+    assert doc["holds"]["decode"][3]["attn"]["heads"] == [6, 8]
+    assert doc["holds"]["prefill"][1]["attn"]["heads"] == [4, 8]
+
+
+def test_plan_pair_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    _needs_planner()
+    serialize = pytest.importorskip("kvgeom.serialize", reason="kvgeom.serialize is not in this tree yet")
+    pair, request = PRESETS[DEFAULT_PRESET].build(40, 8, layers=1)
+    with_request = tmp_path / "pair.json"
+    with_request.write_text(serialize.dump_pair_file(pair, request))
+    rc, doc = _json(capsys, "plan", "--pair", str(with_request), "--json")
+    assert rc == 0 and doc["verified"] is True
+    assert (doc["pair_file"], doc["preset"], doc["tokens"], doc["prefix"]) == (str(with_request), None, 40, 8)
+    assert doc["bytes"] == (40 - 8) * 1 * 2 * 8 * 256
+    without = tmp_path / "engines.json"
+    without.write_text(serialize.dump_pair_file(pair))
+    rc, doc = _json(capsys, "plan", "--pair", str(without), "--tokens", "24", "--json")
+    assert rc == 0 and doc["bytes"] == 24 * 2 * 8 * 256
+    rc, _, err = _run(capsys, "plan", "--pair", str(tmp_path / "missing.json"))
+    assert rc == 2 and "cannot read pair file" in err
+
+
+def test_plan_pair_file_unpairable(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    serialize = pytest.importorskip("kvgeom.serialize", reason="kvgeom.serialize is not in this tree yet")
+    prefill, decode = PRESETS["unpairable-fp8"].geometries()
+    doc = {"schema": serialize.SCHEMA_VERSION, "type": "PairFile", "prefill": serialize.to_dict(prefill),
+           "decode": serialize.to_dict(decode)}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    rc, out, _ = _run(capsys, "plan", "--pair", str(path))
+    assert rc == 2 and "not pairable" in out and "head_bytes" in out
+
+
+def test_plan_drawing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    _needs_planner()
+    target = tmp_path / "plan.svg"
+    rc, out, err = _run(capsys, "plan", "--layers", "1", "--tokens", "32", "--svg", str(target))
+    try:
+        import kvgeom.draw  # noqa: F401
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert rc == 2 and ("kvgeom.draw" in err or "matplotlib" in err) and not target.exists()
+        return
+    assert rc == 0, err
+    assert target.read_text()[:200].lstrip().startswith(("<?xml", "<svg"))
+
+
+# ---- kvgeom transfer ------------------------------------------------------------------------------
+
+def test_transfer_without_executor_names_the_extra(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = cli._optional
+    monkeypatch.setattr(cli, "_optional", lambda m: None if m == "kvgeom_nixl.cli" else real(m))
+    monkeypatch.setattr(cli, "_missing_modules", lambda names: [])
+    rc, _, err = _run(capsys, "transfer", "--tokens", "16")
+    assert rc == 2 and 'pip install -e ".[nixl]"' in err and "kvgeom_nixl" in err
+    monkeypatch.setattr(cli, "_missing_modules", lambda names: ["nixl"])
+    rc, _, err = _run(capsys, "transfer")
+    assert rc == 2 and "needs nixl" in err and 'pip install -e ".[nixl]"' in err
+
+
+def test_transfer_hands_its_arguments_to_the_executor(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, Any] = {}
+
+    class FakeExecutor:
+        @staticmethod
+        def run_transfer(args: Any) -> int:
+            seen.update(vars(args))
+            return 0
+
+    real = cli._optional
+    monkeypatch.setattr(cli, "_optional", lambda m: FakeExecutor if m == "kvgeom_nixl.cli" else real(m))
+    monkeypatch.setattr(cli, "_missing_modules", lambda names: [])
+    rc, _, _ = _run(capsys, "transfer", "--preset", "nemotron-h-tp1-tp4", "--tokens", "64", "--push",
+                    "--mode", "prepped", "--json", "--timeout", "5")
+    assert rc == 0
+    assert (seen["preset"], seen["tokens"], seen["push"], seen["mode"], seen["json"], seen["timeout"]) == (
+        "nemotron-h-tp1-tp4", 64, True, "prepped", True, 5.0)
+    assert seen["prefix"] is None and seen["layers"] is None and seen["strategy"] == "direct"
+
+
+# ---- registry, help, entry points ----------------------------------------------------------------
+
+def test_no_command_prints_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _run(capsys)
+    assert rc == 2 and "plan" in out and "presets" in out
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _run(capsys, "plan", "--help")
+    assert rc == 0 and "--strategy" in out and "--pair" in out and "--svg" in out
+
+
+def test_lazy_command_module_is_loaded_only_when_chosen(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "kvgeom_fake_cmd.py").write_text(textwrap.dedent("""
+        LOADED = True
+
+        def add_arguments(parser):
+            parser.add_argument("--answer", type=int, default=0)
+
+        def run(args):
+            print(f"answer {args.answer}")
+            return args.answer
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(COMMANDS, "fake", Command("a test command", module="kvgeom_fake_cmd"))
+    monkeypatch.setitem(COMMANDS, "ghost", Command("a module that is not installed", module="kvgeom_no_such_cmd"))
+    rc, out, _ = _run(capsys, "presets")
+    assert rc == 0 and "kvgeom_fake_cmd" not in sys.modules
+    rc, out, _ = _run(capsys, "--help")
+    assert "fake" in out and "ghost" not in out and "kvgeom_fake_cmd" not in sys.modules
+    rc, out, _ = _run(capsys, "fake", "--answer", "3")
+    assert rc == 3 and out.strip() == "answer 3"
+    monkeypatch.delitem(sys.modules, "kvgeom_fake_cmd")
+
+
+def test_python_dash_m_kvgeom() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvgeom", "plan", "--preset", "unpairable-fp8", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert json.loads(done.stdout)["pairable"] is False
