@@ -102,12 +102,13 @@ class SideView:
 
 def _bases(segs: Segments, k: int, side: SideView, reg: np.ndarray, off: np.ndarray,
            head0: int) -> tuple[np.ndarray, np.ndarray]:
-    """Base offsets (segment x layer, flattened) and their regions for side ``k``."""
+    """Base offsets and their regions for side ``k``, layer-major (layer outer, segment inner), so
+    that rows come out in long runs of the plan's sorted order (region, then offset)."""
     lay = side.layout
     start = segs.page[k][:, None] * side.page_bytes[reg][None, :] + off[None, :] \
         + head0 * lay.head_stride + side.slot_offset(segs.slot[k])[:, None]
     regions = np.broadcast_to(reg[None, :], start.shape)
-    return start.ravel(), regions.ravel()
+    return start.T.ravel(), regions.T.ravel()
 
 
 def _by_length(segs: Segments) -> list[tuple[int, Segments]]:

@@ -38,12 +38,14 @@ def _merge(keys: list[np.ndarray], starts: list[np.ndarray], nbytes: np.ndarray)
         cont &= s[1:] == s[:-1] + nbytes[:-1]
     new[1:] = ~cont
     heads = np.flatnonzero(new)
-    sums = np.add.reduceat(nbytes, heads) if n else nbytes
+    if len(heads) == n:
+        return heads, nbytes
+    sums = np.add.reduceat(nbytes, heads)
     return heads, sums
 
 
-def _order(keys: list[np.ndarray], offset: np.ndarray) -> np.ndarray:
-    """Row order sorted by ``keys`` (most significant first), then ``offset``.
+def _order(keys: list[np.ndarray], offset: np.ndarray) -> np.ndarray | None:
+    """Row order sorted by ``keys`` (most significant first), then ``offset``; None if already so.
 
     Packs everything into one int64 key when it fits (one argsort instead of a lexsort).
     """
@@ -57,7 +59,7 @@ def _order(keys: list[np.ndarray], offset: np.ndarray) -> np.ndarray:
     if span * width < 1 << 62:
         packed = packed * width + offset
         if np.all(packed[1:] >= packed[:-1]):
-            return np.arange(len(offset))
+            return None
         return np.argsort(packed, kind="stable")
     return np.lexsort((offset, packed))
 
@@ -67,8 +69,10 @@ def coalesce(copies: Copies) -> Copies:
     if len(copies) == 0:
         return copies
     order = _order([copies.d_rank, copies.d_region, copies.p_rank, copies.p_region], copies.d_offset)
-    c = copies.take(order)
+    c = copies if order is None else copies.take(order)
     heads, sums = _merge([c.d_rank, c.d_region, c.p_rank, c.p_region], [c.p_offset, c.d_offset], c.nbytes)
+    if len(heads) == len(c):
+        return c
     return Copies(c.p_rank[heads], c.p_region[heads], c.p_offset[heads], c.d_rank[heads], c.d_region[heads],
                   c.d_offset[heads], sums)
 
@@ -80,6 +84,9 @@ def coalesce_zeros(zeros: Zeros) -> Zeros:
     """
     if len(zeros) == 0:
         return zeros
-    z = zeros.take(_order([zeros.d_rank, zeros.d_region], zeros.d_offset))
+    order = _order([zeros.d_rank, zeros.d_region], zeros.d_offset)
+    z = zeros if order is None else zeros.take(order)
     heads, sums = _merge([z.d_rank, z.d_region], [z.d_offset], z.nbytes)
+    if len(heads) == len(z):
+        return z
     return Zeros(z.d_rank[heads], z.d_region[heads], z.d_offset[heads], sums)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import numpy as np
 
 from .errors import IncompatibleGeometry, RequestError
 from .geometry import EngineGeometry
@@ -131,7 +132,6 @@ class Pair:
             raise RequestError("Request.prefix_hit_tokens", f"S={S} is not on a decode block boundary "
                                f"({bd} tokens per logical block)", actual=S, expected=f"a multiple of {bd}",
                                fix=f"round S down to {S // bd * bd}")
-        owners: dict[tuple[str, int, int], int] = {}  # (side, region, logical block) -> group
         for gi, (spec, gr) in enumerate(zip(groups, request.groups)):
             for side_name in ("prefill", "decode"):
                 eng = self.side(side_name)
@@ -163,15 +163,40 @@ class Pair:
                     raise RequestError(f"{path}.block_ids", f"block id {bad[0]} is outside the {nblocks} logical "
                                        f"blocks of {side_name}'s regions", actual=bad[0],
                                        expected=f"0 <= id < {nblocks}", fix="use ids of this engine's block pool")
-                for region in eng.group_regions(gi):
-                    for b in ids:
-                        other = owners.setdefault((side_name, region, b), gi)
-                        if other != gi:
-                            raise RequestError(f"{path}.block_ids", f"block {b} of region {region} is also listed by "
-                                               f"group {other} ({groups[other].name}); groups sharing a region "
-                                               "must use distinct blocks", actual=b,
-                                               expected="ids no other group of the region lists",
-                                               fix="give every group its own blocks from the shared pool")
+
+        for side_name in ("prefill", "decode"):
+            self._check_shared_blocks(request, side_name)
+
+    def _check_shared_blocks(self, request: Request, side_name: str) -> None:
+        """Groups that share a region (the hybrid overlay) must list distinct blocks."""
+        eng = self.side(side_name)
+        users: dict[int, list[int]] = {}
+        for gi in range(len(self.model.groups)):
+            for region in eng.group_regions(gi):
+                users.setdefault(region, []).append(gi)
+        seen: set[tuple[int, ...]] = set()
+        for region, gis in users.items():
+            if len(gis) < 2 or tuple(gis) in seen:
+                continue
+            seen.add(tuple(gis))
+            ids, owner = [], []
+            for gi in gis:
+                listing = getattr(request.groups[gi], side_name)
+                got = listing.block_ids if isinstance(listing, BlockList) else listing.slot_ids
+                ids.append(np.asarray(got, np.int64))
+                owner.append(np.full(len(got), gi, np.int64))
+            all_ids, all_owner = np.concatenate(ids), np.concatenate(owner)
+            order = np.argsort(all_ids, kind="stable")
+            a, o = all_ids[order], all_owner[order]
+            clash = np.flatnonzero((a[1:] == a[:-1]) & (o[1:] != o[:-1]))
+            if clash.size:
+                i = int(clash[0])
+                b, first, second = int(a[i]), int(o[i]), int(o[i + 1])
+                raise RequestError(f"Request.groups[{second}]({self.model.groups[second].name}).{side_name}.block_ids",
+                                   f"block {b} of region {region} is also listed by group {first} "
+                                   f"({self.model.groups[first].name}); groups sharing a region must use distinct "
+                                   "blocks", actual=b, expected="ids no other group of the region lists",
+                                   fix="give every group its own blocks from the shared pool")
 
     def plan(self, request: Request, *, strategy: str = "direct", **kwargs: Any) -> Any:
         """Plan ``request`` for this pair (:func:`kvgeom.planner.plan_pair`)."""

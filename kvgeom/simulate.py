@@ -207,7 +207,7 @@ class ViolationKind(str, enum.Enum):
     """What is wrong; plan-level kinds first, then content kinds (checked on D bytes)."""
 
     OUT_OF_BOUNDS = "out_of_bounds"  # a rank, region, page or byte range outside the engine
-    FOREIGN_WRITE = "foreign_write"  # a D write outside the request's listed D pages
+    FOREIGN_WRITE = "foreign_write"  # a D write outside the request's listed D pages (or into held prefix pages)
     FOREIGN_READ = "foreign_read"  # a P read outside the listed P pages (or a rearrange read outside D's)
     OVERLAPPING_WRITE = "overlapping_write"  # two copies (or two rearrange elements) write one D byte
     NOT_MINIMAL = "not_minimal"  # two copies (or two zeros) could merge
@@ -464,6 +464,27 @@ def listed_pages(engine: EngineGeometry, request: Request, side: str) -> dict[in
                                    fix="give groups that share a region distinct block ids")
             own[pages] = g
     return {r: own >= 0 for r, own in owner.items()}
+
+
+def writable_pages(engine: EngineGeometry, request: Request) -> dict[int, np.ndarray]:
+    """D's listed pages minus the attention pages D already holds whole (the prefix ``[0, S)``).
+
+    ``S`` lies on a D logical-block boundary, so a listed block is either entirely before ``S``
+    (held: a plan must not write it, even with identical bytes) or entirely from ``S`` on.
+    """
+    out = {r: m.copy() for r, m in listed_pages(engine, request, "decode").items()}
+    ppl, B, S = engine.blocks_per_logical, engine.logical_block_tokens, request.prefix_hit_tokens
+    for g in range(len(engine.model.groups)):
+        listing = _listing(request, g, "decode")
+        if not isinstance(listing, BlockList):
+            continue
+        held = [b for i, b in enumerate(listing.block_ids) if listing.first_token + (i + 1) * B <= S]
+        if not held:
+            continue
+        pages = (np.asarray(held, dtype=np.int64)[:, None] * ppl + np.arange(ppl)).ravel()
+        for r in engine.group_regions(g):
+            out[r][pages] = False
+    return out
 
 
 def _check_request(pair: Pair, request: Request) -> None:
@@ -870,7 +891,7 @@ def _plan_checks(pair: Pair, request: Request, plan: TransferPlan, replan: Trans
     P, D = pair.prefill, pair.decode
     copy_bad, zero_bad, rearr_bad = _out_of_bounds(P, D, plan, sink)
     p_allowed = listed_pages(P, request, "prefill")
-    d_allowed = listed_pages(D, request, "decode")
+    d_allowed = writable_pages(D, request)
     c, z = plan.copies, plan.zeros
     ck, zk = ~copy_bad, ~zero_bad
     _confined(sink, ViolationKind.FOREIGN_WRITE, "decode", D, request, d_allowed, "copy", ck,

@@ -293,8 +293,10 @@ def test_prefix_hit_passes() -> None:
 
 def test_zero_over_a_prefix_token_is_clobbered() -> None:
     report = simulate(tiny_pair(), tiny_request(S=4), whole_plan(PREFIX, [(0, 0, D_IDS[0] * PAGE, TOK)]))
-    assert kinds(report) == {V.CLOBBERED}  # the page is listed: no FOREIGN_WRITE, but its bytes changed
-    assert report.violations[0].offset == D_IDS[0] * PAGE
+    # the page is listed but D already holds it (tokens [0, S)): writing it is a FOREIGN_WRITE at plan
+    # level, and the content check sees the prefix bytes changed
+    assert kinds(report) == {V.CLOBBERED, V.FOREIGN_WRITE}
+    assert {v.offset for v in report.violations} == {D_IDS[0] * PAGE}
 
 
 # ---- tokens P does not list are zeroed, not copied ------------------------------------------
@@ -739,3 +741,28 @@ def test_ten_thousand_tokens_eight_layers_tp2_to_tp4() -> None:
     assert report.bytes_checked == 4 * 8 * 640 * d_page
     broken = make_plan(2, 4, rows[1:], zero_rows)
     assert kinds(simulate(pair, req, broken)) == {V.MISSING}
+
+
+def test_rewriting_a_held_prefix_page_is_a_foreign_write_even_with_identical_bytes() -> None:
+    """D lists a block it already holds (tokens [0, S)); copying the same bytes into it again is
+    invisible in memory but breaks invariant 1, so the plan-level check reports it."""
+    from kvgeom import EngineGeometry, Pair, fresh_request
+    from kvgeom.planner import plan_pair
+
+    m = ModelSpec("g", [AttentionSpec("attn", "full", 1, 2, 8)])
+    e = EngineGeometry.build(m, tp=1, kernel_block_tokens=4, num_blocks=8)
+    pair = Pair(e.with_name("prefill"), e.with_name("decode"))
+    req = fresh_request(pair, 12, prefix_hit_tokens=4)
+    # D lists from token 4 here; list the held block too (block 7 holds tokens [0, 4))
+    g = req.groups[0]
+    assert isinstance(g.decode, BlockList)
+    req = Request(12, [GroupRequest(g.prefill, BlockList((7,) + g.decode.block_ids, 0))], 4)
+    plan = plan_pair(pair, req)
+    assert_ok(simulate(pair, req, plan))
+    page = e.regions[0].page_bytes
+    # add a copy of P's tokens [0, 4) (P block 0 = page 0) into D's held page 7
+    extra = Copies([0], [0], [0], [0], [0], [7 * page], [page])
+    bad = TransferPlan(1, 1, Copies.concat([plan.copies, extra]), plan.zeros)
+    report = simulate(pair, req, bad)
+    assert kinds(report) == {V.FOREIGN_WRITE}
+    assert report.of_kind(V.FOREIGN_WRITE)[0].offset == 7 * page
