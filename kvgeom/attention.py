@@ -78,6 +78,10 @@ class SideView:
         """Byte offset of token slot ``slot`` inside a page (before head and plane terms)."""
         return slot * self.layout.token_stride
 
+    def head_offset(self, head: int) -> int:
+        """Byte offset of local head ``head`` inside a page (the first head a source fills)."""
+        return head * self.layout.head_stride
+
     def planes_share_region(self) -> bool:
         return all(len(set(v.regions)) == 1 for v in self.views)
 
@@ -104,9 +108,8 @@ def _bases(segs: Segments, k: int, side: SideView, reg: np.ndarray, off: np.ndar
            head0: int) -> tuple[np.ndarray, np.ndarray]:
     """Base offsets and their regions for side ``k``, layer-major (layer outer, segment inner), so
     that rows come out in long runs of the plan's sorted order (region, then offset)."""
-    lay = side.layout
     start = segs.page[k][:, None] * side.page_bytes[reg][None, :] + off[None, :] \
-        + head0 * lay.head_stride + side.slot_offset(segs.slot[k])[:, None]
+        + side.head_offset(head0) + side.slot_offset(segs.slot[k])[:, None]
     regions = np.broadcast_to(reg[None, :], start.shape)
     return start.T.ravel(), regions.T.ravel()
 

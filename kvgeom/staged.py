@@ -7,6 +7,7 @@ order of modes, in sub-pages of ``K_s = min(K_p, K_d)`` tokens, so each P page s
 
     P page (HND, K_p = 4)        [K: h0 t0..3 | h1 t0..3][V: h0 t0..3 | h1 t0..3]
     D page, arrived (K_d = 8)    [ sub 0 = P page 5, HND ][ sub 1 = P page 1, HND ]   2 copies
+    (P TP > D TP: inside a sub-page each P rank's heads form one block, so its page lands whole)
     rearrange (per D page)       arrived (sub, kv, head, token) -> D's NHD (kv, token, head)
     zeros                        afterwards, in D's final layout
 
@@ -39,11 +40,13 @@ __all__ = ["Arrival", "arrival", "plan_staged_group"]
 class Arrival:
     """How bytes land in a D page under the staged strategy (one group, one engine pair)."""
 
-    layout: PageLayout  # arrived strides of (kv, head, token) inside one sub-page
+    layout: PageLayout  # arrived strides of (kv, head within a head group, token) in a sub-page
     sub_tokens: int  # K_s = min(K_p, K_d)
     sub_bytes: int  # bytes of one sub-page
     sub_pages: int  # K_d // K_s
     planes_in_page: int  # 2 when D packs K and V in one page, else 1
+    group_heads: int  # heads of one source P rank (a head group); all of D's heads when one source
+    group_bytes: int  # bytes of one head group inside a sub-page
 
 
 def _dense(sizes_strides: list[tuple[int, int]], unit: int) -> bool:
@@ -72,11 +75,15 @@ def arrival(P: EngineGeometry, D: EngineGeometry, group: int) -> Arrival | str:
     if not _dense(d_modes, hb):
         return "D's page layout is not dense, so arrived bytes could not be permuted in place"
     Ks = min(Kp, Kd)
+    # When several P ranks fill one D page (P TP > D TP), each P rank's heads form a group that
+    # lands as one block: (group, then P's order inside the group).
+    hp = P.local_heads(group)
+    gh = hp if (not spec.replicated and P.tp <= spec.num_kv_heads and hp < hd and hd % hp == 0) else hd
     # P's mode order, innermost first (smallest P stride); K/V in separate P regions: kv outermost
     p_order = sorted(["head", "token"] + (["kv"] if spec.planes == 2 else []),
                      key=lambda m: {"head": pl.head_stride, "token": pl.token_stride,
                                     "kv": pl.kv_stride if pl.kv_stride else 1 << 62}[m])
-    size = {"head": hd, "token": Ks, "kv": planes_in_page}
+    size = {"head": gh, "token": Ks, "kv": planes_in_page}
     stride = {"kv": 0}
     cur = hb
     for m in p_order:
@@ -85,7 +92,7 @@ def arrival(P: EngineGeometry, D: EngineGeometry, group: int) -> Arrival | str:
         stride[m] = cur
         cur *= size[m]
     return Arrival(PageLayout(kv_stride=stride["kv"], head_stride=stride["head"], token_stride=stride["token"]),
-                   Ks, cur, Kd // Ks, planes_in_page)
+                   Ks, cur * (hd // gh), Kd // Ks, planes_in_page, gh, cur)
 
 
 class ArrivedView(SideView):
@@ -98,6 +105,10 @@ class ArrivedView(SideView):
     def slot_offset(self, slot: np.ndarray) -> np.ndarray:
         a = self.arr
         return (slot // a.sub_tokens) * a.sub_bytes + (slot % a.sub_tokens) * a.layout.token_stride
+
+    def head_offset(self, head: int) -> int:
+        a = self.arr
+        return (head // a.group_heads) * a.group_bytes + (head % a.group_heads) * a.layout.head_stride
 
     def linear(self) -> bool:
         return False
@@ -121,16 +132,16 @@ def plan_staged_group(pair: Pair, request: Request, group: int) -> tuple[Copies,
     final = SideView(D, group)
     fl = final.layout
     a = arr.layout
-    # one rearrange shape for the whole page: (sub-page, [plane,] head, token)
-    shape = [arr.sub_pages]
-    src = [arr.sub_bytes]
-    dst = [arr.sub_tokens * fl.token_stride]
+    # one rearrange shape for the whole page: (sub-page, head group, [plane,] head, token)
+    hd = D.local_heads(group)
+    shape = [arr.sub_pages, hd // arr.group_heads]
+    src = [arr.sub_bytes, arr.group_bytes]
+    dst = [arr.sub_tokens * fl.token_stride, arr.group_heads * fl.head_stride]
     if arr.planes_in_page == 2:
         shape.append(2)
         src.append(a.kv_stride)
         dst.append(fl.kv_stride)
-    hd = D.local_heads(group)
-    shape += [hd, arr.sub_tokens]
+    shape += [arr.group_heads, arr.sub_tokens]
     src += [a.head_stride, a.token_stride]
     dst += [fl.head_stride, fl.token_stride]
     identity = all(s == t for n, s, t in zip(shape, src, dst) if n > 1)
