@@ -5,6 +5,7 @@ Pure arithmetic on integers and numpy arrays: importing kvgeom never imports tor
 
 from __future__ import annotations
 
+from .coalesce import coalesce, coalesce_zeros
 from .errors import GeometryError, IncompatibleGeometry, KvGeomError, PlanError, RequestError
 from .geometry import (
     AttentionGroupGeometry,
@@ -19,7 +20,6 @@ from .geometry import (
 )
 from .model import AttentionSpec, GroupKind, ModelSpec, StateSection, StateSpec
 from .pair import Compatibility, Pair, fresh_request, incompatibilities, pairable
-from .coalesce import coalesce, coalesce_zeros
 from .plan import Copies, Rearrange, TransferPlan, Zeros
 from .planner import STRATEGIES, CostModel, plan_pair, plan_transfer
 from .request import BlockList, GroupRequest, Request, StateSlots

@@ -24,13 +24,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ._rows import Rows
 from .align import Segments, SideTokens, segments
 from .geometry import AttentionGroupGeometry, EngineGeometry, PageLayout
 from .model import AttentionSpec
 from .pair import Pair
 from .plan import Copies, Zeros
 from .request import BlockList, Request
-from .runs import Mode, strided_rows
+from .runs import Mode, fold_modes, strided_rows
 from .shard import owned_slice, sources
 
 __all__ = ["needed_tokens", "zero_intervals", "plan_attention_group", "SideView"]
@@ -119,12 +120,67 @@ def _by_length(segs: Segments) -> list[tuple[int, Segments]]:
     return [(int(n), segs.take(np.flatnonzero(segs.length == n))) for n in lengths]
 
 
+def _page_runs(sub: Segments, sides: Sequence[int], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Group whole-page segments whose pages are consecutive on every side: (first index, count)."""
+    cont = sub.start[1:] == sub.start[:-1] + n
+    for k in sides:
+        cont &= sub.page[k][1:] == sub.page[k][:-1] + 1
+    heads = np.flatnonzero(np.concatenate(([True], ~cont)))
+    counts = np.diff(np.concatenate((heads, [len(sub)])))
+    return heads, counts
+
+
+def _emit(rows: Rows, sub: Segments, n: int, views: Sequence[tuple[int, SideView, np.ndarray, np.ndarray, int]],
+          modes: list[Mode], unit: int, ranks: tuple[int, int], materialize: bool = True) -> int:
+    """Rows for segments ``sub`` (all of length ``n``) x layers x the unfolded modes.
+
+    ``views`` holds, per side, (segment side index, view, layer regions, layer offsets, first
+    head). When every mode folds into one run that is exactly a whole page at offset 0 on every
+    side, consecutive pages collapse first: one row per run of pages, not per page.
+    Returns the number of rows (adding them to ``rows`` when ``materialize``).
+    """
+    run, rest = fold_modes(unit, modes)
+    whole_pages = not rest and all(
+        n == side.engine.kernel_block_tokens and np.all(off == 0) and np.all(side.page_bytes[reg] == run)
+        for _, side, reg, off, _ in views)
+    if whole_pages:
+        first, count = _page_runs(sub, [k for k, *_ in views], n)
+        sub = sub.take(first)
+    layers = len(views[0][2])
+    per = 1
+    for size, _ in rest:
+        per *= size
+    total = len(sub) * layers * per
+    if not materialize or total == 0:
+        return total
+    bases, regions = [], []
+    for k, side, reg, off, head0 in views:
+        b, r = _bases(sub, k, side, reg, off, head0)
+        bases.append(b)
+        regions.append(r)
+    offsets, run, per = strided_rows(unit, modes, bases)
+    if whole_pages:
+        nbytes = np.tile(count * run, layers)  # layer-major bases: segment index inner
+    else:
+        nbytes = np.asarray(run, np.int64)
+    if len(views) == 2:
+        rows.add(ranks[0], np.repeat(regions[0], per), offsets[0], ranks[1], np.repeat(regions[1], per), offsets[1],
+                 np.repeat(nbytes, per) if nbytes.ndim else nbytes)
+    else:
+        rows.add(0, 0, 0, ranks[1], np.repeat(regions[0], per), offsets[0],
+                 np.repeat(nbytes, per) if nbytes.ndim else nbytes)
+    return total
+
+
 def plan_attention_group(pair: Pair, request: Request, group: int, *,
-                         landing: SideView | None = None) -> tuple[Copies, Zeros, list[str]]:
-    """Uncoalesced direct copies and zeros of one attention group, plus notes on the choices.
+                         landing: SideView | None = None,
+                         materialize: bool = True) -> tuple[Copies, Zeros, list[str], int]:
+    """Uncoalesced direct copies and zeros of one attention group, notes on the choices, and the
+    number of copy rows before coalescing.
 
     ``landing`` replaces D's own layout as the place copies land (the staged strategy's
-    "arrived" layout); zeros are always in D's own layout.
+    "arrived" layout); zeros are always in D's own layout. ``materialize=False`` only counts the
+    copy rows (the auto strategy's estimate) and returns empty columns.
     """
     spec = pair.model.groups[group]
     assert isinstance(spec, AttentionSpec)  # noqa: S101 - dispatched on kind
@@ -137,7 +193,8 @@ def plan_attention_group(pair: Pair, request: Request, group: int, *,
     lo, hi = needed_tokens(request, pair, group)
     notes: list[str] = []
 
-    copy_parts: list[Copies] = []
+    copies = Rows()
+    n_copies = 0
     planes_inner = spec.planes > 1 and ps.planes_share_region() and ds.planes_share_region()
     plane_sets: Sequence[tuple[int, ...]] = [(0,)] if spec.planes == 1 or planes_inner else [(0,), (1,)]
     segs = segments(lo, hi, [ps.tokens(g.prefill), ds.tokens(g.decode)])
@@ -148,33 +205,32 @@ def plan_attention_group(pair: Pair, request: Request, group: int, *,
     else:
         notes.append(f"{spec.name}: no token is both listed by P (computed) and needed by D")
     by_len = _by_length(segs)
+    layer_arrays = {(side, plane): view.layer_arrays(plane) for side, view in (("p", ps), ("d", ds))
+                    for plane in range(spec.planes)}
     for d in range(D.tp):
         d_slice = owned_slice(H, D.tp, d, replicated=spec.replicated)
         srcs = sources(H, p_tp=P.tp, p_replicated=spec.replicated, d_tp=D.tp, d_rank=d,
                        d_replicated=spec.replicated)
-        if hi > lo and (d < 4 or d == D.tp - 1):
+        if materialize and hi > lo and (d < 4 or d == D.tp - 1):
             notes.append(f"{spec.name}: D rank {d} heads {d_slice} <- " +
                          ", ".join(f"P{s.p_rank} {s.items}" for s in srcs))
         for src in srcs:
             p_slice = owned_slice(H, P.tp, src.p_rank, replicated=spec.replicated)
             hp0, hd0, nh = src.items.start - p_slice.start, src.items.start - d_slice.start, src.items.size
             for planes in plane_sets:
-                preg, poff = ps.layer_arrays(planes[0])
-                dreg, doff = ds.layer_arrays(planes[0])
+                preg, poff = layer_arrays[("p", planes[0])]
+                dreg, doff = layer_arrays[("d", planes[0])]
                 for n, sub in by_len:
-                    bp, rp = _bases(sub, 0, ps, preg, poff, hp0)
-                    bd, rd = _bases(sub, 1, ds, dreg, doff, hd0)
                     cmodes: list[Mode] = [(n, (ps.layout.token_stride, ds.layout.token_stride)),
-                             (nh, (ps.layout.head_stride, ds.layout.head_stride))]
+                                          (nh, (ps.layout.head_stride, ds.layout.head_stride))]
                     if planes_inner:
                         cmodes.append((spec.planes, (ps.layout.kv_stride, ds.layout.kv_stride)))
-                    (op, od), run, per = strided_rows(hb, cmodes, [bp, bd])
-                    rows = len(op)
-                    copy_parts.append(Copies(
-                        np.full(rows, src.p_rank, np.int64), np.repeat(rp, per), op,
-                        np.full(rows, d, np.int64), np.repeat(rd, per), od, np.full(rows, run, np.int64)))
+                    n_copies += _emit(copies, sub, n, [(0, ps, preg, poff, hp0), (1, ds, dreg, doff, hd0)],
+                                      cmodes, hb, (src.p_rank, d), materialize)
+    if not materialize:
+        return Copies.empty(), Zeros.empty(), notes, n_copies
 
-    zero_parts: list[Zeros] = []
+    zeros = Rows()
     d_planes_inner = spec.planes > 1 and ds_final.planes_share_region()
     d_plane_sets: Sequence[tuple[int, ...]] = [(0,)] if spec.planes == 1 or d_planes_inner else [(0,), (1,)]
     h_local = D.local_heads(group)
@@ -184,13 +240,13 @@ def plan_attention_group(pair: Pair, request: Request, group: int, *,
         for planes in d_plane_sets:
             dreg, doff = ds_final.layer_arrays(planes[0])
             for n, sub in _by_length(zsegs):
-                bd, rd = _bases(sub, 0, ds_final, dreg, doff, 0)
                 modes: list[Mode] = [(n, (ds_final.layout.token_stride,)), (h_local, (ds_final.layout.head_stride,))]
                 if d_planes_inner:
                     modes.append((spec.planes, (ds_final.layout.kv_stride,)))
-                (od,), run, per = strided_rows(hb, modes, [bd])
-                rows = len(od)
-                for d in range(D.tp):
-                    zero_parts.append(Zeros(np.full(rows, d, np.int64), np.repeat(rd, per), od,
-                                            np.full(rows, run, np.int64)))
-    return Copies.concat(copy_parts), Zeros.concat(zero_parts), notes
+                one = Rows()
+                _emit(one, sub, n, [(0, ds_final, dreg, doff, 0)], modes, hb, (0, 0))
+                if one.count:
+                    z = one.zeros()
+                    for d in range(D.tp):
+                        zeros.add(0, 0, 0, d, z.d_region, z.d_offset, z.nbytes)
+    return copies.copies(), zeros.zeros(), notes, n_copies

@@ -58,6 +58,7 @@ __all__ = [
     "reason_key",
 ]
 
+CHUNK_EXAMPLES = 5000  # examples per hypothesis run (see fuzz())
 FAILURE_KINDS = ("violation", "crash", "wrong_rejection", "reason_mismatch", "accepted_unpairable")
 
 
@@ -265,55 +266,72 @@ def fuzz(
     max_tokens: int = 64,
     mismatch_probability: float = 0.1,
     progress: TextIO | None = None,
+    transfers: Any = None,
 ) -> FuzzResult:
     """Run the fuzz property on ``examples`` hypothesis examples and return the counts and the
-    shrunk failures (empty when every example passed)."""
+    shrunk failures (empty when every example passed).
+
+    ``transfers`` replaces the default :func:`kvgeom.strategies.transfers` draw (whose pairs use
+    ``max_tokens`` and ``mismatch_probability``), e.g. to fuzz wider geometries.
+    """
     if seed is None:
         seed = random.SystemRandom().randrange(2**32)
     result = FuzzResult(seed=seed, strategies=strategies)
     bar = _Progress(progress or sys.stderr, examples, progress is not None)
-    strategy = kst.transfers(pairs=kst.pairs(mismatch_probability=mismatch_probability, max_tokens=max_tokens),
-                             max_tokens=max_tokens)
+    strategy = transfers if transfers is not None else kst.transfers(
+        pairs=kst.pairs(mismatch_probability=mismatch_probability, max_tokens=max_tokens), max_tokens=max_tokens)
     start = time.monotonic()
     shrinking = False
 
-    @hypothesis_seed(seed)
-    @settings(database=None, derandomize=False, max_examples=examples, deadline=None,
-              suppress_health_check=list(HealthCheck), phases=(Phase.generate, Phase.shrink),
-              verbosity=Verbosity.quiet, print_blob=False, report_multiple_bugs=True)
-    @given(strategy)
-    def property_(t: kst.Transfer) -> None:
-        nonlocal shrinking
-        outcome = check_transfer(t.pair.prefill, t.pair.decode, t.request, strategies)
-        if shrinking:
-            result.shrink_steps += 1
-        else:
-            result.examples += 1
-            result.plans_verified += outcome.plans
-            if outcome.kind == "rejected":
-                result.rejected += 1
-                result.reasons[reason_key(outcome.reason or "?")] += 1
-            elif outcome.kind == "verified":
-                result.verified_pairs += 1
-        if outcome.failed:
-            if not shrinking:
-                shrinking = True
-                result.seconds = time.monotonic() - start
-            sig = outcome.signature()
-            result.failures[sig] = Failure(outcome, t)  # the last call of a signature is hypothesis' minimal replay
+    def run_chunk(chunk_examples: int, chunk_seed: int) -> None:
+        @hypothesis_seed(chunk_seed)
+        @settings(database=None, derandomize=False, max_examples=chunk_examples, deadline=None,
+                  suppress_health_check=list(HealthCheck), phases=(Phase.generate, Phase.shrink),
+                  verbosity=Verbosity.quiet, print_blob=False, report_multiple_bugs=True)
+        @given(strategy)
+        def property_(t: kst.Transfer) -> None:
+            nonlocal shrinking
+            outcome = check_transfer(t.pair.prefill, t.pair.decode, t.request, strategies)
+            if shrinking:
+                result.shrink_steps += 1
+            else:
+                result.examples += 1
+                result.plans_verified += outcome.plans
+                if outcome.kind == "rejected":
+                    result.rejected += 1
+                    result.reasons[reason_key(outcome.reason or "?")] += 1
+                elif outcome.kind == "verified":
+                    result.verified_pairs += 1
+            if outcome.failed:
+                if not shrinking:
+                    shrinking = True
+                    result.seconds = time.monotonic() - start
+                sig = outcome.signature()
+                result.failures[sig] = Failure(outcome, t)  # a signature's last call is hypothesis' minimal replay
+                bar.update(result)
+                raise _failure_type(sig)(outcome.describe())
             bar.update(result)
-            raise _failure_type(sig)(outcome.describe())
-        bar.update(result)
 
+        try:
+            property_()
+        except FuzzFailure:
+            pass
+        except BaseException as e:  # an ExceptionGroup of FuzzFailures when several distinct failures were found
+            subs = getattr(e, "exceptions", None)
+            if subs is None or not all(isinstance(s, FuzzFailure) for s in subs):
+                raise
+
+    # Hypothesis keeps a tree of every example it ran; chunks of CHUNK_EXAMPLES (each with its own
+    # seed derived from ``seed``) keep that memory, and the time per example, flat on long runs.
+    chunk = 0
     try:
-        property_()
-    except FuzzFailure:
-        pass
-    except BaseException as e:  # an ExceptionGroup of FuzzFailures when several distinct failures were found
-        subs = getattr(e, "exceptions", None)
-        if subs is None or not all(isinstance(s, FuzzFailure) for s in subs):
-            bar.close()
-            raise
+        while result.examples < examples and not shrinking:
+            before = result.examples
+            chunk_seed = seed if chunk == 0 else (seed + chunk * 0x9E3779B1) % 2**32
+            run_chunk(min(CHUNK_EXAMPLES, examples - result.examples), chunk_seed)
+            chunk += 1
+            if result.examples == before:  # hypothesis found nothing new to try
+                break
     finally:
         bar.close()
     if not shrinking:

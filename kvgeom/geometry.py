@@ -23,6 +23,7 @@ Worked number: HND, 2 local heads of 256 B, K = 16, K/V packed: ``head_stride = 
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any, Literal, Union
 
 import attrs
@@ -468,6 +469,7 @@ class EngineGeometry:
         return engine_line(self)
 
 
+@functools.lru_cache(maxsize=256)
 def _section_placements(spec: StateSpec, layout: StateLayout, tp: int) -> tuple[SectionPlacement, ...]:
     locs = [local_count(s.channels, tp, replicated=s.replicated) for s in spec.sections]
     out: list[SectionPlacement] = []

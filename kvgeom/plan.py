@@ -161,6 +161,21 @@ class Zeros(_Columns):
         self._check()
 
 
+def _pages(value: Any) -> tuple[int, ...]:
+    """Kernel page ids as a tuple of ints, validated in one vectorized pass (plans list many)."""
+    arr = np.asarray(value if not isinstance(value, (int, np.integer)) else [value])
+    if arr.size == 0:
+        return ()
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise PlanError("Rearrange.pages", f"must be a sequence of integer page ids, got dtype {arr.dtype}",
+                        actual=str(arr.dtype), expected="ints >= 0", fix="pass kernel page ids as ints")
+    if int(arr.min()) < 0:
+        i = int(np.argmax(arr < 0))
+        raise PlanError(f"Rearrange.pages[{i}]", f"must be >= 0, got {int(arr[i])}", actual=int(arr[i]),
+                        expected=">= 0", fix="use kernel page ids of the D region")
+    return tuple(arr.tolist())
+
+
 @attrs.frozen
 class Rearrange:
     """An in-place permutation of bytes inside each listed D kernel page.
@@ -177,7 +192,7 @@ class Rearrange:
 
     d_rank: int
     d_region: int
-    pages: tuple[int, ...] = attrs.field(converter=int_tuple)
+    pages: tuple[int, ...] = attrs.field(converter=_pages)
     shape: tuple[int, ...] = attrs.field(converter=int_tuple)
     src_strides: tuple[int, ...] = attrs.field(converter=int_tuple)
     dst_strides: tuple[int, ...] = attrs.field(converter=int_tuple)
@@ -191,7 +206,7 @@ class Rearrange:
             check_int(f"Rearrange.{name}", getattr(self, name), minimum=0, error=PlanError)
         for name in ("unit_bytes", "page_bytes"):
             check_int(f"Rearrange.{name}", getattr(self, name), minimum=1, error=PlanError)
-        for name in ("pages", "src_strides", "dst_strides"):
+        for name in ("src_strides", "dst_strides"):
             for i, v in enumerate(getattr(self, name)):
                 check_int(f"Rearrange.{name}[{i}]", v, minimum=0, error=PlanError)
         for i, v in enumerate(self.shape):

@@ -78,24 +78,31 @@ def plan_transfer(
 
 
 def _choose(pair: Pair, request: Request, gi: int, strategy: str,
-            cost_model: CostModel) -> tuple[Copies, Zeros, list[Rearrange], list[str]]:
+            cost_model: CostModel) -> tuple[Copies, Zeros, list[Rearrange], list[str], int]:
+    """One attention group under ``strategy``. Auto compares row counts before coalescing, counted
+    without building the rows, and builds only the winner."""
     if strategy == "direct":
-        c, z, n = plan_attention_group(pair, request, gi)
-        return c, z, [], n
-    staged = plan_staged_group(pair, request, gi)
-    if strategy == "staged" or not staged[2]:
-        return staged
-    c, z, n = plan_attention_group(pair, request, gi)
-    n_direct, n_staged = len(coalesce(c)), len(coalesce(staged[0]))
-    moved = sum(r.nbytes_per_page * len(r.pages) for r in staged[2])
+        c, z, n, count = plan_attention_group(pair, request, gi)
+        return c, z, [], n, count
+    if strategy == "staged":
+        return plan_staged_group(pair, request, gi)
+    _, _, rearr, _, n_staged = plan_staged_group(pair, request, gi, materialize=False)
+    if not rearr:  # staged does not apply or equals direct
+        c, z, n, count = plan_attention_group(pair, request, gi)
+        return c, z, [], n, count
+    _, _, _, n_direct = plan_attention_group(pair, request, gi, materialize=False)
+    moved = sum(r.nbytes_per_page * len(r.pages) for r in rearr)
     cost_d, cost_s = cost_model.cost(n_direct, 0), cost_model.cost(n_staged, moved)
     name = pair.model.groups[gi].name
     why = (f"{name}: auto: direct {n_direct} copies = {cost_d * 1e6:.1f} us; staged {n_staged} copies + "
            f"{moved} B rearranged = {cost_s * 1e6:.1f} us "
-           f"({cost_model.descriptor_seconds * 1e6:g} us/descriptor, {cost_model.rearrange_bytes_per_second:.3g} B/s)")
+           f"({cost_model.descriptor_seconds * 1e6:g} us/descriptor, {cost_model.rearrange_bytes_per_second:.3g} B/s; "
+           "copies counted before coalescing)")
     if cost_s < cost_d:
-        return staged[0], staged[1], staged[2], staged[3] + [why + " -> staged"]
-    return c, z, [], n + [why + " -> direct"]
+        c, z, r, n, count = plan_staged_group(pair, request, gi)
+        return c, z, r, n + [why + " -> staged"], count
+    c, z, n, count = plan_attention_group(pair, request, gi)
+    return c, z, [], n + [why + " -> direct"], count
 
 
 def plan_pair(pair: Pair, request: Request, *, strategy: Strategy = "direct",
@@ -109,16 +116,20 @@ def plan_pair(pair: Pair, request: Request, *, strategy: Strategy = "direct",
     zeros: list[Zeros] = []
     rearranges: list[Rearrange] = []
     notes: list[str] = [f"strategy {strategy}"]
+    before = 0
     for gi, spec in enumerate(pair.model.groups):
         if isinstance(spec, AttentionSpec):
-            c, z, r, n = _choose(pair, request, gi, strategy, cost_model)
+            c, z, r, n, count = _choose(pair, request, gi, strategy, cost_model)
             zeros.append(z)
             rearranges.extend(r)
         else:
             c, n = plan_state_group(pair, request, gi)
+            count = len(c)
         copies.append(c)
         notes.extend(n)
-    raw_c, raw_z = Copies.concat(copies), Zeros.concat(zeros)
+        before += count
+    raw_c = copies[0] if len(copies) == 1 else Copies.concat(copies)
+    raw_z = zeros[0] if len(zeros) == 1 else Zeros.concat(zeros)
     return TransferPlan(
         prefill_tp=pair.prefill.tp,
         decode_tp=pair.decode.tp,
@@ -126,6 +137,6 @@ def plan_pair(pair: Pair, request: Request, *, strategy: Strategy = "direct",
         zeros=coalesce_zeros(raw_z),
         rearranges=rearranges,
         notes=tuple(notes),
-        copies_before_coalescing=len(raw_c),
+        copies_before_coalescing=before,
         zeros_before_coalescing=len(raw_z),
     )

@@ -119,16 +119,18 @@ class ArrivedView(SideView):
                           e.blocks_per_logical, False, cut_tokens=self.arr.sub_tokens)
 
 
-def plan_staged_group(pair: Pair, request: Request, group: int) -> tuple[Copies, Zeros, list[Rearrange], list[str]]:
-    """Staged copies, zeros (final layout) and rearranges of one attention group; falls back to
-    direct (no rearranges) when staging does not apply or would change nothing."""
+def plan_staged_group(pair: Pair, request: Request, group: int, *,
+                      materialize: bool = True) -> tuple[Copies, Zeros, list[Rearrange], list[str], int]:
+    """Staged copies, zeros (final layout), rearranges, notes and the copy rows before coalescing
+    of one attention group; falls back to direct (no rearranges) when staging does not apply or
+    would change nothing. ``materialize=False`` counts rows and rearranged pages only."""
     spec = pair.model.groups[group]
     assert isinstance(spec, AttentionSpec)  # noqa: S101 - dispatched on kind
     P, D = pair.prefill, pair.decode
     arr = arrival(P, D, group)
     if isinstance(arr, str):
-        c, z, notes = plan_attention_group(pair, request, group)
-        return c, z, [], notes + [f"{spec.name}: staged does not apply ({arr}); direct copies"]
+        c, z, notes, n = plan_attention_group(pair, request, group, materialize=materialize)
+        return c, z, [], notes + [f"{spec.name}: staged does not apply ({arr}); direct copies"], n
     final = SideView(D, group)
     fl = final.layout
     a = arr.layout
@@ -146,13 +148,16 @@ def plan_staged_group(pair: Pair, request: Request, group: int) -> tuple[Copies,
     dst += [fl.head_stride, fl.token_stride]
     identity = all(s == t for n, s, t in zip(shape, src, dst) if n > 1)
     if identity:
-        c, z, notes = plan_attention_group(pair, request, group)
-        return c, z, [], notes + [f"{spec.name}: arrived layout equals D's layout; staged = direct"]
-    c, z, notes = plan_attention_group(pair, request, group, landing=ArrivedView(D, group, arr))
+        c, z, notes, n = plan_attention_group(pair, request, group, materialize=materialize)
+        return c, z, [], notes + [f"{spec.name}: arrived layout equals D's layout; staged = direct"], n
+    c, z, notes, n = plan_attention_group(pair, request, group, landing=ArrivedView(D, group, arr),
+                                          materialize=materialize)
     g = request.groups[group]
     assert isinstance(g.decode, BlockList)  # noqa: S101
     lo, hi = needed_tokens(request, pair, group)
-    touched = np.unique(segments(lo, hi, [final.tokens(g.decode)]).page[0]) if hi > lo else np.zeros(0, np.int64)
+    # every D page holding a needed token (cut at every page, even where D's pages are token-major)
+    per_page = attrs.evolve(final.tokens(g.decode), linear=False)
+    touched = np.unique(segments(lo, hi, [per_page]).page[0]) if hi > lo else np.zeros(0, np.int64)
     rearranges: list[Rearrange] = []
     if len(touched):
         pages = tuple(int(p) for p in touched)
@@ -168,4 +173,4 @@ def plan_staged_group(pair: Pair, request: Request, group: int) -> tuple[Copies,
     moved = sum(r.nbytes_per_page * len(r.pages) for r in rearranges)
     notes.append(f"{spec.name}: staged: P pages land in sub-pages of {arr.sub_tokens} tokens in P's mode order, "
                  f"then {len(rearranges)} rearranges move {moved} B into D's layout")
-    return c, z, rearranges, notes
+    return c, z, rearranges, notes, n

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._rows import Rows
+from .geometry import StateGroupGeometry
 from .model import StateSpec
 from .pair import Pair
 from .plan import Copies
 from .request import Request, StateSlots
-from .runs import strided_rows
+from .runs import Mode, strided_rows
 from .shard import owned_slice, sources
 
 __all__ = ["paired_slots", "plan_state_group"]
@@ -63,7 +65,21 @@ def plan_state_group(pair: Pair, request: Request, group: int) -> tuple[Copies, 
     p_slots = np.array([p for p, _, _ in paired], np.int64)
     d_slots = np.array([d for _, d, _ in paired], np.int64)
     p_places, d_places = P.state_sections(group), D.state_sections(group)
-    parts: list[Copies] = []
+    pgeo, dgeo = P.groups[group], D.groups[group]
+    assert isinstance(pgeo, StateGroupGeometry) and isinstance(dgeo, StateGroupGeometry)  # noqa: S101
+    # per layer: region, and the start of the layer's state inside a slot's logical page
+    p_reg = np.array([v.region for v in pgeo.views], np.int64)
+    d_reg = np.array([v.region for v in dgeo.views], np.int64)
+    p_lpb = np.array([P.logical_page_bytes(r) for r in range(len(P.regions))], np.int64)[p_reg]
+    d_lpb = np.array([D.logical_page_bytes(r) for r in range(len(D.regions))], np.int64)[d_reg]
+    p_view = np.array([v.offset for v in pgeo.views], np.int64)
+    d_view = np.array([v.offset for v in dgeo.views], np.int64)
+    # slot x layer, layer-major like the attention rows
+    p_base = (p_slots[None, :] * p_lpb[:, None] + p_view[:, None]).ravel()
+    d_base = (d_slots[None, :] * d_lpb[:, None] + d_view[:, None]).ravel()
+    p_regs = np.repeat(p_reg, len(paired))
+    d_regs = np.repeat(d_reg, len(paired))
+    rows = Rows()
     for si, sec in enumerate(spec.sections):
         pp, dp = p_places[si], d_places[si]
         for d in range(D.tp):
@@ -72,14 +88,11 @@ def plan_state_group(pair: Pair, request: Request, group: int) -> tuple[Copies, 
                                d_replicated=sec.replicated):
                 p_slice = owned_slice(sec.channels, P.tp, src.p_rank, replicated=sec.replicated)
                 pc0, dc0 = src.items.start - p_slice.start, src.items.start - d_slice.start
-                for layer in range(spec.num_layers):
-                    rp, bp = P.state_address(group, layer, si, p_slots, pc0, 0)
-                    rd, bd = D.state_address(group, layer, si, d_slots, dc0, 0)
-                    modes = [(src.items.size, (pp.channel_stride, dp.channel_stride)),
-                             (sec.rows, (pp.row_stride, dp.row_stride))]
-                    (op, od), run, _ = strided_rows(sec.unit_bytes, modes, [bp, bd])
-                    rows = len(op)
-                    parts.append(Copies(np.full(rows, src.p_rank, np.int64), np.full(rows, rp, np.int64), op,
-                                        np.full(rows, d, np.int64), np.full(rows, rd, np.int64), od,
-                                        np.full(rows, run, np.int64)))
-    return Copies.concat(parts), notes
+                modes: list[Mode] = [(src.items.size, (pp.channel_stride, dp.channel_stride)),
+                                     (sec.rows, (pp.row_stride, dp.row_stride))]
+                (op, od), run, per = strided_rows(
+                    sec.unit_bytes, modes,
+                    [p_base + pp.offset + pc0 * pp.channel_stride, d_base + dp.offset + dc0 * dp.channel_stride])
+                rows.add(src.p_rank, np.repeat(p_regs, per), op, d, np.repeat(d_regs, per), od,
+                         np.asarray(run, np.int64))
+    return rows.copies(), notes

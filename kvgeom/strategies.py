@@ -5,13 +5,13 @@ strategies build the same values a connector builds (:meth:`EngineGeometry.build
 so a connector's own test can fuzz its transfers against the reference simulator::
 
     from hypothesis import given
-    from kvgeom import strategies as kst
+    from kvgeom import Pair, strategies as kst
     from kvgeom.simulate import simulate
 
     @given(kst.transfers())
     def test_my_connector(t):
         plan = my_connector_plan(t.pair.prefill, t.pair.decode, t.request)
-        assert simulate(kvgeom.Pair(*t.pair), t.request, plan).ok
+        assert simulate(Pair(*t.pair), t.request, plan).ok
 
 Draw order follows the shrinking advice of hypothesis' docs: shared facts first (the model), then
 each side's TP, kernel page, logical block and layout, then the request (its length first, then
@@ -31,6 +31,7 @@ request plus 1 to 4 spare ones, so requests always fit and there are neighbours 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -55,6 +56,8 @@ __all__ = [
     "requests",
     "transfers",
     "blocks_for",
+    "valid_tps",
+    "hybrid_rule_ppl",
 ]
 
 KINDS = ("full", "sliding", "mla", "state")
@@ -172,10 +175,11 @@ def models(
     Group names are ``<kind><index>``. Shrinks towards one ``kinds[0]`` group of one layer, one
     head and one byte per head vector.
 
-    >>> models().example()
-    ModelSpec(name='model', groups=(AttentionSpec(name='full0', kind=<GroupKind.FULL: 'full'>, num_layers=2,
-    num_kv_heads=6, head_bytes=3, window_tokens=None), StateSpec(name='state1', num_layers=1,
-    sections=(StateSection(name='s0', channels=12, unit_bytes=5, rows=2, replicated=False),))), dtype='bfloat16')
+    One ``.example()`` output (draws are random)::
+
+        >>> models(max_groups=2).example()
+        ModelSpec(name='model', groups=(AttentionSpec(name='sliding0', kind=<GroupKind.SLIDING: 'sliding'>,
+        num_layers=2, num_kv_heads=6, head_bytes=11, window_tokens=40),), dtype='bfloat16')
     """
     kinds = _choices("kinds", kinds, KINDS)
     _int("min_groups", min_groups, 1)
@@ -215,13 +219,15 @@ def _models(draw: Any, kinds: tuple[str, ...], min_groups: int, max_groups: int,
                 ))
             groups.append(StateSpec(name, layers, tuple(sections)))
             continue
+        # every attention kind makes the same draws, so no kind is "simpler" to the shrinker than kinds[0]
         head_bytes = draw(st.integers(1, max_head_bytes))
+        heads = draw(st.integers(1, max_heads))
+        window = draw(st.integers(1, max_window_tokens))
         if kind == "mla":
             groups.append(AttentionSpec(name, "mla", layers, 1, head_bytes))
-            continue
-        heads = draw(st.integers(1, max_heads))
-        window = draw(st.integers(1, max_window_tokens)) if kind == "sliding" else None
-        groups.append(AttentionSpec(name, kind, layers, heads, head_bytes, window_tokens=window))
+        else:
+            groups.append(AttentionSpec(name, kind, layers, heads, head_bytes,
+                                        window_tokens=window if kind == "sliding" else None))
     return ModelSpec("model", tuple(groups), dtype)
 
 
@@ -316,8 +322,10 @@ def engines(
     Shrinks towards TP 1, ``kernel_tokens[0]``, ppl 1 (or the hybrid rule), ``layouts[0]``,
     ``kv[0]``, ``regions[0]``, no padding, one spare block.
 
-    >>> engines(ModelSpec("m", [AttentionSpec("attn", "full", 1, 4, 8)])).example().summary()
-    'engine: m TP2 K=12 ppl=3 (36 tok/block), NHD/kv inner, 1 region'
+    One ``.example()`` output::
+
+        >>> engines(ModelSpec("m", [AttentionSpec("attn", "full", 1, 4, 8)])).example().summary()
+        'engine: m TP8 K=4 ppl=2 (logical 8 tok) [attn:full/HND packed] 1 regions'
     """
     if not isinstance(model, (ModelSpec, st.SearchStrategy)):
         raise InvalidArgument(f"model={model!r} must be a ModelSpec or a strategy of them")
@@ -461,10 +469,12 @@ def pairs(
     differs from the prefill model in one of :data:`MISMATCHES` (see :func:`unpairable_pairs`).
     Shrinks towards two identical TP 1 engines of the smallest model.
 
-    >>> p = pairs().example()
-    >>> p.prefill.summary(), p.decode.summary()
-    ('prefill: model TP1 K=16 ppl=2 (32 tok/block), HND/kv split, 2 regions',
-     'decode: model TP4 K=4 ppl=1 (4 tok/block), NHD/kv packed, 1 region')
+    One ``.example()`` output::
+
+        >>> p = pairs(models=models(kinds=("full",), max_groups=1)).example()
+        >>> print(p.prefill.summary(), p.decode.summary(), sep="\n")
+        prefill: model TP2 K=4 ppl=3 (logical 12 tok) [full0:full/HND inner] 2 regions
+        decode: model TP3 K=12 ppl=2 (logical 24 tok) [full0:full/NHD inner] 2 regions
     """
     model_strategy = _model_strategy(models)
     p = _probability("mismatch_probability", mismatch_probability)
@@ -499,9 +509,12 @@ def unpairable_pairs(
     :class:`~kvgeom.errors.IncompatibleGeometry`. Shrinks towards a dtype mismatch of the
     smallest model.
 
-    >>> p = unpairable_pairs().example()
-    >>> str(kvgeom.pairable(*p)).splitlines()[1]
-    "  - decode.model.groups[0](full0).num_kv_heads: 3 != prefill's 1 (expected: 1; fix: total KV heads is a model fact)"
+    One ``.example()`` output::
+
+        >>> p = unpairable_pairs().example()
+        >>> print(str(kvgeom.pairable(*p)).splitlines()[1])
+          - decode.model.groups: group lists differ: only prefill has ['full1'] (expected: ['state0', 'full1'];
+          fix: configure both engines with the same KV-cache groups in the same order)
     """
     model_strategy = _model_strategy(models)
     mismatches = _choices("mismatches", mismatches, MISMATCHES)
@@ -532,14 +545,12 @@ def _pairs(draw: Any, model_strategy: st.SearchStrategy[ModelSpec], o: _EngineOp
 
 def _applicable(model: ModelSpec, kind: str) -> bool:
     attention = [g for g in model.groups if isinstance(g, AttentionSpec)]
-    if kind in ("dtype", "num_layers", "group_names"):
+    if kind in ("dtype", "num_layers", "group_names", "kind"):
         return True
     if kind == "head_bytes":
         return bool(attention)
     if kind == "num_kv_heads":
         return any(g.kind.value != "mla" for g in attention)
-    if kind == "kind":
-        return any(g.kind.value in ("full", "sliding") for g in attention) or len(model.groups) > 0
     if kind == "window_tokens":
         return any(g.kind.value == "sliding" for g in attention)
     if kind == "sections":
@@ -669,11 +680,13 @@ def requests(
     consecutive ids from 0. For engines that cannot be paired the decode ids are not checked
     against the decode pool (the planner rejects the pair before any request).
 
-    >>> pair = pairs().example()
-    >>> requests(pair).example()
-    Request(M=37, S=0, 1 group)
-      group    prefill                 decode
-      full0    blocks 5,2,9 @0         blocks 0,7,3,1,6 @0
+    One ``.example()`` output, for the pair shown under :func:`pairs` (B = 12 on P, 24 on D)::
+
+        >>> requests(p).example()
+        Request: M=48 computed tokens, S=0 prefix-hit tokens, 1 group
+          group  side     ids            count  tokens
+          g0     prefill  8, 5, 0, 6, 1      5  from 0
+          g0     decode   3, 2, 0            3  from 0
     """
     prefill = getattr(pair, "prefill", None)
     decode = getattr(pair, "decode", None)
@@ -746,12 +759,16 @@ def _requests(draw: Any, P: EngineGeometry, D: EngineGeometry, min_tokens: int, 
         listings.append(((pf, p_count), (df, d_count)))
 
     def ids_for(engine: EngineGeometry, counts: list[int], check: bool) -> list[int]:
+        # a fixed number of draws whatever the count, so shrinking M or S never runs out of choices:
+        # where the run starts, and a shuffle key (0: consecutive ids, else a seeded sample of the pool)
         n = sum(counts)
-        pool = _pool(engine) if check else max(_pool(engine), n)
-        if scattered:
-            return draw(st.lists(st.integers(0, pool - 1), unique=True, min_size=n, max_size=n))
-        start = draw(st.integers(0, pool - n))
-        return list(range(start, start + n))
+        n_max = blocks_for(P.model, engine.logical_block_tokens, max_tokens)
+        pool = _pool(engine) if check else max(_pool(engine), n_max)
+        start = min(draw(st.integers(0, max(0, pool - n_max))), pool - n)
+        key = draw(st.integers(0, 2**32 - 1)) if scattered else 0
+        if key == 0:
+            return list(range(start, start + n))
+        return random.Random(key).sample(range(pool), n)
 
     def count(shape: Any) -> int:
         return len(shape) if isinstance(shape, list) else int(shape[1])
@@ -785,9 +802,11 @@ def transfers(
     """A pair (``pairs`` default: :func:`pairs` sized for ``max_tokens``) and a :func:`requests`
     draw for it with the given keywords. Shrinks like the pair, then like the request.
 
-    >>> t = transfers().example()
-    >>> t.request.computed_tokens, t.pair.decode.tp
-    (23, 2)
+    One ``.example()`` output::
+
+        >>> t = transfers().example()
+        >>> t.request.computed_tokens, t.pair.prefill.tp, t.pair.decode.tp
+        (1, 1, 1)
     """
     _int("min_tokens", min_tokens, 0)
     _int("max_tokens", max_tokens, 1)

@@ -117,3 +117,17 @@ def test_pull_and_push_projections_cover_the_same_copies(strategy: str) -> None:
     # the D-side steps stay with the D projection
     assert sum(len(plan.for_decode_rank(x).rearranges) for x in range(d.tp)) == len(plan.rearranges)
     assert sum(len(plan.for_decode_rank(x).zeros) for x in range(d.tp)) == len(plan.zeros)
+
+
+def test_staged_rearranges_every_touched_page_of_a_token_major_d() -> None:
+    """Found by the property tests: D's pages are token-major (K/V side by side per token, one
+    head, so page_bytes == K * token_stride), tokens [0, 5) touch D pages 0 and 1; both need the
+    rearrange, although one affine segment covers them."""
+    m = ModelSpec("m", [AttentionSpec("full0", "full", 1, 1, 1)])
+    p = EngineGeometry.build(m, tp=1, kernel_block_tokens=4, num_blocks=18, name="prefill")
+    d = EngineGeometry.build(m, tp=1, kernel_block_tokens=4, num_blocks=18, kv="inner", name="decode")
+    pair = Pair(p, d)
+    req = fresh_request(pair, 5)
+    plan = pair.plan(req, strategy="staged")
+    assert {r.pages for r in plan.rearranges} == {(0, 1)}
+    assert simulate(pair, req, plan).ok
