@@ -23,15 +23,22 @@ from .pair import Compatibility, Pair, fresh_request, incompatibilities, pairabl
 from .plan import Copies, Rearrange, TransferPlan, Zeros
 from .planner import STRATEGIES, CostModel, plan_pair, plan_transfer
 from .request import BlockList, GroupRequest, Request, StateSlots
+from .serialize import SCHEMA_VERSION, SchemaError, dump_pair_file, load_pair_file
 from .shard import Slice, owned_slice, sources
 from .simulate import Memory, Report, Violation, ViolationKind, verify
+from .tiles import tile_bytes
 
 __version__ = "0.1.0"
 
 # ``kvgeom.simulate`` stays the module (the reference simulator); its ``simulate`` function is
 # ``kvgeom.simulate.simulate`` and :func:`verify` plans and simulates in one call.
 __all__ = [
+    "SCHEMA_VERSION",
     "STRATEGIES",
+    "SchemaError",
+    "dump_pair_file",
+    "load_pair_file",
+    "tile_bytes",
     "CostModel",
     "Memory",
     "Report",

@@ -16,7 +16,7 @@ Adding a subcommand: write ``add_arguments(parser)`` and ``run(args) -> int`` an
 ``Command`` to :data:`COMMANDS`; or, for a subcommand that lives in its own module, add
 ``Command(help, module="kvgeom.something")`` whose module defines ``add_arguments`` and ``run``.
 That module is imported only when its subcommand is chosen (and listed only when it exists), so
-it may import hypothesis or torch at its top. ``fuzz`` and ``bench`` are registered this way.
+it may import hypothesis or torch at its top. ``fuzz`` is registered this way (benchmarks run as ``python -m benchmarks`` from a checkout).
 Importing this module never imports torch, nixl, matplotlib or hypothesis.
 """
 
@@ -417,7 +417,6 @@ COMMANDS: dict[str, Command] = {
     "transfer": Command("run a preset's transfer with real NIXL agents on this machine and verify every D byte",
                         _transfer_arguments, _run_transfer),
     "fuzz": Command("fuzz the planner against the simulator with hypothesis", module="kvgeom.fuzz"),
-    "bench": Command("measure plan and transfer costs", module="kvgeom.bench"),
 }
 
 

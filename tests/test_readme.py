@@ -31,12 +31,36 @@ def test_nixl_extra_pins_the_same_torch() -> None:
 
 
 def test_readme_python_example_runs() -> None:
-    pytest.importorskip("kvgeom.planner", reason="kvgeom.planner (issue 3) is not in this tree yet")
-    pytest.importorskip("kvgeom.simulate", reason="kvgeom.simulate (issue 2) is not in this tree yet")
     blocks = _blocks("python")
     assert blocks, "the README has no python example"
     out = io.StringIO()
-    for code in blocks:
-        with contextlib.redirect_stdout(out):
-            exec(compile(code, str(README), "exec"), {"__name__": "readme"})  # our own README
+    with contextlib.redirect_stdout(out):
+        exec(compile(blocks[0], str(README), "exec"), {"__name__": "readme"})  # our own README
     assert "TransferPlan P TP2 -> D TP4" in out.getvalue()
+
+
+def test_readme_executor_example_pulls_a_request_with_real_nixl() -> None:
+    """The executor block runs as written after a prelude that defines its free names (a TP1 -> TP1
+    pair in CPU memory), and every D byte is then checked by the simulator."""
+    pytest.importorskip("nixl._api", reason="the executor example needs the nixl extra")
+    from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, fresh_request
+    from kvgeom.simulate import check_decode, fill_decode, fill_prefill
+    from kvgeom_nixl.local import allocate_caches, host_memory
+
+    (code,) = [b for b in _blocks("python") if "kvgeom_nixl" in b]
+    model = ModelSpec("m", [AttentionSpec("attn", "full", 2, 4, 64)])
+    prefill_geometry = EngineGeometry.build(model, tp=1, kernel_block_tokens=16, num_blocks=8, layout="NHD",
+                                            name="prefill")
+    decode_geometry = EngineGeometry.build(model, tp=1, kernel_block_tokens=8, num_blocks=16, name="decode")
+    pair = Pair(prefill_geometry, decode_geometry)
+    request = fresh_request(pair, 50)
+    p_caches, d_caches = allocate_caches(prefill_geometry), allocate_caches(decode_geometry)
+    fill_prefill(pair, request, host_memory(prefill_geometry, p_caches))
+    fill_decode(pair, request, host_memory(decode_geometry, d_caches))
+    scope = {"__name__": "readme", "prefill_geometry": prefill_geometry, "decode_geometry": decode_geometry,
+             "rank": 0, "p_cache_tensors": p_caches[0], "d_cache_tensors": d_caches[0], "request": request,
+             "recompute": lambda blocks: pytest.fail(f"transfer failed, recompute {blocks}")}
+    exec(compile(code, str(README), "exec"), scope)  # our own README
+    assert scope["result"] is not None
+    violations, checked = check_decode(pair, request, host_memory(decode_geometry, d_caches))
+    assert not violations and checked == decode_geometry.regions[0].nbytes * len(decode_geometry.regions)
