@@ -15,6 +15,8 @@ life of one request on it.
 Notifications carry the request id (``kvgeom1|pulled|<id>`` from a D rank to each P rank it read;
 ``kvgeom1|pushed|<id>`` from a P rank to each D rank it wrote); a P rank counts its consumers
 (``plan.consumers()``) and a D rank waits for every P rank it reads from (``plan.sources_of``).
+Give every attempt its own request id (a retry after a failure too): a notification that arrives
+late from a failed attempt is kept until some transfer claims its id.
 Nothing polls in the background: :meth:`Endpoint.progress` drains notifications and advances the
 endpoint's in-flight transfers, and every wait loop calls it on its own endpoint and on the
 in-process peers it is given.
@@ -168,6 +170,8 @@ class Transfer:
         blocks = _invalid_blocks(self.request) if ep.role == "decode" else {}
         self.failure = TransferFailed(self.request_id, reason, detail, invalid_blocks=blocks, kind=self.kind,
                                       role=ep.role, rank=ep.rank)
+        if self.notif_kind:  # a late notification of this attempt must not complete a retry: use a new id
+            ep._drop_notifs(self.notif_kind, self.request_id)
         ep._forget(self)
 
     def _release(self) -> None:
@@ -209,8 +213,7 @@ class Transfer:
                     h.release()
                 elif st == "PROC":
                     still.append(h)
-                else:
-                    self.handles = still + [h]
+                else:  # _fail releases every handle of self.handles (release is idempotent)
                     raise RuntimeError(f"NIXL reported {st} for a request")
             self.handles = still
             if self.expect:
@@ -395,17 +398,20 @@ class Link:
             check_in_regions(copies, [r.nbytes for r in self.pair.prefill.regions],
                              [r.nbytes for r in self.pair.decode.regions])
             peer_col, lreg, loff, rreg, roff = self._sides(copies)
+            peers = np.unique(peer_col).tolist()
+            for peer in peers:  # every peer the rows need, before anything is posted
+                self._has(peer)
             mode = t.mode
-            tables: tuple[TileTable, TileTable] | None = None
+            tile_peer = p_idx = d_idx = None
             if mode == "prepped" and len(copies):
                 try:
                     tables = (self._table(self.pair.prefill), self._table(self.pair.decode))
-                    tile_index_pairs(copies, self.tile_bytes)  # raises if a copy is off the tile grid
-                except PlanError as e:
+                    p_idx, d_idx = tile_index_pairs(copies, self.tile_bytes, p_table=tables[0], d_table=tables[1])
+                    tile_peer = np.repeat(peer_col, copies.nbytes // self.tile_bytes)
+                except PlanError as e:  # off the tile grid, or tables too large: per-request lists instead
                     t.notes.append(f"prepped mode unavailable ({e.message}); posted coalesced")
                     mode = "coalesced"
-            for peer in np.unique(peer_col).tolist():
-                self._has(peer)
+            for peer in peers:
                 info = self.peers[peer]
                 rows = np.flatnonzero(peer_col == peer)
                 if mode == "coalesced":
@@ -416,10 +422,9 @@ class Link:
                                        notif)
                     t.descriptors += len(rows)
                 else:
-                    assert tables is not None  # noqa: S101 - set above for mode prepped
-                    sub = copies.take(rows)
-                    p_idx, d_idx = tile_index_pairs(sub, self.tile_bytes, p_table=tables[0], d_table=tables[1])
-                    li, ri = (d_idx, p_idx) if self.local_is_decode else (p_idx, d_idx)
+                    assert p_idx is not None and d_idx is not None  # noqa: S101 - set above for mode prepped
+                    sel = tile_peer == peer
+                    li, ri = (d_idx[sel], p_idx[sel]) if self.local_is_decode else (p_idx[sel], d_idx[sel])
                     h = post_prepped(ep.agent, op, ep._local_table(self.tile_bytes)[1], li,
                                      self._remote_table(peer), ri, notif)
                     t.descriptors += len(li)
@@ -437,6 +442,9 @@ class Link:
         except (PlanError, RuntimeError, KeyError) as e:
             t._fail("plan_error" if isinstance(e, PlanError) else "nixl_error", f"posting: {type(e).__name__}: {e}")
             return
+        except BaseException:  # e.g. ExecutorError for a peer the link lacks: release what was posted
+            t._release()
+            raise
         ep._track(t)
 
     def _table(self, engine: EngineGeometry) -> TileTable:

@@ -27,6 +27,7 @@ import json
 from typing import Any
 
 import attrs
+import numpy as np
 
 from kvgeom._validate import is_int
 from kvgeom.geometry import EngineGeometry
@@ -55,15 +56,11 @@ class RankInfo:
     metadata: bytes = attrs.field(repr=False)
 
     @property
-    def bases(self) -> Any:
-        import numpy as np
-
+    def bases(self) -> np.ndarray:
         return np.array([r[0] for r in self.regions], np.uint64)
 
     @property
-    def devices(self) -> Any:
-        import numpy as np
-
+    def devices(self) -> np.ndarray:
         return np.array([r[2] for r in self.regions], np.uint64)
 
 

@@ -11,8 +11,9 @@
 This is what ``kvgeom transfer`` runs, and what the executor tests use. On CUDA the caches live in
 VRAM; fills and checks stage through host copies (the simulator is numpy).
 
-Worked number: the default preset (P TP2 -> D TP4, 100 tokens) makes 2 + 4 = 6 agents and 2 x 4
-links each way; a pull posts one NIXL request per (D rank, P rank) pair that has rows.
+Worked number: the default preset (P TP2 -> D TP4, 100 tokens) makes 2 + 4 = 6 agents, 4 D links
+(each to both P ranks) and 2 P links (each to the 4 D ranks); a pull posts one NIXL request per
+(D rank, P rank) pair that has rows: 4 here, as each D rank's heads live on one P rank.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ Worked number: a region of 64 pages x 16384 B needs a 1 MiB buffer, e.g.
 from __future__ import annotations
 
 import ctypes
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,9 +44,7 @@ class RegionMemory:
 
 
 def _is_tensor(obj: Any) -> bool:
-    import sys
-
-    torch = sys.modules.get("torch")
+    torch = sys.modules.get("torch")  # a tensor exists only if torch is already imported
     return torch is not None and isinstance(obj, torch.Tensor)
 
 

@@ -2,8 +2,9 @@
 
     parent (this process)                         child (multiprocessing "spawn")
       ctx.Process(target=engine_process, args=(conn, pair_file_text, side, device))
+                                                  fill its caches (simulator), one Endpoint per rank
                                         <-------  ("hello", [handshake of each rank])
-      ("connect", [peer handshakes])    ------->  connect every rank, fill caches (simulator)
+      ("connect", [peer handshakes])    ------->  connect every rank to the peer engine
                                         <-------  ("ready",)
       ("serve_pull" | "pull" | "push" | "accept_push", request_id, mode, timeout_s)
                                         ------->  post on every rank, drive to the end
@@ -12,8 +13,7 @@
       ("close",)                        ------->  close every endpoint and exit
 
 Between commands the child sits in ``conn.recv`` and does not poll NIXL: a peer that never
-progresses. The child's caches are filled by the simulator for its side, and a decode child checks every D
-byte with :func:`kvgeom.simulate.check_decode` before it answers ``done`` (the verdict is the
+progresses. A decode child checks every D byte with :func:`kvgeom.simulate.check_decode` before it answers ``done`` (the verdict is the
 violation count and the bytes checked). Everything that crosses the pipe is bytes or plain data.
 """
 
@@ -26,7 +26,7 @@ import attrs
 
 from . import _nixl
 
-__all__ = ["engine_process", "result_dict"]
+__all__ = ["engine_process", "result_dict", "requested_device", "run_local"]
 
 
 def result_dict(r: Any) -> dict[str, Any]:
@@ -72,8 +72,8 @@ def engine_process(conn: Any, pair_file_text: str, side: str, device: str = "cpu
                 else:
                     ts = [getattr(lk, cmd)(rid, request, timeout_s=timeout_s) for lk in links]
                 results = wait_all(ts, peers=eps)
-            except TransferFailed as e:
-                conn.send(("failed", e.reason, str(e)))
+            except TransferFailed as failure:
+                conn.send(("failed", failure.reason, str(failure)))
                 continue
             verdict = None
             if side == "decode":
@@ -83,8 +83,8 @@ def engine_process(conn: Any, pair_file_text: str, side: str, device: str = "cpu
         elif cmd == "die":
             os._exit(0)
         elif cmd == "close":
-            for e in eps:
-                e.close()
+            for ep in eps:
+                ep.close()
             conn.send(("closed",))
             return
 
@@ -100,7 +100,7 @@ def requested_device(name: str | None = None) -> str:
     if dev.startswith("cuda") and not torch.cuda.is_available():
         import pytest
 
-        pytest.skip("no CUDA device")
+        pytest.skip("no CUDA device", allow_module_level=True)
     return dev
 
 

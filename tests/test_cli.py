@@ -242,8 +242,9 @@ def test_plan_drawing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     target = tmp_path / "plan.svg"
     rc, out, err = _run(capsys, "plan", "--layers", "1", "--tokens", "32", "--svg", str(target))
     try:
-        import kvgeom.draw  # noqa: F401
         import matplotlib  # noqa: F401
+
+        import kvgeom.draw  # noqa: F401
     except ImportError:
         assert rc == 2 and ("kvgeom.draw" in err or "matplotlib" in err) and not target.exists()
         return

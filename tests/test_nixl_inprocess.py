@@ -16,7 +16,9 @@ import pytest
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 pytest.importorskip("nixl._api", reason="nixl is not installed (pip install 'kvgeom[nixl]')")
-torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'kvgeom[nixl]')")
+pytest.importorskip("torch", reason="torch is not installed (pip install 'kvgeom[nixl]')")
+
+import torch  # noqa: E402
 
 from kvgeom import (  # noqa: E402
     AttentionSpec,
@@ -27,7 +29,6 @@ from kvgeom import (  # noqa: E402
     TransferPlan,
     fresh_request,
 )
-from kvgeom.coalesce import coalesce, coalesce_zeros  # noqa: E402
 from kvgeom.planner import plan_pair  # noqa: E402
 from kvgeom.presets import get_preset  # noqa: E402
 from kvgeom.tiles import tile_bytes  # noqa: E402
@@ -113,22 +114,34 @@ def test_transfer_lands_every_byte(case: str, push: bool, mode: str) -> None:
     _check(out, pair, mode, push)
 
 
-@pytest.mark.parametrize("mode", ["coalesced", "prepped"])
-def test_staged_plan_with_rearranges(mode: str) -> None:
-    """A plan whose copies land in P's order and a rearrange per D page fixes the layout (NHD -> HND)."""
-    from kvgeom.staged import plan_staged_group
+STAGED_CASES = ["k16 nhd -> k8 hnd", "k8 hnd tp2 -> k16 nhd tp1"]
 
+
+def _staged_case(name: str) -> tuple[Pair, Request]:
+    if name == "k16 nhd -> k8 hnd":
+        return _case(name)
     pair = _pair({"tp": 2, "kernel_block_tokens": 8, "layout": "HND"},
                  {"tp": 1, "kernel_block_tokens": 16, "layout": "NHD"}, blocks=16)
-    request = fresh_request(pair, 100, prefill_first_block=1, decode_first_block=3)
-    c, z, rearranges, notes = plan_staged_group(pair, request, 0)
-    assert rearranges, notes
-    plan = TransferPlan(pair.prefill.tp, pair.decode.tp, coalesce(c), coalesce_zeros(z), tuple(rearranges))
-    out = run_local(pair, request, mode=mode, device=DEVICE, telemetry=True, plan=plan)
-    assert out["violations"] == [], [str(v) for v in out["violations"]]
-    d_results = [r for r in out["results"] if r.kind == "pull"]
-    assert sum(r.rearranges for r in d_results) == len(rearranges)
-    # staged posts fewer, larger descriptors than direct for the same request
+    return pair, fresh_request(pair, 100, prefill_first_block=1, decode_first_block=3)
+
+
+@pytest.mark.parametrize("mode", ["coalesced", "prepped"])
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+@pytest.mark.parametrize("case", STAGED_CASES)
+def test_staged_plan_with_rearranges(case: str, push: bool, mode: str) -> None:
+    """Staged strategy: P pages land whole in P's order, then a rearrange per D page fixes the
+    layout with torch; fewer, larger descriptors than direct for the same request."""
+    from kvgeom.planner import STRATEGIES
+
+    if "staged" not in STRATEGIES:
+        pytest.skip("the planner has no staged strategy")
+    pair, request = _staged_case(case)
+    plan = plan_pair(pair, request, strategy="staged")
+    assert plan.rearranges, plan.notes
+    out = run_local(pair, request, push=push, mode=mode, device=DEVICE, telemetry=True, plan=plan)
+    _check(out, pair, mode, push)
+    receivers = [r for r in out["results"] if r.role == "decode"]
+    assert sum(r.rearranges for r in receivers) == len(plan.rearranges)
     assert len(plan.copies) < len(plan_pair(pair, request).copies)
 
 
@@ -250,3 +263,54 @@ def test_raw_pointers_and_numpy_buffers_register() -> None:
             e.close()
     violations, _ = check_caches(pair, request, d_caches)
     assert violations == [] and np.shares_memory(d_np[0][0], d_caches[0][0].numpy())
+
+
+@pytest.mark.parametrize("mode", ["coalesced", "prepped"])
+@pytest.mark.parametrize("seed", range(4))
+def test_hand_built_plans_match_the_simulators_apply_plan(seed: int, mode: str) -> None:
+    """Arbitrary plans (random copies with disjoint D ranges, random zeros) on random bytes: NIXL +
+    torch must leave D exactly as kvgeom.simulate.apply_plan's numpy does. Odd seeds use byte
+    offsets off the tile grid, so mode "prepped" must fall back to coalesced descriptors."""
+    import numpy as np
+
+    from kvgeom import Copies, Zeros
+    from kvgeom.simulate import Memory, apply_plan
+
+    rng = np.random.default_rng(seed)
+    pair = _pair({"tp": 2, "kernel_block_tokens": 16}, {"tp": 2, "kernel_block_tokens": 8, "layout": "NHD"}, blocks=4)
+    tile = tile_bytes(pair)
+    grain = tile if seed % 2 == 0 else 1
+    rows, zrows = [], []
+    for d_rank in range(2):
+        for d_region, reg in enumerate(pair.decode.regions):
+            cuts = np.sort(rng.choice(reg.nbytes // grain, size=8, replace=False)) * grain
+            for lo, hi in zip(cuts[0::2], cuts[1::2], strict=True):  # disjoint D ranges [lo, hi)
+                n = int(hi - lo)
+                p_region = int(rng.integers(0, len(pair.prefill.regions)))
+                p_off = int(rng.integers(0, (pair.prefill.regions[p_region].nbytes - n) // grain + 1)) * grain
+                rows.append((int(rng.integers(0, 2)), p_region, p_off, d_rank, d_region, int(lo), n))
+            zrows.append((d_rank, d_region, int(cuts[-1]), int(reg.nbytes - cuts[-1])))
+    a = np.array(rows, np.int64)
+    z = np.array(zrows, np.int64)
+    plan = TransferPlan(2, 2, Copies(*(a[:, i] for i in range(7))), Zeros(*(z[:, i] for i in range(4))))
+    p_caches = allocate_caches(pair.prefill, DEVICE)
+    d_caches = allocate_caches(pair.decode, DEVICE)
+    p_np = [[rng.integers(0, 256, t.numel(), dtype=np.uint8) for t in regs] for regs in p_caches]
+    d_np = [[rng.integers(0, 256, t.numel(), dtype=np.uint8) for t in regs] for regs in d_caches]
+    for caches, arrays in ((p_caches, p_np), (d_caches, d_np)):
+        for regs, arrs in zip(caches, arrays, strict=True):
+            for t, arr in zip(regs, arrs, strict=True):
+                t.copy_(torch.from_numpy(arr))
+    expected = Memory.wrap(pair.decode, [[x.copy() for x in regs] for regs in d_np])
+    apply_plan(plan, Memory.wrap(pair.prefill, p_np), expected)
+    with LocalDeployment(pair, p_caches, d_caches) as dep:
+        results = dep.run("hand", None, plan, mode=mode)
+    for regs, want in zip(d_caches, expected.buffers, strict=True):
+        for t, w in zip(regs, want, strict=True):
+            assert np.array_equal(t.cpu().numpy(), w)
+    pulls = [r for r in results if r.kind == "pull"]
+    fell_back = [r for r in pulls if any("posted coalesced" in n for n in r.notes)]
+    if mode == "prepped" and grain == 1:
+        assert fell_back and all(r.mode == "coalesced" for r in fell_back)
+    else:
+        assert not fell_back and all(r.mode == mode for r in pulls)

@@ -84,7 +84,7 @@ def test_hybrid_request_round_trip_keeps_state_slots() -> None:
         GroupRequest(BlockList((1, 2), 0), BlockList((3,), 0)),
         GroupRequest(BlockList((4,), 32), BlockList((5,), 32)),
         GroupRequest(BlockList((0, 5), 0), BlockList((1,), 0)),
-        GroupRequest(StateSlots((2, 3), (32, 40)), StateSlots((4,), (40,))),
+        GroupRequest(StateSlots((6, 7), (32, 40)), StateSlots((4,), (40,))),
     ))
     back = S.loads(S.dumps(req))
     assert back == req

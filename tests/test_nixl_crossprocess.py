@@ -1,0 +1,174 @@
+"""P ranks and D ranks in different processes (multiprocessing "spawn"), handshakes over a pipe.
+
+The child hosts every rank of one engine (kvgeom_nixl.testing.engine_process); the parent hosts
+the other. Bytes are verified with the simulator on the D side. Each child costs ~2 s to start
+(torch + NIXL import, UCX load), so there are three.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+pytest.importorskip("nixl._api", reason="nixl is not installed (pip install 'kvgeom[nixl]')")
+pytest.importorskip("torch", reason="torch is not installed (pip install 'kvgeom[nixl]')")
+
+from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, Request, fresh_request  # noqa: E402
+from kvgeom.planner import plan_pair  # noqa: E402
+from kvgeom.serialize import dump_pair_file  # noqa: E402
+from kvgeom_nixl import Endpoint, TransferFailed, wait_all  # noqa: E402
+from kvgeom_nixl.local import allocate_caches, check_caches, fill_caches  # noqa: E402
+from kvgeom_nixl.testing import engine_process, requested_device  # noqa: E402
+
+DEVICE = requested_device()
+M = ModelSpec("m", [AttentionSpec("attn", "full", 2, 4, 128)])
+
+
+def _pair(p_tp: int, d_tp: int) -> tuple[Pair, Request]:
+    pair = Pair(EngineGeometry.build(M, tp=p_tp, kernel_block_tokens=16, num_blocks=16, name="prefill"),
+                EngineGeometry.build(M, tp=d_tp, kernel_block_tokens=8, num_blocks=32, name="decode", layout="NHD"))
+    return pair, fresh_request(pair, 190, prefill_first_block=1, decode_first_block=3)  # D zeros tokens 190..191
+
+
+class Child:
+    """One engine in a spawned process, driven over a pipe (see kvgeom_nixl.testing)."""
+
+    def __init__(self, pair: Pair, request: Request, side: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=engine_process, args=(child_conn, dump_pair_file(pair, request), side, DEVICE),
+                                daemon=True)
+        self.proc.start()
+        child_conn.close()
+        self.handshakes = self.recv("hello", 60)[1]
+
+    def recv(self, tag: str, timeout_s: float) -> Any:
+        if not self.conn.poll(timeout_s):
+            raise AssertionError(f"child sent nothing for {timeout_s} s (waiting for {tag!r})")
+        msg = self.conn.recv()
+        assert msg[0] == tag, msg
+        return msg
+
+    def send(self, *msg: Any) -> None:
+        self.conn.send(msg)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.send("close")
+                self.conn.poll(10)
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def _local(pair: Pair, request: Request, side: str) -> tuple[list[Endpoint], list[list[Any]]]:
+    engine = pair.side(side)
+    p = allocate_caches(pair.prefill, DEVICE if side == "prefill" else "cpu")
+    d = allocate_caches(pair.decode, DEVICE if side == "decode" else "cpu")
+    fill_caches(pair, request, p, d)
+    mine = p if side == "prefill" else d
+    return [Endpoint(engine, side, r, mine[r]) for r in range(engine.tp)], mine
+
+
+@pytest.fixture
+def stopper() -> Iterator[list[Any]]:
+    things: list[Any] = []
+    yield things
+    for t in things:
+        t.stop() if isinstance(t, Child) else t.close()
+
+
+def test_pull_tp2_to_tp1_across_processes(stopper: list[Any]) -> None:
+    """Child: P TP2 serving pulls. Parent: D TP1 pulling (both modes, one after the other)."""
+    pair, request = _pair(2, 1)
+    child = Child(pair, request, "prefill")
+    stopper.append(child)
+    eps, d_caches = _local(pair, request, "decode")
+    stopper.extend(eps)
+    links = [e.connect(child.handshakes) for e in eps]
+    child.send("connect", [e.handshake() for e in eps])
+    child.recv("ready", 30)
+    plan = plan_pair(pair, request)
+    for i, mode in enumerate(("coalesced", "prepped")):
+        child.send("serve_pull", f"r{i}", mode, 20.0)
+        results = wait_all([lk.pull(f"r{i}", request, plan=plan, mode=mode, timeout_s=20) for lk in links],
+                           peers=eps)
+        served = child.recv("done", 30)[1]
+        assert [r["kind"] for r in served] == ["serve_pull", "serve_pull"]
+        assert sum(r["bytes_moved"] for r in served) == sum(r.bytes_moved for r in results) == plan.bytes_copied
+        violations, checked = check_caches(pair, request, d_caches)
+        assert violations == [] and checked == sum(r.nbytes for r in pair.decode.regions)
+        fill_caches(pair, request, allocate_caches(pair.prefill, "cpu"), d_caches)  # restale D for the next mode
+
+
+def test_push_tp1_to_tp2_across_processes(stopper: list[Any]) -> None:
+    """Child: D TP2 accepting pushes (it checks its own bytes). Parent: P TP1 pushing."""
+    pair, request = _pair(1, 2)
+    child = Child(pair, request, "decode")
+    stopper.append(child)
+    eps, _ = _local(pair, request, "prefill")
+    stopper.extend(eps)
+    links = [e.connect(child.handshakes) for e in eps]
+    child.send("connect", [e.handshake() for e in eps])
+    child.recv("ready", 30)
+    plan = plan_pair(pair, request)
+    child.send("accept_push", "p1", "coalesced", 20.0)
+    pushed = wait_all([lk.push("p1", request, plan=plan, timeout_s=20) for lk in links], peers=eps)
+    _, accepted, verdict = child.recv("done", 30)
+    assert sum(r.bytes_moved for r in pushed) == plan.bytes_copied
+    assert sorted(r["rank"] for r in accepted) == [0, 1]
+    assert sum(r["bytes_zeroed"] for r in accepted) == plan.bytes_zeroed
+    n_violations, checked, first = verdict
+    assert n_violations == 0, first
+    assert checked == pair.decode.tp * sum(r.nbytes for r in pair.decode.regions)
+
+
+def test_prefill_process_killed_mid_transfer(stopper: list[Any]) -> None:
+    """The child P process dies (os._exit) while a pull is posted: a typed failure, fast, no hang."""
+    pair, request = _pair(2, 1)
+    child = Child(pair, request, "prefill")
+    stopper.append(child)
+    eps, d_caches = _local(pair, request, "decode")
+    stopper.extend(eps)
+    links = [e.connect(child.handshakes) for e in eps]
+    child.send("connect", [e.handshake() for e in eps])
+    child.recv("ready", 30)
+    plan = plan_pair(pair, request)
+    # the child waits on the pipe and does not poll NIXL: the pull stays in flight
+    t = links[0].pull("doomed", request, plan=plan, timeout_s=30)
+    for _ in range(20):
+        eps[0].progress()
+    assert t.state == "posted" and len(t.handles) == 2
+    handles = list(t.handles)
+    child.send("die")
+    child.proc.join(10)
+    assert child.proc.exitcode == 0
+    start = time.perf_counter()
+    with pytest.raises(TransferFailed) as ei:
+        t.wait(peers=eps)
+    elapsed = time.perf_counter() - start
+    e = ei.value
+    assert e.reason == "peer_disconnected", str(e)
+    assert elapsed < 5.0, elapsed  # detected by UCX, long before the 30 s deadline
+    assert e.invalid_blocks == {0: request.groups[0].decode.block_ids}  # type: ignore[union-attr]
+    assert all(h._released for h in handles) and not eps[0]._inflight
+    # a new request to the dead peer fails while posting, also typed
+    with pytest.raises(TransferFailed) as ei2:
+        links[0].pull("after", request, plan=plan, timeout_s=5).wait(peers=eps)
+    assert ei2.value.reason == "peer_disconnected"
+    # the receive steps never ran: the zeros of the tail are missing, which is why the failure
+    # hands the blocks back as invalid (whatever bytes the READ managed to land)
+    violations, _ = check_caches(pair, request, d_caches)
+    kinds = {v.kind.value for v in violations}
+    assert "not_zeroed" in kinds and kinds <= {"not_zeroed", "missing", "wrong_data"}, kinds

@@ -1,0 +1,170 @@
+"""Failures end in a typed TransferFailed within a bound, with every NIXL handle released.
+
+In-process cases here; the killed-peer case (a child process that dies mid-transfer) is in
+test_nixl_crossprocess.py.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+pytest.importorskip("nixl._api", reason="nixl is not installed (pip install 'kvgeom[nixl]')")
+pytest.importorskip("torch", reason="torch is not installed (pip install 'kvgeom[nixl]')")
+
+from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, fresh_request  # noqa: E402
+from kvgeom.planner import plan_pair  # noqa: E402
+from kvgeom_nixl import Endpoint, ExecutorError, TransferFailed, wait_all  # noqa: E402
+from kvgeom_nixl.errors import FAILURE_REASONS  # noqa: E402
+from kvgeom_nixl.local import LocalDeployment, allocate_caches, check_caches, fill_caches  # noqa: E402
+from kvgeom_nixl.testing import requested_device  # noqa: E402
+
+DEVICE = requested_device()
+M = ModelSpec("m", [AttentionSpec("attn", "full", 2, 4, 128)])
+PAIR = Pair(EngineGeometry.build(M, tp=2, kernel_block_tokens=16, num_blocks=8, name="prefill"),
+            EngineGeometry.build(M, tp=1, kernel_block_tokens=16, num_blocks=8, name="decode"))
+REQUEST = fresh_request(PAIR, 50, prefill_first_block=1, decode_first_block=4)  # D blocks 4..7
+PLAN = plan_pair(PAIR, REQUEST)
+
+
+def _deployment() -> tuple[LocalDeployment, list[list[Any]]]:
+    p = allocate_caches(PAIR.prefill, DEVICE)
+    d = allocate_caches(PAIR.decode, DEVICE)
+    fill_caches(PAIR, REQUEST, p, d)
+    return LocalDeployment(PAIR, p, d), d
+
+
+def _released(handles: list[Any]) -> bool:
+    return all(h._released for h in handles)  # nixl_xfer_handle's own flag
+
+
+@pytest.mark.parametrize("mode", ["coalesced", "prepped"])
+def test_timeout_when_the_peer_never_progresses(mode: str) -> None:
+    """No progress thread and a P agent nobody polls: UCX never wires up, the pull times out."""
+    dep, _ = _deployment()
+    with dep:
+        t = dep.d_links[0].pull("slow", REQUEST, plan=PLAN, mode=mode, timeout_s=0.3)
+        handles = list(t.handles)
+        assert len(handles) == 2  # one NIXL request per P rank
+        start = time.perf_counter()
+        with pytest.raises(TransferFailed) as ei:
+            t.wait()  # no peers given: the P agents are never progressed
+        elapsed = time.perf_counter() - start
+        e = ei.value
+        assert e.reason == "timeout" and e.request_id == "slow" and e.kind == "pull" and e.role == "decode"
+        assert e.invalid_blocks == {0: (4, 5, 6, 7)}
+        assert elapsed < 0.3 + 1.0
+        assert _released(handles) and t.handles == [] and not dep.d[0]._inflight
+        # the same link works afterwards once both sides are polled
+        dep.run("ok", REQUEST, PLAN, mode=mode, timeout_s=10)
+
+
+def test_accept_push_times_out_without_writes() -> None:
+    dep, _ = _deployment()
+    with dep:
+        t = dep.d_links[0].accept_push("never", REQUEST, plan=PLAN, timeout_s=0.2)
+        with pytest.raises(TransferFailed, match="waiting for notifications") as ei:
+            wait_all([t], peers=dep.endpoints)
+        assert ei.value.reason == "timeout" and ei.value.invalid_blocks == {0: (4, 5, 6, 7)}
+        s = dep.p_links[0].serve_pull("never", REQUEST, plan=PLAN, timeout_s=0.2)
+        with pytest.raises(TransferFailed) as ei2:
+            s.wait(peers=dep.endpoints)
+        assert ei2.value.reason == "timeout" and ei2.value.invalid_blocks == {}  # P has no D blocks
+
+
+@pytest.mark.parametrize("mode", ["coalesced", "prepped"])
+def test_post_against_a_removed_agent(mode: str) -> None:
+    dep, d_caches = _deployment()
+    with dep:
+        if mode == "prepped":  # prepare the peer tables first, so the removal invalidates live handles
+            dep.run("warm", REQUEST, PLAN, mode=mode)
+        for p in dep.p:
+            dep.d[0].agent.remove_remote_agent(p.name)
+        before = [t.clone() for t in d_caches[0]]
+        t = dep.d_links[0].pull("gone", REQUEST, plan=PLAN, mode=mode)
+        assert t.settled and t.handles == []  # failed while posting, nothing left behind
+        with pytest.raises(TransferFailed) as ei:
+            t.poll()
+        assert ei.value.reason == "nixl_error" and "nixlNotFoundError" in str(ei.value)
+        assert ei.value.invalid_blocks == {0: (4, 5, 6, 7)}
+        assert all(a.equal(b) for a, b in zip(before, d_caches[0], strict=True))  # no receive step ran
+
+
+def test_close_fails_what_is_in_flight() -> None:
+    dep, _ = _deployment()
+    t = dep.d_links[0].pull("cut", REQUEST, plan=PLAN, timeout_s=30)
+    handles = list(t.handles)
+    dep.close()
+    with pytest.raises(TransferFailed) as ei:
+        t.poll()
+    assert ei.value.reason == "closed" and _released(handles)
+    with pytest.raises(ExecutorError, match="closed link"):
+        dep.d_links[0].pull("after", REQUEST, plan=PLAN)
+
+
+def test_plan_that_leaves_the_peer_region_is_refused_before_posting() -> None:
+    """An untrusted plan (or a lying peer): a copy past a region's end never reaches NIXL."""
+    from kvgeom import Copies, TransferPlan
+
+    c = PLAN.copies
+    shifted = c.d_offset.copy()
+    shifted[-1] = PAIR.decode.regions[0].nbytes - int(c.nbytes[-1]) + 1  # the last copy ends 1 B past the region
+    bad = Copies(c.p_rank, c.p_region, c.p_offset, c.d_rank, c.d_region, shifted, c.nbytes)
+    plan = TransferPlan(PLAN.prefill_tp, PLAN.decode_tp, bad, PLAN.zeros)
+    dep, d_caches = _deployment()
+    with dep:
+        before = [t.clone() for t in d_caches[0]]
+        t = dep.d_links[0].pull("evil", REQUEST, plan=plan)
+        with pytest.raises(TransferFailed) as ei:
+            t.poll()
+        assert ei.value.reason == "plan_error" and "leave region" in str(ei.value)
+        assert all(a.equal(b) for a, b in zip(before, d_caches[0], strict=True))
+
+
+def test_mode_and_role_errors_are_value_errors() -> None:
+    dep, _ = _deployment()
+    with dep:
+        with pytest.raises(ExecutorError, match="unknown lowering mode 'fast'"):
+            dep.d_links[0].pull("x", REQUEST, plan=PLAN, mode="fast")
+        with pytest.raises(ExecutorError, match="push runs on a prefill rank"):
+            dep.d_links[0].push("x", REQUEST, plan=PLAN)
+        with pytest.raises(ExecutorError, match="pass the request"):
+            dep.d_links[0].pull("x")
+
+
+def test_failure_pickles_with_its_fields() -> None:
+    import pickle
+
+    e = TransferFailed("r", "timeout", "slow", invalid_blocks={0: tuple(range(10))}, kind="pull", role="decode", rank=1)
+    e2 = pickle.loads(pickle.dumps(e))
+    assert (e2.request_id, e2.reason, e2.invalid_blocks, e2.rank) == ("r", "timeout", {0: tuple(range(10))}, 1)
+    assert "group 0: [0, 1, 2, 3, 4, 5, ... (10 blocks)]" in str(e2)
+    assert set(FAILURE_REASONS) >= {"timeout", "peer_disconnected", "nixl_error", "plan_error", "closed"}
+
+
+def test_verified_after_a_failed_attempt() -> None:
+    """A request that failed can be retried on the same link and then lands every byte."""
+    dep, d_caches = _deployment()
+    with dep:
+        t = dep.d_links[0].pull("try1", REQUEST, plan=PLAN, timeout_s=0.2)
+        with pytest.raises(TransferFailed):
+            t.wait()
+        dep.run("try2", REQUEST, PLAN, timeout_s=10)
+    assert check_caches(PAIR, REQUEST, d_caches)[0] == []
+
+
+def test_link_without_a_needed_peer_rank_refuses_the_request() -> None:
+    p = allocate_caches(PAIR.prefill, DEVICE)
+    d = allocate_caches(PAIR.decode, DEVICE)
+    with Endpoint(PAIR.prefill, "prefill", 0, p[0]) as p0, Endpoint(PAIR.decode, "decode", 0, d[0]) as d0:
+        link = d0.connect([p0.handshake()])  # P rank 1 never connected
+        with pytest.raises(ExecutorError, match="needs peer rank 1"):
+            link.pull("x", REQUEST, plan=PLAN)
+        with pytest.raises(ExecutorError, match="needs peer rank 1"):
+            link.accept_push("x", REQUEST, plan=PLAN)
+        assert not d0._inflight
