@@ -1,7 +1,8 @@
 """Merge copies (or zeros) that are adjacent on every side into one row.
 
 Contract: ``coalesce(rows)`` returns the fewest rows that move exactly the same bytes to exactly
-the same places, sorted by (d_rank, d_region, p_rank, p_region, d_offset).
+the same places, sorted by (d_rank, p_rank, d_region, p_region, d_offset): the rows one (D rank, P rank) pair
+posts are contiguous, and the planner emits rows in that order, so sorting is usually a no-op.
 
     before  P0:r0 [0, 4096) -> D0:r0 [8192, 12288)
             P0:r0 [4096, 8192) -> D0:r0 [12288, 16384)      P end == next P start, D likewise
@@ -68,9 +69,9 @@ def coalesce(copies: Copies) -> Copies:
     """Fewest copy rows with the same byte mapping (see module docstring)."""
     if len(copies) == 0:
         return copies
-    order = _order([copies.d_rank, copies.d_region, copies.p_rank, copies.p_region], copies.d_offset)
+    order = _order([copies.d_rank, copies.p_rank, copies.d_region, copies.p_region], copies.d_offset)
     c = copies if order is None else copies.take(order)
-    heads, sums = _merge([c.d_rank, c.d_region, c.p_rank, c.p_region], [c.p_offset, c.d_offset], c.nbytes)
+    heads, sums = _merge([c.d_rank, c.p_rank, c.d_region, c.p_region], [c.p_offset, c.d_offset], c.nbytes)
     if len(heads) == len(c):
         return c
     return Copies(c.p_rank[heads], c.p_region[heads], c.p_offset[heads], c.d_rank[heads], c.d_region[heads],
