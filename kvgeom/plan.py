@@ -32,48 +32,18 @@ ZERO_COLUMNS = ("d_rank", "d_region", "d_offset", "nbytes")
 
 
 def _as_column(name: str, value: Any) -> np.ndarray:
-    if True:
-        arr = np.asarray(value)
-        if arr.size == 0:
-            arr = arr.reshape(0)
-        if arr.ndim != 1:
-            raise PlanError(name, f"must be one-dimensional, got shape {arr.shape}", actual=arr.shape,
-                            expected="(n,)")
-        if arr.dtype.kind not in "iu":
-            if arr.size and arr.dtype.kind != "i":
-                raise PlanError(name, f"must hold integers, got dtype {arr.dtype}", actual=str(arr.dtype),
-                                expected="int64", fix="build columns with dtype=np.int64")
-        out = np.ascontiguousarray(arr, dtype=np.int64)
-        out.setflags(write=False)
-        return out
-
-
-def _p_rank(v: Any) -> np.ndarray:
-    return _as_column("p_rank", v)
-
-
-def _p_region(v: Any) -> np.ndarray:
-    return _as_column("p_region", v)
-
-
-def _p_offset(v: Any) -> np.ndarray:
-    return _as_column("p_offset", v)
-
-
-def _d_rank(v: Any) -> np.ndarray:
-    return _as_column("d_rank", v)
-
-
-def _d_region(v: Any) -> np.ndarray:
-    return _as_column("d_region", v)
-
-
-def _d_offset(v: Any) -> np.ndarray:
-    return _as_column("d_offset", v)
-
-
-def _nbytes(v: Any) -> np.ndarray:
-    return _as_column("nbytes", v)
+    """A read-only, contiguous int64 column; anything else is a :class:`PlanError` naming it."""
+    arr = np.asarray(value)
+    if arr.size == 0:
+        arr = arr.reshape(0)
+    if arr.ndim != 1:
+        raise PlanError(name, f"must be one-dimensional, got shape {arr.shape}", actual=arr.shape, expected="(n,)")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise PlanError(name, f"must hold integers, got dtype {arr.dtype}", actual=str(arr.dtype),
+                        expected="int64", fix="build columns with dtype=np.int64")
+    out = np.ascontiguousarray(arr, dtype=np.int64).view()  # a view: the caller's array stays writable
+    out.setflags(write=False)
+    return out
 
 
 class _Columns:
@@ -135,13 +105,13 @@ class Copies(_Columns):
     """Copy rows as int64 columns (struct of arrays)."""
 
     _names = COPY_COLUMNS
-    p_rank: np.ndarray = attrs.field(converter=_p_rank)
-    p_region: np.ndarray = attrs.field(converter=_p_region)
-    p_offset: np.ndarray = attrs.field(converter=_p_offset)
-    d_rank: np.ndarray = attrs.field(converter=_d_rank)
-    d_region: np.ndarray = attrs.field(converter=_d_region)
-    d_offset: np.ndarray = attrs.field(converter=_d_offset)
-    nbytes: np.ndarray = attrs.field(converter=_nbytes)
+    p_rank: np.ndarray = attrs.field(converter=lambda v: _as_column("p_rank", v))
+    p_region: np.ndarray = attrs.field(converter=lambda v: _as_column("p_region", v))
+    p_offset: np.ndarray = attrs.field(converter=lambda v: _as_column("p_offset", v))
+    d_rank: np.ndarray = attrs.field(converter=lambda v: _as_column("d_rank", v))
+    d_region: np.ndarray = attrs.field(converter=lambda v: _as_column("d_region", v))
+    d_offset: np.ndarray = attrs.field(converter=lambda v: _as_column("d_offset", v))
+    nbytes: np.ndarray = attrs.field(converter=lambda v: _as_column("nbytes", v))
 
     def __attrs_post_init__(self) -> None:
         self._check()
@@ -152,10 +122,10 @@ class Zeros(_Columns):
     """Zero rows as int64 columns."""
 
     _names = ZERO_COLUMNS
-    d_rank: np.ndarray = attrs.field(converter=_d_rank)
-    d_region: np.ndarray = attrs.field(converter=_d_region)
-    d_offset: np.ndarray = attrs.field(converter=_d_offset)
-    nbytes: np.ndarray = attrs.field(converter=_nbytes)
+    d_rank: np.ndarray = attrs.field(converter=lambda v: _as_column("d_rank", v))
+    d_region: np.ndarray = attrs.field(converter=lambda v: _as_column("d_region", v))
+    d_offset: np.ndarray = attrs.field(converter=lambda v: _as_column("d_offset", v))
+    nbytes: np.ndarray = attrs.field(converter=lambda v: _as_column("nbytes", v))
 
     def __attrs_post_init__(self) -> None:
         self._check()
