@@ -102,7 +102,11 @@ class _Columns:
 
 @attrs.frozen(eq=False, repr=False)
 class Copies(_Columns):
-    """Copy rows as int64 columns (struct of arrays)."""
+    """Copy rows as int64 columns (struct of arrays).
+
+    Columns are read-only views of the arrays given (no copy for int64 input, so large plans cost
+    no extra pass): hand over arrays you will not modify afterwards.
+    """
 
     _names = COPY_COLUMNS
     p_rank: np.ndarray = attrs.field(converter=lambda v: _as_column("p_rank", v))
