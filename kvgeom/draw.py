@@ -41,7 +41,8 @@ from .plan import TransferPlan
 from .request import BlockList, Request, StateSlots
 from .shard import owned_slice
 
-__all__ = ["CellMap", "Row", "transfer_cells", "draw", "save", "NOT_LISTED", "ZEROED", "UNTOUCHED", "SEVERAL"]
+__all__ = ["CellMap", "Row", "DrawError", "transfer_cells", "draw", "save", "NOT_LISTED", "ZEROED", "UNTOUCHED", "SEVERAL",
+           "SOURCE_STRIDE"]
 
 UNTOUCHED = -1  # no copy lands here and nothing zeroes it (prefill view: no D rank reads it)
 ZEROED = -2  # a zero row covers it

@@ -41,15 +41,16 @@ class CostModel:
     """What ``strategy="auto"`` weighs, per attention group.
 
     ``direct = copies * descriptor_seconds`` against
-    ``staged = copies * descriptor_seconds + rearranged_bytes / rearrange_bytes_per_second``.
-    The defaults are measurements on the 2-core CPU machine this project tests on: NIXL/UCX
-    posts cost 1.1 to 2.5 us per descriptor (reference/nixl-on-cpu.md section 5), and a torch
-    permute-copy of a 64 MiB cache moved about 0.65 GB/s there (cold pages; ``kvgeom bench``
-    reports the current figure). On a GPU the rearrange is far cheaper: pass your own numbers.
+    ``staged = copies * descriptor_seconds + rearranged_bytes / rearrange_bytes_per_second``,
+    copies counted before coalescing. The defaults are ``python -m benchmarks`` measurements on
+    the 2-core CPU machine this project tests on: NIXL/UCX posted descriptors at 1.38 to 2.1 us
+    each (in-process, DRAM; reference/nixl-on-cpu.md saw 1.1 to 2.5 us), and the executor's torch
+    rearrange moved 3.2 GB/s of CPU tensors. On a GPU the rearrange is two orders of magnitude
+    cheaper: pass your own numbers.
     """
 
     descriptor_seconds: float = 1.5e-6
-    rearrange_bytes_per_second: float = 0.65e9
+    rearrange_bytes_per_second: float = 3.0e9
 
     def cost(self, copies: int, rearranged_bytes: int) -> float:
         return copies * self.descriptor_seconds + rearranged_bytes / self.rearrange_bytes_per_second

@@ -64,3 +64,16 @@ def test_readme_executor_example_pulls_a_request_with_real_nixl() -> None:
     assert scope["result"] is not None
     violations, checked = check_decode(pair, request, host_memory(decode_geometry, d_caches))
     assert not violations and checked == decode_geometry.regions[0].nbytes * len(decode_geometry.regions)
+
+
+def test_readme_strategies_example_runs_against_the_planner() -> None:
+    """The connector-test snippet, with kvgeom's own planner standing in for the connector."""
+    pytest.importorskip("hypothesis", reason="the strategies need the testing extra")
+    from hypothesis import settings
+
+    from kvgeom import plan_transfer
+
+    (code,) = [b for b in _blocks("python") if "strategies as kst" in b]
+    scope = {"__name__": "readme", "my_connector_plan": plan_transfer}
+    exec(compile(code, str(README), "exec"), scope)  # our own README
+    settings(max_examples=20, deadline=None, derandomize=True, database=None)(scope["test_my_connector"])()

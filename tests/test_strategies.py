@@ -34,7 +34,7 @@ from kvgeom.simulate import listed_pages, simulate  # noqa: E402
 
 FAST = settings(max_examples=60, derandomize=True, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-PROPERTY = settings(FAST, max_examples=150)
+PROPERTY = settings(FAST, max_examples=300)
 FIND = settings(max_examples=2000, derandomize=True, database=None, deadline=None,
                 suppress_health_check=list(HealthCheck))
 REACH = settings(FIND, phases=[Phase.generate])  # any example will do: no shrinking
@@ -74,7 +74,7 @@ def test_layout_changes_inside_partial_blocks(strategy: str) -> None:
     inner) and kernel page differ between the sides, on requests that end inside a block: where the
     staged strategy's arrived layout and its zeros must agree with D's final layout."""
 
-    @settings(FAST, max_examples=100)
+    @settings(FAST, max_examples=200)
     @given(LAYOUT_CHANGES)
     def prop(t: kst.Transfer) -> None:
         pair = Pair(*t.pair)
