@@ -6,7 +6,7 @@ Pure arithmetic on integers and numpy arrays: importing kvgeom never imports tor
 from __future__ import annotations
 
 from .coalesce import coalesce, coalesce_zeros
-from .errors import GeometryError, IncompatibleGeometry, KvGeomError, PlanError, RequestError
+from .errors import GeometryError, IncompatibleGeometry, InternalError, KvGeomError, PlanError, RequestError
 from .geometry import (
     AttentionGroupGeometry,
     AttentionView,
@@ -60,6 +60,7 @@ __all__ = [
     "GroupKind",
     "GroupRequest",
     "IncompatibleGeometry",
+    "InternalError",
     "KvGeomError",
     "ModelSpec",
     "PageLayout",

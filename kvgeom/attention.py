@@ -26,6 +26,7 @@ import numpy as np
 
 from ._rows import Rows
 from .align import Segments, SideTokens, segments
+from .errors import InternalError
 from .geometry import AttentionGroupGeometry, EngineGeometry, PageLayout
 from .model import AttentionSpec
 from .pair import Pair
@@ -40,7 +41,8 @@ __all__ = ["needed_tokens", "zero_intervals", "plan_attention_group", "SideView"
 def needed_tokens(request: Request, pair: Pair, group: int) -> tuple[int, int]:
     """``[lo, hi)``: the tokens D needs and P has for ``group`` (may be empty: lo >= hi)."""
     g = request.groups[group]
-    assert isinstance(g.prefill, BlockList) and isinstance(g.decode, BlockList)  # noqa: S101 - checked by Pair
+    if not (isinstance(g.prefill, BlockList) and isinstance(g.decode, BlockList)):
+        raise InternalError("checked by Pair")
     p0, p1 = g.prefill.token_range(pair.prefill.logical_block_tokens)
     d0, d1 = g.decode.token_range(pair.decode.logical_block_tokens)
     return max(request.prefix_hit_tokens, d0, p0), min(request.computed_tokens, d1, p1)
@@ -49,7 +51,8 @@ def needed_tokens(request: Request, pair: Pair, group: int) -> tuple[int, int]:
 def zero_intervals(request: Request, pair: Pair, group: int) -> list[tuple[int, int]]:
     """Token intervals of D's listing (from S on) that receive nothing and must be zeroed."""
     g = request.groups[group]
-    assert isinstance(g.decode, BlockList)  # noqa: S101 - checked by Pair
+    if not isinstance(g.decode, BlockList):
+        raise InternalError("checked by Pair")
     d0, d1 = g.decode.token_range(pair.decode.logical_block_tokens)
     zs = max(request.prefix_hit_tokens, d0)
     lo, hi = needed_tokens(request, pair, group)
@@ -69,7 +72,8 @@ class SideView:
 
     def __init__(self, engine: EngineGeometry, group: int, layout: PageLayout | None = None) -> None:
         geo = engine.groups[group]
-        assert isinstance(geo, AttentionGroupGeometry)  # noqa: S101 - checked by the caller
+        if not isinstance(geo, AttentionGroupGeometry):
+            raise InternalError("checked by the caller")
         self.engine = engine
         self.layout = geo.layout if layout is None else layout
         self.views = geo.views
@@ -183,9 +187,11 @@ def plan_attention_group(pair: Pair, request: Request, group: int, *,
     copy rows (the auto strategy's estimate) and returns empty columns.
     """
     spec = pair.model.groups[group]
-    assert isinstance(spec, AttentionSpec)  # noqa: S101 - dispatched on kind
+    if not isinstance(spec, AttentionSpec):
+        raise InternalError("dispatched on kind")
     g = request.groups[group]
-    assert isinstance(g.prefill, BlockList) and isinstance(g.decode, BlockList)  # noqa: S101
+    if not (isinstance(g.prefill, BlockList) and isinstance(g.decode, BlockList)):
+        raise InternalError("an attention group lists BlockLists (checked by Pair)")
     P, D = pair.prefill, pair.decode
     ps, ds_final = SideView(P, group), SideView(D, group)
     ds = ds_final if landing is None else landing

@@ -18,6 +18,7 @@ __all__ = [
     "RequestError",
     "IncompatibleGeometry",
     "PlanError",
+    "InternalError",
 ]
 
 
@@ -72,3 +73,13 @@ class IncompatibleGeometry(KvGeomError):
 
 class PlanError(KvGeomError):
     """A plan container was built with malformed columns (lengths, dtypes, negative sizes)."""
+
+
+class InternalError(KvGeomError):
+    """An invariant kvgeom maintains itself was broken: a bug in kvgeom, never bad input."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__("kvgeom", f"internal invariant broken: {what}", fix="report this as a kvgeom bug")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (InternalError, (self.message,))

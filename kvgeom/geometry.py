@@ -30,7 +30,7 @@ import attrs
 import numpy as np
 
 from ._validate import check_int, int_tuple, nonneg_int, pos_int
-from .errors import GeometryError
+from .errors import GeometryError, InternalError
 from .model import AttentionSpec, ModelSpec, StateSpec
 from .shard import Slice, check_divisible, local_count, owned_slice
 
@@ -271,8 +271,6 @@ class EngineGeometry:
 
     def state_bytes(self, group: int) -> int:
         """Bytes of one layer's state on one rank."""
-        spec = self.model.groups[group]
-        assert isinstance(spec, StateSpec)  # noqa: S101 - guarded by state_sections' check
         return sum(p.local_channels * p.rows * p.unit_bytes for p in self.state_sections(group))
 
     # ---- addressing (the model; vectorized) ------------------------------------------------
@@ -285,7 +283,10 @@ class EngineGeometry:
         broadcast as numpy arrays.
         """
         geo = self.groups[group]
-        assert isinstance(geo, AttentionGroupGeometry)  # noqa: S101 - internal use
+        if not isinstance(geo, AttentionGroupGeometry):
+            raise GeometryError(f"{self.name}.groups[{group}]", "attention_address needs an attention group",
+                                actual=type(geo).__name__, expected="AttentionGroupGeometry",
+                                fix="use state_address for state groups")
         view = geo.views[layer]
         lay = geo.layout
         region = view.regions[plane]
@@ -303,7 +304,10 @@ class EngineGeometry:
     ) -> tuple[int, Any]:
         """(region, byte offset of the unit) for a state coordinate on any rank."""
         geo = self.groups[group]
-        assert isinstance(geo, StateGroupGeometry)  # noqa: S101 - internal use
+        if not isinstance(geo, StateGroupGeometry):
+            raise GeometryError(f"{self.name}.groups[{group}]", "state_address needs a state group",
+                                actual=type(geo).__name__, expected="StateGroupGeometry",
+                                fix="use attention_address for attention groups")
         view = geo.views[layer]
         place = self.state_sections(group)[section]
         off = (
@@ -385,7 +389,8 @@ class EngineGeometry:
         def attn_views(gi: int, spec: AttentionSpec, per_layer_regions: list[tuple[int, ...]],
                        offsets: list[int]) -> AttentionGroupGeometry:
             lay = layouts[gi]
-            assert isinstance(lay, PageLayout)  # noqa: S101
+            if not isinstance(lay, PageLayout):
+                raise InternalError("an attention group's layout is a PageLayout")
             return AttentionGroupGeometry(lay, tuple(AttentionView(r, o) for r, o in
                                                      zip(per_layer_regions, offsets)))
 
@@ -407,7 +412,8 @@ class EngineGeometry:
                                                  [0] * spec.num_layers))
                 else:
                     slay = layouts[gi]  # type: ignore[assignment]
-                    assert isinstance(slay, StateLayout)  # noqa: S101
+                    if not isinstance(slay, StateLayout):
+                        raise InternalError("a state group's layout is a StateLayout")
                     group_geos.append(StateGroupGeometry(slay, tuple(StateView(i, 0) for i in range(spec.num_layers))))
         else:
             for gi, spec in enumerate(model.groups):
@@ -429,7 +435,8 @@ class EngineGeometry:
                                                      [layer_bytes[gi] * li for li in range(spec.num_layers)]))
                 else:
                     slay = layouts[gi]  # type: ignore[assignment]
-                    assert isinstance(slay, StateLayout)  # noqa: S101
+                    if not isinstance(slay, StateLayout):
+                        raise InternalError("a state group's layout is a StateLayout")
                     if regions == "per_layer":
                         first = len(region_pages)
                         region_pages.extend([state_page(gi)] * spec.num_layers)

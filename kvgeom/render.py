@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .errors import InternalError
+
 if TYPE_CHECKING:
     from .geometry import EngineGeometry
     from .plan import TransferPlan
@@ -163,7 +165,8 @@ def _attention_layout(e: EngineGeometry, gi: int) -> str:
 
     spec = e.model.groups[gi]
     g = e.groups[gi]
-    assert isinstance(g, AttentionGroupGeometry) and isinstance(spec, AttentionSpec)  # noqa: S101 - caller checks
+    if not (isinstance(g, AttentionGroupGeometry) and isinstance(spec, AttentionSpec)):
+        raise InternalError("caller checks")
     lay = g.layout
     if spec.planes == 1:
         return "latent"
@@ -242,7 +245,8 @@ def _section_rows(e: EngineGeometry, gi: int) -> list[list[Any]]:
     from .model import StateSpec
 
     spec = e.model.groups[gi]
-    assert isinstance(spec, StateSpec)  # noqa: S101 - caller checks
+    if not isinstance(spec, StateSpec):
+        raise InternalError("caller checks")
     rows: list[list[Any]] = [["section", "channels", "per rank", "rows", "unit B", "offset", "channel stride",
                               "row stride", "TP"]]
     for s, p in zip(spec.sections, e.state_sections(gi), strict=True):

@@ -65,7 +65,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from .errors import GeometryError, KvGeomError, PlanError, RequestError
+from .errors import GeometryError, InternalError, KvGeomError, PlanError, RequestError
 from .geometry import AttentionGroupGeometry, EngineGeometry, StateGroupGeometry
 from .model import AttentionSpec, StateSpec
 from .pair import Pair
@@ -401,7 +401,8 @@ def _attention_vectors(engine: EngineGeometry, group: int, rank: int, listing: B
     """For tokens ``[lo, hi)`` of the listed blocks, chunked: ``(layer, plane, region, starts, tokens,
     heads)``; ``starts[n, h]`` is the head vector of ``tokens[n]`` and global head ``heads[h]``."""
     spec = engine.model.groups[group]
-    assert isinstance(spec, AttentionSpec)  # noqa: S101 - callers dispatch on the spec type
+    if not isinstance(spec, AttentionSpec):
+        raise InternalError("callers dispatch on the spec type")
     held = owned_slice(spec.num_kv_heads, engine.tp, rank, replicated=spec.replicated)
     local = np.arange(held.size, dtype=np.int64)
     step = max(1, _CHUNK // (held.size * spec.head_bytes))
@@ -420,7 +421,8 @@ def _state_units(engine: EngineGeometry, group: int, rank: int,
     """Every unit of one state slot on one rank: ``(layer, section, region, starts[c, w], channels,
     rows, unit_bytes)`` with global channel numbers."""
     spec = engine.model.groups[group]
-    assert isinstance(spec, StateSpec)  # noqa: S101 - callers dispatch on the spec type
+    if not isinstance(spec, StateSpec):
+        raise InternalError("callers dispatch on the spec type")
     for layer in range(spec.num_layers):
         for si, sec in enumerate(spec.sections):
             held = owned_slice(sec.channels, engine.tp, rank, replicated=sec.replicated)
@@ -532,7 +534,8 @@ def describe(engine: EngineGeometry, request: Request | None, side: str, rank: i
                     pname = "latent" if spec.planes == 1 else "KV"[plane]
                     listed = isinstance(listing, BlockList) and block in listing.block_ids
                     if listed:
-                        assert isinstance(listing, BlockList)  # noqa: S101 - narrowed for mypy
+                        if not isinstance(listing, BlockList):
+                            raise InternalError("narrowed for mypy")
                         token = (listing.first_token + listing.block_ids.index(block) * engine.logical_block_tokens
                                  + sub * engine.kernel_block_tokens + s)
                         where = f"token {token}"
@@ -544,7 +547,8 @@ def describe(engine: EngineGeometry, request: Request | None, side: str, rank: i
             slot_id, within = divmod(offset, engine.logical_page_bytes(region))
             listed = isinstance(listing, StateSlots) and slot_id in listing.slot_ids
             if listed:
-                assert isinstance(listing, StateSlots)  # noqa: S101 - narrowed for mypy
+                if not isinstance(listing, StateSlots):
+                    raise InternalError("narrowed for mypy")
                 tag = f"slot {slot_id}, {listing.tokens[listing.slot_ids.index(slot_id)]} tokens"
             else:
                 tag = f"slot {slot_id} not listed"

@@ -27,6 +27,7 @@ import numpy as np
 
 from .align import SideTokens, segments
 from .attention import SideView, needed_tokens, plan_attention_group
+from .errors import InternalError
 from .geometry import EngineGeometry, PageLayout
 from .model import AttentionSpec
 from .pair import Pair
@@ -62,7 +63,8 @@ def _dense(sizes_strides: list[tuple[int, int]], unit: int) -> bool:
 def arrival(P: EngineGeometry, D: EngineGeometry, group: int) -> Arrival | str:
     """The arrived layout for ``group``, or the reason staged does not apply."""
     spec = P.model.groups[group]
-    assert isinstance(spec, AttentionSpec)  # noqa: S101 - dispatched on kind
+    if not isinstance(spec, AttentionSpec):
+        raise InternalError("dispatched on kind")
     Kp, Kd = P.kernel_block_tokens, D.kernel_block_tokens
     if max(Kp, Kd) % min(Kp, Kd):
         return f"kernel pages {Kp} and {Kd} tokens do not nest"
@@ -125,7 +127,8 @@ def plan_staged_group(pair: Pair, request: Request, group: int, *,
     of one attention group; falls back to direct (no rearranges) when staging does not apply or
     would change nothing. ``materialize=False`` counts rows and rearranged pages only."""
     spec = pair.model.groups[group]
-    assert isinstance(spec, AttentionSpec)  # noqa: S101 - dispatched on kind
+    if not isinstance(spec, AttentionSpec):
+        raise InternalError("dispatched on kind")
     P, D = pair.prefill, pair.decode
     arr = arrival(P, D, group)
     if isinstance(arr, str):
@@ -153,7 +156,8 @@ def plan_staged_group(pair: Pair, request: Request, group: int, *,
     c, z, notes, n = plan_attention_group(pair, request, group, landing=ArrivedView(D, group, arr),
                                           materialize=materialize)
     g = request.groups[group]
-    assert isinstance(g.decode, BlockList)  # noqa: S101
+    if not isinstance(g.decode, BlockList):
+        raise InternalError("an attention group lists BlockLists (checked by Pair)")
     lo, hi = needed_tokens(request, pair, group)
     # every D page holding a needed token (cut at every page, even where D's pages are token-major)
     per_page = attrs.evolve(final.tokens(g.decode), linear=False)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._rows import Rows
+from .errors import InternalError
 from .geometry import StateGroupGeometry
 from .model import StateSpec
 from .pair import Pair
@@ -35,7 +36,8 @@ __all__ = ["paired_slots", "plan_state_group"]
 def paired_slots(request: Request, group: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
     """([(p_slot, d_slot, tokens)], [(unpaired d_slot, tokens)]) in D's listing order."""
     g = request.groups[group]
-    assert isinstance(g.prefill, StateSlots) and isinstance(g.decode, StateSlots)  # noqa: S101 - checked by Pair
+    if not (isinstance(g.prefill, StateSlots) and isinstance(g.decode, StateSlots)):
+        raise InternalError("checked by Pair")
     by_tokens = dict(zip(g.prefill.tokens, g.prefill.slot_ids))
     paired, unpaired = [], []
     for d_slot, t in zip(g.decode.slot_ids, g.decode.tokens):
@@ -49,7 +51,8 @@ def paired_slots(request: Request, group: int) -> tuple[list[tuple[int, int, int
 def plan_state_group(pair: Pair, request: Request, group: int) -> tuple[Copies, list[str]]:
     """Uncoalesced copies of one state group, plus notes (pairing, layouts, unpaired slots)."""
     spec = pair.model.groups[group]
-    assert isinstance(spec, StateSpec)  # noqa: S101 - dispatched on kind
+    if not isinstance(spec, StateSpec):
+        raise InternalError("dispatched on kind")
     P, D = pair.prefill, pair.decode
     paired, unpaired = paired_slots(request, group)
     notes = []
@@ -66,7 +69,8 @@ def plan_state_group(pair: Pair, request: Request, group: int) -> tuple[Copies, 
     d_slots = np.array([d for _, d, _ in paired], np.int64)
     p_places, d_places = P.state_sections(group), D.state_sections(group)
     pgeo, dgeo = P.groups[group], D.groups[group]
-    assert isinstance(pgeo, StateGroupGeometry) and isinstance(dgeo, StateGroupGeometry)  # noqa: S101
+    if not (isinstance(pgeo, StateGroupGeometry) and isinstance(dgeo, StateGroupGeometry)):
+        raise InternalError("a state group has state geometries on both sides (checked by Pair)")
     # per layer: region, and the start of the layer's state inside a slot's logical page
     p_reg = np.array([v.region for v in pgeo.views], np.int64)
     d_reg = np.array([v.region for v in dgeo.views], np.int64)

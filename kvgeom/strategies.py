@@ -39,6 +39,7 @@ import attrs
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
+from .errors import InternalError
 from .geometry import AttentionView, EngineGeometry, Region, StateView
 from .model import AttentionSpec, ModelSpec, StateSection, StateSpec
 from .pair import pairable
@@ -419,7 +420,8 @@ def _padded(engine: EngineGeometry, pad_bytes: int, lead_bytes: int) -> EngineGe
             groups.append(attrs.evolve(g, views=tuple(AttentionView(v.regions, v.offset + lead_bytes)
                                                       for v in g.views)))
         else:
-            assert isinstance(g, StateGroupGeometry)  # noqa: S101 - the two group geometry kinds
+            if not isinstance(g, StateGroupGeometry):
+                raise InternalError("the two group geometry kinds")
             groups.append(attrs.evolve(g, views=tuple(StateView(v.region, v.offset + lead_bytes) for v in g.views)))
     regions = tuple(Region(r.num_pages, r.page_bytes + pad_bytes) for r in engine.regions)
     try:
@@ -585,7 +587,8 @@ def _mismatched(draw: Any, model: ModelSpec, mismatches: tuple[str, ...]) -> Mod
         idx = [i for i, g in enumerate(groups) if isinstance(g, StateSpec)]
         i = draw(st.sampled_from(idx))
         g = groups[i]
-        assert isinstance(g, StateSpec)  # noqa: S101 - picked from the state groups
+        if not isinstance(g, StateSpec):
+            raise InternalError("picked from the state groups")
         secs = list(g.sections)
         s = draw(st.integers(0, len(secs) - 1))
         field = draw(st.sampled_from(("unit_bytes", "channels", "rows")))
@@ -611,21 +614,24 @@ def _mismatched(draw: Any, model: ModelSpec, mismatches: tuple[str, ...]) -> Mod
     if how == "head_bytes":
         i = draw(st.sampled_from(attention))
         g = groups[i]
-        assert isinstance(g, AttentionSpec)  # noqa: S101
+        if not isinstance(g, AttentionSpec):
+            raise InternalError("the strategy picked an attention group")
         groups[i] = attrs.evolve(g, head_bytes=g.head_bytes + draw(st.integers(1, 4)))
         return attrs.evolve(model, groups=tuple(groups))
     if how == "num_kv_heads":
         idx = [i for i in attention if groups[i].kind.value != "mla"]  # type: ignore[union-attr]
         i = draw(st.sampled_from(idx))
         g = groups[i]
-        assert isinstance(g, AttentionSpec)  # noqa: S101
+        if not isinstance(g, AttentionSpec):
+            raise InternalError("the strategy picked an attention group")
         groups[i] = attrs.evolve(g, num_kv_heads=g.num_kv_heads * 2 if g.num_kv_heads > 1 else 2)
         return attrs.evolve(model, groups=tuple(groups))
     # window_tokens
     idx = [i for i in attention if groups[i].kind.value == "sliding"]  # type: ignore[union-attr]
     i = draw(st.sampled_from(idx))
     g = groups[i]
-    assert isinstance(g, AttentionSpec) and g.window_tokens is not None  # noqa: S101
+    if not (isinstance(g, AttentionSpec) and g.window_tokens is not None):
+        raise InternalError("the strategy picked an attention group")
     groups[i] = attrs.evolve(g, window_tokens=g.window_tokens + draw(st.integers(1, 8)))
     return attrs.evolve(model, groups=tuple(groups))
 

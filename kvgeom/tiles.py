@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from .errors import PlanError
+from .errors import InternalError, PlanError
 from .geometry import AttentionGroupGeometry, EngineGeometry, StateGroupGeometry, StateLayout
 from .model import AttentionSpec, StateSpec
 from .pair import Pair
@@ -59,13 +59,15 @@ def tile_quantities(pair: Pair) -> tuple[tuple[str, int], ...]:
         for gi, (spec, geo) in enumerate(zip(e.model.groups, e.groups, strict=True)):
             g = f"{side}.groups[{gi}]"
             if isinstance(geo, AttentionGroupGeometry):
-                assert isinstance(spec, AttentionSpec)  # noqa: S101 - the engine validated group kinds
+                if not isinstance(spec, AttentionSpec):
+                    raise InternalError("the engine validated group kinds")
                 lay = geo.layout
                 out += [(f"{g}.head_bytes", spec.head_bytes), (f"{g}.layout.kv_stride", lay.kv_stride),
                         (f"{g}.layout.head_stride", lay.head_stride),
                         (f"{g}.layout.token_stride", lay.token_stride)]
             else:
-                assert isinstance(spec, StateSpec) and isinstance(geo, StateGroupGeometry)  # noqa: S101 - as above
+                if not (isinstance(spec, StateSpec) and isinstance(geo, StateGroupGeometry)):
+                    raise InternalError("as above")
                 other_geo = other.groups[gi]
                 same = isinstance(other_geo, StateGroupGeometry) and other_geo.layout == geo.layout
                 for sec, place in zip(spec.sections, e.state_sections(gi), strict=True):

@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvgeom.errors import KvGeomError, PlanError
+from kvgeom.errors import InternalError, KvGeomError, PlanError
 from kvgeom.geometry import EngineGeometry
 from kvgeom.pair import Pair
 from kvgeom.plan import Copies, TransferPlan
@@ -155,7 +155,8 @@ class Transfer:
         if timeout_s is not None:
             self.deadline = min(self.deadline, time.perf_counter() + timeout_s)
         wait_all([self], peers=peers)
-        assert self.result is not None  # noqa: S101 - wait_all raised unless every transfer is done
+        if not (self.result is not None):
+            raise InternalError("wait_all raised unless every transfer is done")
         return self.result
 
     def cancel(self, reason: str = "closed", detail: str = "cancelled") -> None:
@@ -422,7 +423,8 @@ class Link:
                                        notif)
                     t.descriptors += len(rows)
                 else:
-                    assert p_idx is not None and d_idx is not None  # noqa: S101 - set above for mode prepped
+                    if not (p_idx is not None and d_idx is not None):
+                        raise InternalError("set above for mode prepped")
                     sel = tile_peer == peer
                     li, ri = (d_idx[sel], p_idx[sel]) if self.local_is_decode else (p_idx[sel], d_idx[sel])
                     h = post_prepped(ep.agent, op, ep._local_table(self.tile_bytes)[1], li,

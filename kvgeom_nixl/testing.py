@@ -24,6 +24,8 @@ from typing import Any
 
 import attrs
 
+from kvgeom.errors import InternalError
+
 from . import _nixl
 
 __all__ = ["engine_process", "result_dict", "requested_device", "run_local"]
@@ -45,7 +47,8 @@ def engine_process(conn: Any, pair_file_text: str, side: str, device: str = "cpu
     from .local import Endpoint, allocate_caches, check_caches, fill_caches
 
     pair, request = parse_pair_file(json.loads(pair_file_text))
-    assert request is not None  # noqa: S101 - the parent always sends a request
+    if not (request is not None):
+        raise InternalError("the parent always sends a request")
     engine = pair.side(side)
     other = pair.decode if side == "prefill" else pair.prefill
     mine = allocate_caches(engine, device)
