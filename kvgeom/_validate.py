@@ -51,10 +51,20 @@ pos_int = attr_int(1)
 nonneg_int = attr_int(0)
 
 
+def as_tuple(value: Any, path: str, error: type[KvGeomError] = GeometryError) -> tuple[Any, ...]:
+    """``tuple(value)``, or ``error`` naming ``path`` when ``value`` is not a sequence."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise error(path, f"must be a sequence, got {type(value).__name__} {value!r}", actual=value,
+                    expected="a list or tuple", fix="pass a list or tuple")
+    return tuple(value)
+
+
 def int_tuple(value: Any) -> tuple[int, ...]:
     """attrs converter: any iterable of ints to a tuple of python ints (hashable, frozen)."""
     out = []
-    for v in tuple(value):
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    for v in as_tuple(value, "ids"):
         if is_int(v):
             out.append(int(v))
         else:

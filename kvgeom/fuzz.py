@@ -51,6 +51,8 @@ from .simulate import Report, simulate
 __all__ = [
     "Outcome",
     "FuzzResult",
+    "Failure",
+    "FuzzFailure",
     "check_transfer",
     "fuzz",
     "add_fuzz_arguments",

@@ -29,7 +29,7 @@ from typing import Any, Literal, Union
 import attrs
 import numpy as np
 
-from ._validate import check_int, int_tuple, nonneg_int, pos_int
+from ._validate import check_int, int_tuple, is_int, nonneg_int, pos_int
 from .errors import GeometryError, InternalError
 from .model import AttentionSpec, ModelSpec, StateSpec
 from .shard import Slice, check_divisible, local_count, owned_slice
@@ -224,6 +224,8 @@ class EngineGeometry:
         return self.regions[region].num_pages // self.blocks_per_logical
 
     def local_heads(self, group: int) -> int:
+        """KV heads every rank holds for attention group ``group``."""
+        self._index("group", group, len(self.groups))
         spec = self.model.groups[group]
         if not isinstance(spec, AttentionSpec):
             raise GeometryError(f"{self.name}.groups[{group}]", "not an attention group",
@@ -262,6 +264,7 @@ class EngineGeometry:
         Worked number (channel_major): x with 4 local channels of 3 rows * 2 B, then ssm with 2
         local heads of 64 B: x at 0 (channel_stride 6, row_stride 2), ssm at 4 * 6 = 24.
         """
+        self._index("group", group, len(self.groups))
         spec = self.model.groups[group]
         geo = self.groups[group]
         if not isinstance(spec, StateSpec) or not isinstance(geo, StateGroupGeometry):
@@ -273,6 +276,11 @@ class EngineGeometry:
         """Bytes of one layer's state on one rank."""
         return sum(p.local_channels * p.rows * p.unit_bytes for p in self.state_sections(group))
 
+    def _index(self, what: str, value: int, size: int) -> None:
+        if not (is_int(value) and 0 <= value < size):
+            raise GeometryError(f"{self.name}.{what}", f"{value!r} is outside [0, {size})", actual=value,
+                                expected=f"0 <= {what} < {size}", fix=f"pass an index below {size}")
+
     # ---- addressing (the model; vectorized) ------------------------------------------------
     def attention_address(
         self, group: int, layer: int, plane: int, page: Any, slot: Any, local_head: Any
@@ -282,12 +290,15 @@ class EngineGeometry:
         ``page`` is the kernel page id, ``slot`` the token's index inside the page. Arguments
         broadcast as numpy arrays.
         """
+        self._index("group", group, len(self.groups))
         geo = self.groups[group]
         if not isinstance(geo, AttentionGroupGeometry):
             raise GeometryError(f"{self.name}.groups[{group}]", "attention_address needs an attention group",
                                 actual=type(geo).__name__, expected="AttentionGroupGeometry",
                                 fix="use state_address for state groups")
+        self._index("layer", layer, len(geo.views))
         view = geo.views[layer]
+        self._index("plane", plane, len(view.regions))
         lay = geo.layout
         region = view.regions[plane]
         off = (
@@ -303,13 +314,17 @@ class EngineGeometry:
         self, group: int, layer: int, section: int, slot_id: Any, local_channel: Any, row: Any
     ) -> tuple[int, Any]:
         """(region, byte offset of the unit) for a state coordinate on any rank."""
+        self._index("group", group, len(self.groups))
         geo = self.groups[group]
         if not isinstance(geo, StateGroupGeometry):
             raise GeometryError(f"{self.name}.groups[{group}]", "state_address needs a state group",
                                 actual=type(geo).__name__, expected="StateGroupGeometry",
                                 fix="use attention_address for attention groups")
+        self._index("layer", layer, len(geo.views))
         view = geo.views[layer]
-        place = self.state_sections(group)[section]
+        places = self.state_sections(group)
+        self._index("section", section, len(places))
+        place = places[section]
         off = (
             np.asarray(slot_id, dtype=np.int64) * self.logical_page_bytes(view.region)
             + view.offset

@@ -18,7 +18,7 @@ from typing import Any, Union
 
 import attrs
 
-from ._validate import check_int, pos_int
+from ._validate import as_tuple, check_int, pos_int
 from .errors import GeometryError
 
 __all__ = [
@@ -143,7 +143,7 @@ class StateSection:
 
 
 def _sections(value: Any) -> tuple[StateSection, ...]:
-    return tuple(value)
+    return as_tuple(value, "StateSpec.sections")
 
 
 @attrs.frozen
@@ -177,7 +177,7 @@ GroupSpec = Union[AttentionSpec, StateSpec]
 
 
 def _groups(value: Any) -> tuple[GroupSpec, ...]:
-    return tuple(value)
+    return as_tuple(value, "ModelSpec.groups")
 
 
 @attrs.frozen

@@ -104,6 +104,11 @@ class Pair:
     decode: EngineGeometry
 
     def __attrs_post_init__(self) -> None:
+        for side in ("prefill", "decode"):
+            if not isinstance(getattr(self, side), EngineGeometry):
+                raise IncompatibleGeometry(f"Pair.{side}", f"expected EngineGeometry, got "
+                                           f"{type(getattr(self, side)).__name__}", actual=getattr(self, side),
+                                           fix="build engines with EngineGeometry(...) or EngineGeometry.build(...)")
         reasons = incompatibilities(self.prefill, self.decode)
         if reasons:
             first = reasons[0]

@@ -154,7 +154,9 @@ def _pages(value: Any) -> tuple[int, ...]:
 class Rearrange:
     """An in-place permutation of bytes inside each listed D kernel page.
 
-    For every page ``k`` in ``pages`` of region ``d_region`` on D rank ``d_rank``, the element at
+    ``pages`` are kernel page ids of the region (logical block ``b`` is pages ``b*ppl .. b*ppl +
+    ppl - 1``): the pages of the request's D blocks that receive data. For every page ``k`` in
+    ``pages`` of region ``d_region`` on D rank ``d_rank``, the element at
     multi-index ``i`` (over ``shape``, innermost last, elements of ``unit_bytes`` contiguous bytes)
     moves from ``k*page_bytes + src_offset + sum(i*src_strides)`` to
     ``k*page_bytes + dst_offset + sum(i*dst_strides)``. All sources are read before any write, so
@@ -173,7 +175,7 @@ class Rearrange:
     unit_bytes: int
     src_offset: int = 0
     dst_offset: int = 0
-    page_bytes: int = 0
+    page_bytes: int = attrs.field(kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         for name in ("d_rank", "d_region", "src_offset", "dst_offset"):
@@ -227,6 +229,13 @@ class TransferPlan:
     zeros_before_coalescing: int = -1
 
     def __attrs_post_init__(self) -> None:
+        check_int("TransferPlan.prefill_tp", self.prefill_tp, minimum=1, error=PlanError)
+        check_int("TransferPlan.decode_tp", self.decode_tp, minimum=1, error=PlanError)
+        for name, cols in (("copies", self.copies), ("zeros", self.zeros)):
+            if not isinstance(cols, Copies if name == "copies" else Zeros):
+                raise PlanError(f"TransferPlan.{name}", f"expected {'Copies' if name == 'copies' else 'Zeros'}, got "
+                                f"{type(cols).__name__}", actual=type(cols).__name__,
+                                fix="build the columns with Copies(...) / Zeros(...)")
         for col, tp in (("p_rank", self.prefill_tp), ("d_rank", self.decode_tp)):
             arr = getattr(self.copies, col)
             if len(arr) and int(arr.max()) >= tp:

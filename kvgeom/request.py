@@ -21,10 +21,28 @@ from typing import Any, Union
 
 import attrs
 
-from ._validate import check_int, int_tuple, is_int
+from ._validate import as_tuple, check_int, int_tuple, is_int
 from .errors import RequestError
 
 __all__ = ["BlockList", "StateSlots", "SideBlocks", "GroupRequest", "Request"]
+
+
+def _int_tuple(path: str, value: Any) -> tuple[int, ...]:
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    return int_tuple(as_tuple(value, path, RequestError))
+
+
+def _block_ids(value: Any) -> tuple[int, ...]:
+    return _int_tuple("BlockList.block_ids", value)
+
+
+def _slot_ids(value: Any) -> tuple[int, ...]:
+    return _int_tuple("StateSlots.slot_ids", value)
+
+
+def _tokens(value: Any) -> tuple[int, ...]:
+    return _int_tuple("StateSlots.tokens", value)
 
 
 def _check_ids(path: str, ids: tuple[Any, ...]) -> None:
@@ -41,7 +59,7 @@ def _check_ids(path: str, ids: tuple[Any, ...]) -> None:
 class BlockList:
     """An attention group's logical block ids on one side, in token order, from ``first_token``."""
 
-    block_ids: tuple[int, ...] = attrs.field(converter=int_tuple)
+    block_ids: tuple[int, ...] = attrs.field(converter=_block_ids)
     first_token: int = 0
 
     def __attrs_post_init__(self) -> None:
@@ -62,8 +80,8 @@ class BlockList:
 class StateSlots:
     """A state group's slots on one side and the tokens each slot's state has absorbed."""
 
-    slot_ids: tuple[int, ...] = attrs.field(converter=int_tuple)
-    tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
+    slot_ids: tuple[int, ...] = attrs.field(converter=_slot_ids)
+    tokens: tuple[int, ...] = attrs.field(converter=_tokens)
 
     def __attrs_post_init__(self) -> None:
         _check_ids("StateSlots.slot_ids", self.slot_ids)
@@ -102,7 +120,7 @@ class GroupRequest:
 
 
 def _group_requests(value: Any) -> tuple[GroupRequest, ...]:
-    return tuple(value)
+    return as_tuple(value, "Request.groups", RequestError)
 
 
 @attrs.frozen(repr=False)

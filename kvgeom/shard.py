@@ -20,7 +20,7 @@ import attrs
 
 from .errors import GeometryError
 
-__all__ = ["Slice", "owned_slice", "check_divisible", "sources", "SourceSlice"]
+__all__ = ["Slice", "owned_slice", "local_count", "check_divisible", "sources", "SourceSlice"]
 
 
 @attrs.frozen
@@ -67,6 +67,9 @@ def owned_slice(n: int, tp: int, rank: int, *, replicated: bool = False) -> Slic
     >>> owned_slice(2, 8, 5)          # 8 ranks over 2 heads: ranks 4..7 hold head 1
     Slice(start=1, stop=2)
     """
+    if n < 1 or tp < 1:
+        raise GeometryError("owned_slice", f"an axis of {n} items over tp={tp}", actual=(n, tp),
+                            expected="n >= 1 and tp >= 1", fix="describe at least one item and one rank")
     if not 0 <= rank < tp:
         raise GeometryError(
             "rank", f"rank {rank} is outside tp={tp}", actual=rank, expected=f"0 <= rank < {tp}"

@@ -74,6 +74,7 @@ from .request import BlockList, Request, StateSlots
 from .shard import owned_slice
 
 __all__ = [
+    "writable_pages",
     "ViolationKind",
     "Violation",
     "Report",

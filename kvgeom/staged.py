@@ -34,7 +34,7 @@ from .pair import Pair
 from .plan import Copies, Rearrange, Zeros
 from .request import BlockList, Request
 
-__all__ = ["Arrival", "arrival", "plan_staged_group"]
+__all__ = ["Arrival", "ArrivedView", "arrival", "plan_staged_group"]
 
 
 @attrs.frozen

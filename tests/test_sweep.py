@@ -40,6 +40,7 @@ def kv(tp: int, K: int, ppl: int = 1, **kw: Any) -> dict[str, Any]:
 
 
 R = tuple(range(1, 50))
+T = tuple(range(1, 26))  # TP cases: every length across 3-6 block boundaries (8 ranks x 2 listings each)
 CASES = [
     # the vLLM harness pairs (D logical/kernel vs P logical/kernel), pure attention and MLA
     Case("harness D12/4 P8/4 gqa", gqa(4), kv(2, 4, 2), kv(2, 4, 3), R),
@@ -54,26 +55,27 @@ CASES = [
     # TP pairs, 8 and 2 KV heads (2 heads: replication on the larger side)
     Case("TP1->2 h8", gqa(8), kv(1, 4), kv(2, 4), R),
     Case("TP2->1 h8", gqa(8), kv(2, 4), kv(1, 4), R),
-    Case("TP8->1 h8", gqa(8), kv(8, 4), kv(1, 4), (1, 4, 5, 17, 33)),
-    Case("TP1->8 h8", gqa(8), kv(1, 4), kv(8, 4), (1, 4, 5, 17, 33)),
-    Case("TP4->8 h8", gqa(8), kv(4, 4), kv(8, 4, 2), (1, 7, 8, 9, 30)),
-    Case("TP8->1 h2", gqa(2), kv(8, 4), kv(1, 8), (1, 4, 5, 17, 33)),
-    Case("TP1->8 h2", gqa(2), kv(1, 8), kv(8, 4), (1, 4, 5, 17, 33)),
-    Case("TP4->8 h2", gqa(2), kv(4, 4, 2), kv(8, 8), (1, 7, 8, 9, 30)),
-    Case("TP2->4 h2 K12/8", gqa(2), kv(2, 12), kv(4, 8), R[::3]),
+    Case("TP8->1 h8", gqa(8), kv(8, 4), kv(1, 4), T),
+    Case("TP1->8 h8", gqa(8), kv(1, 4), kv(8, 4), T),
+    Case("TP4->8 h8", gqa(8), kv(4, 4), kv(8, 4, 2), T),
+    Case("TP8->1 h2", gqa(2), kv(8, 4), kv(1, 8), T),
+    Case("TP1->8 h2", gqa(2), kv(1, 8), kv(8, 4), T),
+    Case("TP4->8 h2", gqa(2), kv(4, 4, 2), kv(8, 8), T),
+    Case("TP2->4 h2 K12/8", gqa(2), kv(2, 12), kv(4, 8), R),
     # layouts, both ways, and K/V placement
     Case("NHD->HND", gqa(4), kv(2, 8, layout="NHD"), kv(1, 4), R),
     Case("HND->NHD", gqa(4), kv(1, 4), kv(2, 8, layout="NHD"), R),
-    Case("split->packed NHD", gqa(4), kv(1, 4, kv="split"), kv(1, 8, layout="NHD"), R[::2]),
+    Case("split->packed NHD", gqa(4), kv(1, 4, kv="split"), kv(1, 8, layout="NHD"), R),
     Case("inner->split interleaved", gqa(4, layers=3), kv(2, 8, kv="inner"),
-         kv(1, 4, kv="split", regions="interleaved"), R[::2]),
+         kv(1, 4, kv="split", regions="interleaved"), R),
     Case("interleaved NHD->HND per layer", gqa(2, layers=3), kv(1, 4, layout="NHD", regions="interleaved"),
-         kv(2, 8, 2), R[::2]),
+         kv(2, 8, 2), R),
     # sliding windows with different block sizes on each side
     Case("sliding P8 D12", swa(), kv(1, 8), kv(2, 4, 3), R),
-    # KimiLinear-scale MLA: D 5760/64 TP1, P 768/64 TP8 (tiny latents so the caches stay small)
+    # KimiLinear-scale MLA: D 5760/64 TP1, P 768/64 TP8 (tiny latents so the caches stay small);
+    # blocks are thousands of tokens, so the lengths sit on both sides of each block boundary
     Case("MLA D5760/64 TP1 P768/64 TP8", mla(1, 2), kv(8, 64, 12), kv(1, 64, 90),
-         (2, 769, 5760, 5761, 6529)),
+         (1, 2, 767, 768, 769, 1535, 1536, 1537, 5759, 5760, 5761, 6528, 6529, 11520, 11521)),
 ]
 
 

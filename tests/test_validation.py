@@ -439,3 +439,36 @@ def test_state_section_type() -> None:
     with pytest.raises(GeometryError) as info:
         state(sections=("x",))
     assert "StateSpec('mamba').sections[0]" in info.value.path
+
+
+@pytest.mark.parametrize(("make", "error", "path"), [
+    (lambda: ModelSpec("m", None), GeometryError, "ModelSpec.groups"),
+    (lambda: BlockList(None), RequestError, "BlockList.block_ids"),
+    (lambda: StateSlots(5, (1,)), RequestError, "StateSlots.slot_ids"),
+    (lambda: Request(4, None), RequestError, "Request.groups"),
+    (lambda: Pair(1, 2), IncompatibleGeometry, "Pair.prefill"),
+    (lambda: TransferPlan(0, 1, Copies.empty(), Zeros.empty()), PlanError, "TransferPlan.prefill_tp"),
+    (lambda: TransferPlan(True, 1, Copies.empty(), Zeros.empty()), PlanError, "TransferPlan.prefill_tp"),
+    (lambda: owned_slice(0, 2, 0), GeometryError, "owned_slice"),
+])
+def test_wrong_types_and_empty_axes_raise_typed_errors(make: Callable[[], Any], error: type[KvGeomError],
+                                                       path: str) -> None:
+    with pytest.raises(error) as info:
+        make()
+    assert info.value.path == path
+
+
+def test_address_functions_check_their_indices() -> None:
+    m = ModelSpec("g", [AttentionSpec("a", "full", 1, 2, 8), StateSpec("s", 1, [StateSection("x", 2, 2)])])
+    e = EngineGeometry.build(m, tp=1, kernel_block_tokens=4, num_blocks=2, regions="shared", name="decode")
+    region, offset = e.attention_address(0, 0, 1, 1, 3, 1)
+    assert offset == 1 * e.regions[0].page_bytes + 1 * (2 * 4 * 8) + 1 * (4 * 8) + 3 * 8  # page, V, head 1, slot 3
+    for call, path in [(lambda: e.attention_address(0, 1, 0, 0, 0, 0), "decode.layer"),
+                       (lambda: e.attention_address(0, 0, 2, 0, 0, 0), "decode.plane"),
+                       (lambda: e.attention_address(1, 0, 0, 0, 0, 0), "decode.groups[1]"),
+                       (lambda: e.state_address(1, 0, 1, 0, 0, 0), "decode.section"),
+                       (lambda: e.state_address(5, 0, 0, 0, 0, 0), "decode.group"),
+                       (lambda: e.local_heads(7), "decode.group")]:
+        with pytest.raises(GeometryError) as info:
+            call()
+        assert info.value.path == path
