@@ -21,7 +21,7 @@ Progress lines go to stderr. The transfer section needs torch and nixl, the rece
                   prepped), bare NIXL calls (raw-nixl)                                                on fresh, M >= 16k
                   us per NIXL descriptor                  planner CostModel default 1.5 us            -
     receive       apply_rearranges / apply_zeros, s       torch clone of the touched bytes            -
-                  rearrange bandwidth, GB/s               planner CostModel default 3 GB/s            -
+                  rearrange bandwidth, GB/s               planner CostModel default 1.5 GB/s          -
 
 Every JSON object has ``name``, ``value``, ``unit``, ``baseline``, ``ratio`` (= value / baseline),
 plus ``section``, ``baseline_name``, ``goal``, ``met`` (true/false, or null where no goal applies at

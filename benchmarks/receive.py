@@ -3,14 +3,14 @@
     staged plan, P NHD -> D HND, D lists N = M + M/4 tokens (so [M, N) is zeroed)
     apply_rearranges(D views, plan.rearranges)   vs  torch clone of sum(nbytes_per_page * pages) B
     apply_zeros(D views, plan.zeros)             vs  torch clone of plan.bytes_zeroed B
-    rearrange bandwidth = rearranged bytes / time   vs  planner CostModel default 3 GB/s
+    rearrange bandwidth = rearranged bytes / time   vs  planner CostModel default 1.5 GB/s
 
 The D caches are filled before timing (warm pages). Re-applying a rearrange permutes the bytes
 again, which costs the same; the values do not matter here.
 
 Worked number: 4 layers, 8 heads of 256 B, K = 16, TP1, M = 16384: 1024 pages of
-2 * 8 * 16 * 256 = 65536 B per layer are rearranged, 4 * 1024 * 65536 B = 256 MiB; at 3 GB/s
-that is 0.09 s.
+2 * 8 * 16 * 256 = 65536 B per layer are rearranged, 4 * 1024 * 65536 B = 256 MiB; at 1.5 GB/s
+that is 0.18 s.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ Pure arithmetic on integers and numpy arrays: importing kvgeom never imports tor
 
 from __future__ import annotations
 
+from typing import Any as _Any
+
 from .coalesce import coalesce, coalesce_zeros
 from .errors import GeometryError, IncompatibleGeometry, InternalError, KvGeomError, PlanError, RequestError
 from .geometry import (
@@ -30,6 +32,19 @@ from .tiles import tile_bytes
 
 __version__ = "0.1.0"
 
+
+def draw(plan: TransferPlan, pair: Pair, request: Request, **options: _Any) -> _Any:
+    """One picture of ``request``'s transfer (a matplotlib ``Figure``; the ``notebook`` extra).
+
+    D blocks as rows of token cells per layer and head group, coloured by source P rank and
+    block, zeroed bytes hatched, untouched bytes blank; ``side="prefill"`` shows which D rank reads
+    each P cell. Options are those of :func:`kvgeom.drawing.draw`. matplotlib is imported only
+    when this is called, so ``import kvgeom`` stays light.
+    """
+    from .drawing import draw as _draw
+
+    return _draw(plan, pair, request, **options)
+
 # ``kvgeom.simulate`` stays the module (the reference simulator); its ``simulate`` function is
 # ``kvgeom.simulate.simulate`` and :func:`verify` plans and simulates in one call.
 __all__ = [
@@ -45,6 +60,7 @@ __all__ = [
     "Violation",
     "ViolationKind",
     "coalesce",
+    "draw",
     "coalesce_zeros",
     "plan_pair",
     "plan_transfer",

@@ -16,6 +16,9 @@ def is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer))
 
 
+MAX_INT = 1 << 48  # 256 TiB: every size, stride, offset, count and id must fit well inside int64 arithmetic
+
+
 def check_int(
     path: str, value: Any, *, minimum: int = 0, error: type[KvGeomError] = GeometryError
 ) -> None:
@@ -35,6 +38,14 @@ def check_int(
             actual=value,
             expected=f">= {minimum}",
             fix=f"use a value of at least {minimum}",
+        )
+    if value > MAX_INT:
+        raise error(
+            path,
+            f"{value} is beyond the largest size kvgeom accepts (2**48 = {MAX_INT})",
+            actual=value,
+            expected=f"<= {MAX_INT}",
+            fix="describe real byte and token counts (a remote that advertises such sizes is refused)",
         )
 
 

@@ -192,7 +192,20 @@ def _label(header: dict[str, Any]) -> str:
     return f"{src}: M={header['tokens']} tokens, prefix S={header['prefix']}"
 
 
+def _check_drawing_target(args: argparse.Namespace) -> None:
+    """Refuse an unwritable --svg/--png path before any planning (bad input: exit 2)."""
+    target = args.svg or args.png
+    if not target:
+        return
+    folder = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        flag = "--svg" if args.svg else "--png"
+        raise KvGeomError(flag, f"cannot write {target!r}: folder {folder!r} does not exist or is not writable",
+                          actual=target, fix="pass a path in an existing, writable folder")
+
+
 def _run_plan(args: argparse.Namespace) -> int:
+    _check_drawing_target(args)
     try:
         header, pair, request, engines = _load_pair(args)
     except IncompatibleGeometry as e:  # a pair file whose engines cannot be paired
@@ -348,9 +361,9 @@ def _draw(plan: Any, pair: Pair, request: Any, path: str, fmt: str) -> None:
     if importlib.util.find_spec("matplotlib") is None:
         raise _Unavailable(f"--{fmt}", "drawing needs matplotlib, which is not installed",
                            fix='pip install -e ".[notebook]"')
-    draw_mod = _optional("kvgeom.draw")
+    draw_mod = _optional("kvgeom.drawing")
     if draw_mod is None:
-        raise _Unavailable(f"--{fmt}", "this kvgeom has no kvgeom.draw yet", fix="update kvgeom")
+        raise _Unavailable(f"--{fmt}", "this kvgeom has no kvgeom.drawing yet", fix="update kvgeom")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -34,7 +34,10 @@ from .errors import GeometryError, InternalError
 from .model import AttentionSpec, ModelSpec, StateSpec
 from .shard import Slice, check_divisible, local_count, owned_slice
 
+MAX_PAGE_VECTORS = 1 << 24  # head vectors per page (all layers of a group) the overlap check enumerates
+
 __all__ = [
+    "MAX_PAGE_VECTORS",
     "Region",
     "PageLayout",
     "AttentionView",
@@ -575,9 +578,25 @@ def _validate_attention(e: EngineGeometry, gi: int, spec: AttentionSpec, geo: At
     K = e.kernel_block_tokens
     hb = spec.head_bytes
     lay = geo.layout
+    # bounds first, by arithmetic: the last head vector of every view must end inside its page
+    # (a remote's self-description is untrusted: nothing below is enumerated before this holds)
+    span = (spec.planes - 1) * lay.kv_stride + (h - 1) * lay.head_stride + (K - 1) * lay.token_stride + hb
+    for li, v in enumerate(geo.views):
+        for p, r in enumerate(v.regions):
+            ri = _region_index(e, f"{path}.views[{li}].regions[{p}]", r)
+            end = v.offset + span
+            if end > e.regions[ri].page_bytes:
+                raise GeometryError(f"{path}.views[{li}]", f"the page layout ends at byte {end} of a "
+                                    f"{e.regions[ri].page_bytes} B page of region {ri}", actual=end,
+                                    expected=f"<= {e.regions[ri].page_bytes}",
+                                    fix="enlarge the region's page_bytes or fix the strides/offset")
+    vectors = spec.planes * h * K
+    if vectors * len(geo.views) > MAX_PAGE_VECTORS:
+        raise GeometryError(f"{path}", f"{len(geo.views)} layers x {vectors} head vectors per page exceed the "
+                            f"{MAX_PAGE_VECTORS} kvgeom checks for overlap", actual=vectors * len(geo.views),
+                            expected=f"<= {MAX_PAGE_VECTORS}", fix="use realistic kernel pages (<= 4096 tokens)")
     # every head vector (plane, head, slot) of one page, per layer: start offsets inside the page
     pl, hh, ss = np.meshgrid(np.arange(spec.planes), np.arange(h), np.arange(K), indexing="ij")
-    rel = (pl * lay.kv_stride + hh * lay.head_stride + ss * lay.token_stride).ravel()
     per_region: dict[int, list[np.ndarray]] = {}
     for li, v in enumerate(geo.views):
         vp = f"{path}.views[{li}]"
@@ -595,7 +614,6 @@ def _validate_attention(e: EngineGeometry, gi: int, spec: AttentionSpec, geo: At
                                     f"of region {ri}", actual=end, expected=f"<= {e.regions[ri].page_bytes}",
                                     fix="enlarge the region's page_bytes or fix the strides/offset")
             per_region.setdefault(ri, []).append(starts)
-    del rel
     for ri, chunks in per_region.items():
         starts = np.sort(np.concatenate(chunks))
         if starts.size > 1 and np.any(np.diff(starts) < hb):

@@ -141,7 +141,9 @@ def _maybe(draw: Any, probability: float) -> bool:
         return False
     if probability >= 1.0:
         return True
-    return bool(draw(st.integers(0, 999)) >= round(1000 * (1.0 - probability)))
+    # st.integers leans towards its bounds; a seeded Random draws uniformly, and its shrunk form
+    # (random() == 0.0) gives False
+    return bool(draw(st.randoms(use_true_random=False)).random() >= 1.0 - probability)
 
 
 # ---- models --------------------------------------------------------------------------------------------

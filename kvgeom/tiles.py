@@ -36,7 +36,8 @@ from .model import AttentionSpec, StateSpec
 from .pair import Pair
 from .plan import Copies
 
-__all__ = ["tile_bytes", "tile_quantities", "TileTable", "tile_table", "tile_index_pairs", "check_in_regions",
+__all__ = [
+    "tile_rows","tile_bytes", "tile_quantities", "TileTable", "tile_table", "tile_index_pairs", "check_in_regions",
            "merge_runs"]
 
 
@@ -253,6 +254,17 @@ def tile_index_pairs(copies: Copies, tile: int, *, p_table: TileTable | None = N
     p_index = np.repeat(p0 - row_start, n) + step
     d_index = np.repeat(d0 - row_start, n) + step
     return p_index, d_index
+
+
+def tile_rows(copies: Copies, tile: int) -> np.ndarray:
+    """The copy row each pair of :func:`tile_index_pairs` comes from (same order, same length).
+
+    >>> # two copies of 2 and 3 tiles: rows [0, 0, 1, 1, 1]
+    """
+    if int(tile) <= 0:
+        raise PlanError("tile_bytes", "must be positive", actual=tile, expected=">= 1")
+    _check_multiple("nbytes", copies.nbytes, int(tile))
+    return np.repeat(np.arange(len(copies), dtype=np.int64), copies.nbytes // int(tile))
 
 
 def merge_runs(p_index: Iterable[int] | np.ndarray, d_index: Iterable[int] | np.ndarray,

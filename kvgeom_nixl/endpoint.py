@@ -40,7 +40,7 @@ from kvgeom.geometry import EngineGeometry
 from kvgeom.pair import Pair
 from kvgeom.plan import Copies, TransferPlan
 from kvgeom.request import BlockList, Request
-from kvgeom.tiles import TileTable, check_in_regions, tile_bytes, tile_index_pairs, tile_table
+from kvgeom.tiles import TileTable, check_in_regions, tile_bytes, tile_index_pairs, tile_rows, tile_table
 
 from . import _nixl
 from .errors import ExecutorError, HandshakeError, TransferFailed
@@ -408,7 +408,7 @@ class Link:
                 try:
                     tables = (self._table(self.pair.prefill), self._table(self.pair.decode))
                     p_idx, d_idx = tile_index_pairs(copies, self.tile_bytes, p_table=tables[0], d_table=tables[1])
-                    tile_peer = np.repeat(peer_col, copies.nbytes // self.tile_bytes)
+                    tile_peer = peer_col[tile_rows(copies, self.tile_bytes)]
                 except PlanError as e:  # off the tile grid, or tables too large: per-request lists instead
                     t.notes.append(f"prepped mode unavailable ({e.message}); posted coalesced")
                     mode = "coalesced"

@@ -244,9 +244,9 @@ def test_plan_drawing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     try:
         import matplotlib  # noqa: F401
 
-        import kvgeom.draw  # noqa: F401
+        import kvgeom.drawing  # noqa: F401
     except ImportError:
-        assert rc == 2 and ("kvgeom.draw" in err or "matplotlib" in err) and not target.exists()
+        assert rc == 2 and ("kvgeom.drawing" in err or "matplotlib" in err) and not target.exists()
         return
     assert rc == 0, err
     assert target.read_text()[:200].lstrip().startswith(("<?xml", "<svg"))
@@ -331,3 +331,8 @@ def test_python_dash_m_kvgeom() -> None:
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert json.loads(done.stdout)["pairable"] is False
+
+
+def test_plan_refuses_an_unwritable_drawing_path_before_planning(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _run(capsys, "plan", "--svg", "/nonexistent-kvgeom-dir/x.svg")
+    assert rc == 2 and "--svg" in err and "/nonexistent-kvgeom-dir" in err and "verdict" not in out

@@ -70,13 +70,15 @@ def _case(name: str) -> tuple[Pair, Request]:
         "preset deepseek-v3 mla tp8->tp1": ("deepseek-v3-tp8-tp1", 100, 2),
         "preset nemotron-h tp1->tp4 (hybrid)": ("nemotron-h-tp1-tp4", 100, 1),
         "preset qwen3-next tp2->tp4 (hybrid)": ("qwen3-next-tp2-tp4", 100, 1),
+        "preset kimi-linear tp8->tp1 (hybrid)": ("kimi-linear-tp8-tp1", 1000, 1),
     }[name]
     return get_preset(preset).build(tokens, prefix=0, layers=layers)
 
 
 CASES = ["tp1->tp2 hnd k16", "tp2->tp1 hnd k16", "k16 nhd -> k8 hnd", "k8 hnd split -> k16 nhd inner, prefix",
          "preset gqa-tp2-tp4", "preset qwen-swa-tp2-tp4 (sliding)", "preset deepseek-v3 mla tp8->tp1",
-         "preset nemotron-h tp1->tp4 (hybrid)", "preset qwen3-next tp2->tp4 (hybrid)"]
+         "preset nemotron-h tp1->tp4 (hybrid)", "preset qwen3-next tp2->tp4 (hybrid)",
+         "preset kimi-linear tp8->tp1 (hybrid)"]
 
 
 def _check(out: dict[str, Any], pair: Pair, mode: str, push: bool) -> None:
@@ -314,3 +316,24 @@ def test_hand_built_plans_match_the_simulators_apply_plan(seed: int, mode: str) 
         assert fell_back and all(r.mode == "coalesced" for r in fell_back)
     else:
         assert not fell_back and all(r.mode == mode for r in pulls)
+
+
+def _sweep_cases() -> list[Any]:
+    from test_sweep import CASES as SWEEP  # the planner's sweep geometries (tests/ is on sys.path)
+
+    return list(SWEEP)
+
+
+@pytest.mark.parametrize("strategy", ["direct", "auto"])
+@pytest.mark.parametrize("case", _sweep_cases(), ids=lambda c: c.name)
+def test_sweep_geometries_pull_with_real_nixl(case: Any, strategy: str) -> None:
+    """Every geometry pair of the attention sweep, pulled with NIXL at a length past a few block
+    boundaries, D bytes checked by the simulator."""
+    from test_sweep import build
+
+    M = case.lengths[len(case.lengths) * 2 // 3]
+    pair, _ = build(case, M)
+    request = fresh_request(pair, M, decode_tokens=M + 1)
+    out = run_local(pair, request, push=False, mode="coalesced", device=DEVICE, telemetry=True,
+                    plan=pair.plan(request, strategy=strategy))
+    _check(out, pair, "coalesced", False)

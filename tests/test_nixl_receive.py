@@ -49,7 +49,7 @@ def _random_rearrange(rng: np.random.Generator, region: int, page_bytes: int, nu
     room = page_bytes - total
     pages = tuple(int(p) for p in rng.choice(num_pages, size=int(rng.integers(1, num_pages + 1)), replace=False))
     return Rearrange(0, region, pages, shape, src, dst, unit, int(rng.integers(0, room + 1)),
-                     int(rng.integers(0, room + 1)), page_bytes)
+                     int(rng.integers(0, room + 1)), page_bytes=page_bytes)
 
 
 def _random_zeros(rng: np.random.Generator, sizes: list[int]) -> Zeros:

@@ -22,7 +22,7 @@ OPTIONAL = {
     "kvgeom.strategies": "hypothesis strategies (the testing extra)",
     "kvgeom.fuzz": "the fuzz command, built on hypothesis",
     "kvgeom.bench": "the bench command, which may time the executor",
-    "kvgeom.draw": "matplotlib drawings (the notebook extra)",
+    "kvgeom.drawing": "matplotlib drawings (the notebook extra)",
     "kvgeom.__main__": "runs the command line when imported",
 }
 

@@ -236,3 +236,13 @@ def test_merge_runs_inverts_expansion_of_minimal_copies() -> None:
     assert (ps * 256).tolist() == c.p_offset.tolist()
     assert (ds * 256).tolist() == c.d_offset.tolist()
     assert nb.tolist() == c.nbytes.tolist()
+
+
+def test_tile_rows_names_the_copy_of_every_tile_pair() -> None:
+    from kvgeom.tiles import tile_index_pairs, tile_rows
+
+    # copy 0: 2 tiles of 1024 B, copy 1: 3 tiles
+    c = Copies([0, 1], [0, 0], [0, 8192], [0, 0], [0, 0], [4096, 0], [2048, 3072])
+    p_idx, d_idx = tile_index_pairs(c, 1024)
+    assert tile_rows(c, 1024).tolist() == [0, 0, 1, 1, 1]
+    assert p_idx.tolist() == [0, 1, 8, 9, 10] and d_idx.tolist() == [4, 5, 0, 1, 2]

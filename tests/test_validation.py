@@ -472,3 +472,26 @@ def test_address_functions_check_their_indices() -> None:
         with pytest.raises(GeometryError) as info:
             call()
         assert info.value.path == path
+
+
+def test_hostile_sizes_are_refused_by_arithmetic_before_anything_is_enumerated() -> None:
+    """A remote's self-description is untrusted: absurd sizes raise typed errors at once (no
+    allocation proportional to the claimed sizes)."""
+    from kvgeom.geometry import MAX_PAGE_VECTORS
+
+    m = ModelSpec("g", [AttentionSpec("a", "full", 1, 2, 8)])
+    with pytest.raises(GeometryError) as info:
+        PageLayout(0, 2**70, 8)
+    assert info.value.path == "PageLayout.head_stride"
+    lay = PageLayout(kv_stride=2 * 8, head_stride=8, token_stride=0)
+    # 10**12 tokens per page claimed, 64 B pages: the span check refuses it without a meshgrid
+    with pytest.raises(GeometryError) as info:
+        EngineGeometry(m, 1, 10**12, 1, [Region(4, 64)], [AttentionGroupGeometry(
+            PageLayout(kv_stride=32, head_stride=16, token_stride=8), [AttentionView((0, 0))])], name="remote")
+    assert info.value.path == "remote.groups[0](a).views[0]"
+    # a page big enough for the claim: refused by the enumeration limit, still before enumerating
+    K = MAX_PAGE_VECTORS  # 2 planes x 2 heads x K vectors > the limit
+    with pytest.raises(GeometryError) as info:
+        EngineGeometry(m, 1, K, 1, [Region(1, 4 * 8)], [AttentionGroupGeometry(lay, [AttentionView((0, 0))])],
+                       name="remote")
+    assert info.value.path == "remote.groups[0](a)"
