@@ -855,10 +855,7 @@ def _mergeable(sink: _Sink, side_cols: np.ndarray, starts: np.ndarray, ends: np.
     """Rows whose end tuple equals another row's start tuple (same ranks and regions)."""
     if len(rows) < 2:
         return
-    a = np.concatenate([np.concatenate([side_cols, starts], axis=1), np.concatenate([side_cols, ends], axis=1)])
-    _, inv = np.unique(a, axis=0, return_inverse=True)
-    inv = inv.reshape(-1)
-    s_id, e_id = inv[: len(rows)], inv[len(rows):]
+    s_id, e_id = _tuple_ids(np.concatenate([side_cols, starts], axis=1), np.concatenate([side_cols, ends], axis=1))
     hit = np.flatnonzero(np.isin(e_id, s_id))
 
     def make(i: int) -> Violation:
@@ -869,6 +866,26 @@ def _mergeable(sink: _Sink, side_cols: np.ndarray, starts: np.ndarray, ends: np.
                          f"{what} row {int(rows[k])} ends where {what} row {int(rows[j])} starts: they could merge")
 
     sink.add(ViolationKind.NOT_MINIMAL, len(hit), 0, make)
+
+
+def _tuple_ids(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Integer ids such that two rows (of ``a`` or ``b``) get the same id exactly when they are
+    equal tuples. Packs the columns into one int64 when their ranges fit (fast path), else falls
+    back to ``np.unique(axis=0)``."""
+    both = np.concatenate([a, b])
+    lo, hi = both.min(axis=0), both.max(axis=0)
+    widths = [int(x) for x in (hi - lo + 1)]
+    span = 1
+    for w in widths:
+        span *= w
+    if span < 1 << 62:
+        key = np.zeros(len(both), np.int64)
+        for col, w in enumerate(widths):
+            key = key * w + (both[:, col] - lo[col])
+        return key[: len(a)], key[len(a):]
+    _, inv = np.unique(both, axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    return inv[: len(a)], inv[len(a):]
 
 
 def _determinism(sink: _Sink, plan: TransferPlan, replan: TransferPlan) -> None:
