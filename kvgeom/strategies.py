@@ -30,7 +30,6 @@ request plus 1 to 4 spare ones, so requests always fit and there are neighbours 
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -43,8 +42,8 @@ from .errors import InternalError
 from .geometry import AttentionView, EngineGeometry, Region, StateView
 from .model import AttentionSpec, ModelSpec, StateSection, StateSpec
 from .pair import pairable
+from .presets import hybrid_blocks_per_logical
 from .request import BlockList, GroupRequest, Request, StateSlots
-from .shard import local_count
 
 __all__ = [
     "GeometryPair",
@@ -257,20 +256,12 @@ def valid_tps(model: ModelSpec, max_tp: int) -> tuple[int, ...]:
 
 
 def hybrid_rule_ppl(model: ModelSpec, tp: int, kernel_tokens: int) -> int:
-    """vLLM's hybrid rule: the fewest kernel pages per logical block whose attention page holds a state
-    (``ceil(max state bytes / max attention kernel page bytes)``, per rank and layer); 1 when the
-    model has no state or no attention group."""
-    page = state = 0
-    for g in model.groups:
-        if isinstance(g, AttentionSpec):
-            heads = local_count(g.num_kv_heads, tp, replicated=g.replicated)
-            page = max(page, g.planes * heads * kernel_tokens * g.head_bytes)
-        else:
-            state = max(state, sum(local_count(s.channels, tp, replicated=s.replicated) * s.channel_bytes
-                                   for s in g.sections))
-    if not page or not state:
+    """vLLM's hybrid rule (:func:`kvgeom.presets.hybrid_blocks_per_logical`): the fewest kernel
+    pages per logical block whose attention page holds a state; 1 when the model has no state or
+    no attention group."""
+    if not any(isinstance(g, AttentionSpec) for g in model.groups):
         return 1
-    return max(1, math.ceil(state / page))
+    return hybrid_blocks_per_logical(model, tp=tp, kernel_block_tokens=kernel_tokens)
 
 
 def blocks_for(model: ModelSpec, block_tokens: int, max_tokens: int) -> int:
