@@ -11,7 +11,9 @@ so a connector's own test can fuzz its transfers against the reference simulator
     @given(kst.transfers())
     def test_my_connector(t):
         plan = my_connector_plan(t.pair.prefill, t.pair.decode, t.request)
-        assert simulate(Pair(*t.pair), t.request, plan).ok
+        report = simulate(Pair(*t.pair), t.request, plan)
+        if not report.ok:  # the report names every violation
+            raise AssertionError(str(report))
 
 Draw order follows the shrinking advice of hypothesis' docs: shared facts first (the model), then
 each side's TP, kernel page, logical block and layout, then the request (its length first, then
