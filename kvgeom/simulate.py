@@ -577,14 +577,19 @@ def describe(engine: EngineGeometry, request: Request | None, side: str, rank: i
 # ---- filling ---------------------------------------------------------------------------------
 
 
+def _fill_background(mem: Memory, engine: EngineGeometry, side: str, salt: int) -> None:
+    """Check ``mem`` fits ``engine``, then fill every byte with the side's salted pattern."""
+    _check_memory(mem, engine, side)
+    for rank, regs in enumerate(mem.buffers):
+        for ri, buf in enumerate(regs):
+            _fill_pattern(buf, salt, rank, ri)
+
+
 def fill_prefill(pair: Pair, request: Request, mem: Memory) -> None:
     """P memory: the garbage pattern everywhere, then the coordinate hash in computed tokens
     ``[p0, min(p1, M))`` of every listed block and in every listed state slot (with its tokens)."""
     engine = pair.prefill
-    _check_memory(mem, engine, "prefill")
-    for rank, regs in enumerate(mem.buffers):
-        for ri, buf in enumerate(regs):
-            _fill_pattern(buf, _SALT_PREFILL, rank, ri)
+    _fill_background(mem, engine, "prefill", _SALT_PREFILL)
     M = request.computed_tokens
     for g, spec in enumerate(engine.model.groups):
         listing = _listing(request, g, "prefill")
@@ -606,10 +611,7 @@ def fill_decode(pair: Pair, request: Request, mem: Memory) -> None:
     """D memory before the transfer: the stale pattern everywhere, except the prefix tokens
     ``[d0, min(S, d1))`` of listed D blocks, which D already holds (the coordinate hash)."""
     engine = pair.decode
-    _check_memory(mem, engine, "decode")
-    for rank, regs in enumerate(mem.buffers):
-        for ri, buf in enumerate(regs):
-            _fill_pattern(buf, _SALT_DECODE, rank, ri)
+    _fill_background(mem, engine, "decode", _SALT_DECODE)
     S = request.prefix_hit_tokens
     for g, spec in enumerate(engine.model.groups):
         if not isinstance(spec, AttentionSpec):

@@ -72,6 +72,20 @@ class Child:
             self.proc.join(5)
 
 
+def _connected(pair: Pair, request: Request, child_side: str,
+               stopper: list[Any]) -> tuple[Child, list[Endpoint], list[list[Any]], list[Any]]:
+    """A child process for ``child_side`` and this process's endpoints for the other side, linked
+    both ways (handshakes over the pipe); everything is registered with ``stopper``."""
+    child = Child(pair, request, child_side)
+    stopper.append(child)
+    eps, caches = _local(pair, request, "decode" if child_side == "prefill" else "prefill")
+    stopper.extend(eps)
+    links = [e.connect(child.handshakes) for e in eps]
+    child.send("connect", [e.handshake() for e in eps])
+    child.recv("ready", 30)
+    return child, eps, caches, links
+
+
 def _local(pair: Pair, request: Request, side: str) -> tuple[list[Endpoint], list[list[Any]]]:
     engine = pair.side(side)
     p = allocate_caches(pair.prefill, DEVICE if side == "prefill" else "cpu")
@@ -92,13 +106,7 @@ def stopper() -> Iterator[list[Any]]:
 def test_pull_tp2_to_tp1_across_processes(stopper: list[Any]) -> None:
     """Child: P TP2 serving pulls. Parent: D TP1 pulling (both modes, one after the other)."""
     pair, request = _pair(2, 1)
-    child = Child(pair, request, "prefill")
-    stopper.append(child)
-    eps, d_caches = _local(pair, request, "decode")
-    stopper.extend(eps)
-    links = [e.connect(child.handshakes) for e in eps]
-    child.send("connect", [e.handshake() for e in eps])
-    child.recv("ready", 30)
+    child, eps, d_caches, links = _connected(pair, request, "prefill", stopper)
     plan = plan_pair(pair, request)
     for i, mode in enumerate(("coalesced", "prepped")):
         child.send("serve_pull", f"r{i}", mode, 20.0)
@@ -115,13 +123,7 @@ def test_pull_tp2_to_tp1_across_processes(stopper: list[Any]) -> None:
 def test_push_tp1_to_tp2_across_processes(stopper: list[Any]) -> None:
     """Child: D TP2 accepting pushes (it checks its own bytes). Parent: P TP1 pushing."""
     pair, request = _pair(1, 2)
-    child = Child(pair, request, "decode")
-    stopper.append(child)
-    eps, _ = _local(pair, request, "prefill")
-    stopper.extend(eps)
-    links = [e.connect(child.handshakes) for e in eps]
-    child.send("connect", [e.handshake() for e in eps])
-    child.recv("ready", 30)
+    child, eps, _, links = _connected(pair, request, "decode", stopper)
     plan = plan_pair(pair, request)
     child.send("accept_push", "p1", "coalesced", 20.0)
     pushed = wait_all([lk.push("p1", request, plan=plan, timeout_s=20) for lk in links], peers=eps)
@@ -137,13 +139,7 @@ def test_push_tp1_to_tp2_across_processes(stopper: list[Any]) -> None:
 def test_prefill_process_killed_mid_transfer(stopper: list[Any]) -> None:
     """The child P process dies (os._exit) while a pull is posted: a typed failure, fast, no hang."""
     pair, request = _pair(2, 1)
-    child = Child(pair, request, "prefill")
-    stopper.append(child)
-    eps, d_caches = _local(pair, request, "decode")
-    stopper.extend(eps)
-    links = [e.connect(child.handshakes) for e in eps]
-    child.send("connect", [e.handshake() for e in eps])
-    child.recv("ready", 30)
+    child, eps, d_caches, links = _connected(pair, request, "prefill", stopper)
     plan = plan_pair(pair, request)
     # the child waits on the pipe and does not poll NIXL: the pull stays in flight
     t = links[0].pull("doomed", request, plan=plan, timeout_s=30)
