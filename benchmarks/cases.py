@@ -14,7 +14,7 @@ Allocation patterns over a pool of ``B`` logical blocks, ``n`` of them drawn:
     scattered   a random permutation of the pool, first n ids          (the worst case)
 
 Synthetic pairs use a Llama-3-8B-like group (32 layers, 8 KV heads of 256 B) unless noted; the
-preset pairs are kvgeom.presets' factories with larger pools. Pools hold ``pool_factor`` times
+preset pairs are kvgeom.building.presets' factories with larger pools. Pools hold ``pool_factor`` times
 a bound of the blocks the request needs (plus 16), so fragmented and scattered draws really are spread out.
 
 Worked number: ``syn-tp1-tp1`` at M = 1024 lists 1024 / 16 = 64 logical blocks per side; the
@@ -30,10 +30,19 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, Request, fresh_request
-from kvgeom.model import StateSpec
-from kvgeom.presets import get_preset
-from kvgeom.request import BlockList, GroupRequest, StateSlots
+from kvgeom import (
+    AttentionSpec,
+    BlockList,
+    EngineGeometry,
+    GroupRequest,
+    ModelSpec,
+    Pair,
+    Request,
+    StateSlots,
+    StateSpec,
+    fresh_request,
+)
+from kvgeom.building import get_preset
 
 __all__ = ["Case", "SYNTHETIC", "PATTERNS", "build_case", "draw_blocks", "pattern_request", "case_names"]
 
@@ -95,7 +104,7 @@ SYNTHETIC: dict[str, Synthetic] = {
 
 def case_names() -> list[str]:
     """Every name :func:`build_case` accepts: synthetic pairs and the pairable presets."""
-    from kvgeom.presets import PRESETS
+    from kvgeom.building import PRESETS
 
     return sorted(SYNTHETIC) + sorted(n for n, p in PRESETS.items() if p.pairable)
 

@@ -11,7 +11,7 @@ The per-block count is how vLLM's NIXL connector posts a transfer (reference not
       x units: blocks of u = min(K_p, K_d) tokens (vLLM reads at the smaller kernel size,
                bsr > 1 sub-blocks) counted from D's first listed token, that hold a needed token
                in [lo, hi) = [max(S, d0, p0), min(M, d1, p1))
-      x sources: P ranks D rank d reads its heads from (kvgeom.shard.sources; MLA reads one)
+      x sources: P ranks D rank d reads its heads from (kvgeom.arith.shard.sources; MLA reads one)
 
     state group, per D rank d:
         layers x paired slots (D slots whose token count a P slot has)
@@ -31,12 +31,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvgeom import Pair, Request
-from kvgeom.attention import needed_tokens
-from kvgeom.geometry import AttentionGroupGeometry, StateGroupGeometry
-from kvgeom.model import AttentionSpec, StateSpec
-from kvgeom.request import BlockList, StateSlots
-from kvgeom.shard import sources
+from kvgeom import (
+    AttentionGroupGeometry,
+    AttentionSpec,
+    BlockList,
+    Pair,
+    Request,
+    StateGroupGeometry,
+    StateSlots,
+    StateSpec,
+    sources,
+)
+from kvgeom.planning import needed_tokens
 
 from .cases import PATTERNS, build_case, pattern_request
 from .common import Config, Measurement, Progress, geomean, measurement, quiet

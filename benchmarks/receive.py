@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgeom import fresh_request
-from kvgeom.planner import CostModel
+from kvgeom import CostModel, fresh_request
 
 from .cases import build_case
 from .common import Config, Measurement, Progress, interleaved_medians, measurement, quiet

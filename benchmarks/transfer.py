@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from kvgeom.planner import CostModel
+from kvgeom import CostModel
 
 from .cases import build_case, pattern_request
 from .common import Config, Measurement, Progress, interleaved_medians, measurement, quiet

@@ -1,91 +1,96 @@
 """kvgeom: plan and check KV-cache transfers between engines whose cache geometries differ.
 
-Pure arithmetic on integers and numpy arrays: importing kvgeom never imports torch or nixl.
+Pure arithmetic on integers and numpy arrays: importing kvgeom never imports torch or nixl. The
+subpackages are layers, each importing only the ones below it (docs/design.md, "Layout")::
+
+    errors <- arith <- values <- {planning, lowering, checking} <- {building, show} <- tools
+
+This face re-exports the public names; ``kvgeom_nixl`` (the executor) imports only these and the
+faces of the subpackages.
 """
 
 from __future__ import annotations
 
-from typing import Any as _Any
-
-from .coalesce import coalesce, coalesce_zeros
-from .errors import GeometryError, IncompatibleGeometry, InternalError, KvGeomError, PlanError, RequestError
-from .geometry import (
+from .arith import Slice, owned_slice, sources
+from .building import fresh_request, verify
+from .checking import Memory, Report, Violation, ViolationKind, simulate
+from .errors import (
+    GeometryError,
+    IncompatibleGeometry,
+    InternalError,
+    KvGeomError,
+    PlanError,
+    RequestError,
+    SchemaError,
+)
+from .lowering import tile_bytes
+from .planning import STRATEGIES, CostModel, Pair, coalesce, coalesce_zeros, plan_pair, plan_transfer
+from .show import draw
+from .tools import SCHEMA_VERSION, dump_pair_file, load_pair_file
+from .values import (
     AttentionGroupGeometry,
+    AttentionSpec,
     AttentionView,
+    BlockList,
+    Compatibility,
+    Copies,
     EngineGeometry,
+    EnginePair,
+    GroupKind,
+    GroupRequest,
+    ModelSpec,
+    Note,
+    NoteKind,
     PageLayout,
+    Rearrange,
     Region,
+    Request,
     SectionPlacement,
     StateGroupGeometry,
     StateLayout,
+    StateSection,
+    StateSlots,
+    StateSpec,
     StateView,
+    TransferPlan,
+    Zeros,
+    incompatibilities,
+    pairable,
 )
-from .model import AttentionSpec, GroupKind, ModelSpec, StateSection, StateSpec
-from .pair import Compatibility, Pair, fresh_request, incompatibilities, pairable
-from .plan import Copies, Rearrange, TransferPlan, Zeros
-from .planner import STRATEGIES, CostModel, plan_pair, plan_transfer
-from .request import BlockList, GroupRequest, Request, StateSlots
-from .serialize import SCHEMA_VERSION, SchemaError, dump_pair_file, load_pair_file
-from .shard import Slice, owned_slice, sources
-from .simulate import Memory, Report, Violation, ViolationKind, verify
-from .tiles import tile_bytes
 
 __version__ = "0.1.0"
 
-
-def draw(plan: TransferPlan, pair: Pair, request: Request, **options: _Any) -> _Any:
-    """One picture of ``request``'s transfer (a matplotlib ``Figure``; the ``notebook`` extra).
-
-    D blocks as rows of token cells per layer and head group, coloured by source P rank and
-    block, zeroed bytes hatched, untouched bytes blank; ``side="prefill"`` shows which D rank reads
-    each P cell. Options are those of :func:`kvgeom.drawing.draw`. matplotlib is imported only
-    when this is called, so ``import kvgeom`` stays light.
-    """
-    from .drawing import draw as _draw
-
-    return _draw(plan, pair, request, **options)
-
-# ``kvgeom.simulate`` stays the module (the reference simulator); its ``simulate`` function is
-# ``kvgeom.simulate.simulate`` and :func:`verify` plans and simulates in one call.
 __all__ = [
     "SCHEMA_VERSION",
     "STRATEGIES",
-    "SchemaError",
-    "dump_pair_file",
-    "load_pair_file",
-    "tile_bytes",
-    "CostModel",
-    "Memory",
-    "Report",
-    "Violation",
-    "ViolationKind",
-    "coalesce",
-    "draw",
-    "coalesce_zeros",
-    "plan_pair",
-    "plan_transfer",
-    "verify",
     "AttentionGroupGeometry",
     "AttentionSpec",
     "AttentionView",
     "BlockList",
     "Compatibility",
     "Copies",
+    "CostModel",
     "EngineGeometry",
+    "EnginePair",
     "GeometryError",
     "GroupKind",
     "GroupRequest",
     "IncompatibleGeometry",
     "InternalError",
     "KvGeomError",
+    "Memory",
     "ModelSpec",
+    "Note",
+    "NoteKind",
     "PageLayout",
     "Pair",
     "PlanError",
     "Rearrange",
     "Region",
+    "Report",
     "Request",
     "RequestError",
+    "SchemaError",
     "SectionPlacement",
     "Slice",
     "StateGroupGeometry",
@@ -95,10 +100,22 @@ __all__ = [
     "StateSpec",
     "StateView",
     "TransferPlan",
+    "Violation",
+    "ViolationKind",
     "Zeros",
+    "coalesce",
+    "coalesce_zeros",
+    "draw",
+    "dump_pair_file",
     "fresh_request",
     "incompatibilities",
+    "load_pair_file",
     "owned_slice",
     "pairable",
+    "plan_pair",
+    "plan_transfer",
+    "simulate",
     "sources",
+    "tile_bytes",
+    "verify",
 ]

@@ -17,6 +17,7 @@ __all__ = [
     "GeometryError",
     "RequestError",
     "IncompatibleGeometry",
+    "SchemaError",
     "PlanError",
     "InternalError",
 ]
@@ -69,6 +70,10 @@ class RequestError(KvGeomError):
 
 class IncompatibleGeometry(KvGeomError):
     """Two valid engines cannot exchange KV cache (different model facts, group sets...)."""
+
+
+class SchemaError(GeometryError):
+    """A serialized document (pair file, handshake) is malformed, truncated, of another version or inconsistent."""
 
 
 class PlanError(KvGeomError):

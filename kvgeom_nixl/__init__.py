@@ -6,7 +6,7 @@
     result = link.pull("req-1", request).wait(timeout_s=5)  # READs, receive steps, done
 
 The executor never computes geometry: copies, zeros and rearranges come from the plan
-(:func:`kvgeom.planner.plan_pair`), the tile tables from :mod:`kvgeom.tiles`.
+(:func:`kvgeom.planning.plan_pair`), the tile tables from :mod:`kvgeom.lowering.tiles`.
 """
 
 from __future__ import annotations

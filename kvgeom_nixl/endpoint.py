@@ -35,12 +35,19 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvgeom.errors import InternalError, KvGeomError, PlanError
-from kvgeom.geometry import EngineGeometry
-from kvgeom.pair import Pair
-from kvgeom.plan import Copies, TransferPlan
-from kvgeom.request import BlockList, Request
-from kvgeom.tiles import TileTable, check_in_regions, tile_bytes, tile_index_pairs, tile_rows, tile_table
+from kvgeom import (
+    BlockList,
+    Copies,
+    EngineGeometry,
+    InternalError,
+    KvGeomError,
+    Pair,
+    PlanError,
+    Request,
+    TransferPlan,
+    tile_bytes,
+)
+from kvgeom.lowering import TileTable, check_in_regions, tile_index_pairs, tile_rows, tile_table
 
 from . import _nixl
 from .errors import ExecutorError, HandshakeError, TransferFailed
@@ -289,8 +296,8 @@ class Link:
 
     # ---- planning --------------------------------------------------------------------------
     def plan(self, request: Request, *, strategy: str = "direct") -> TransferPlan:
-        """The plan for ``request`` on this pair (:func:`kvgeom.planner.plan_pair`)."""
-        from kvgeom.planner import plan_pair
+        """The plan for ``request`` on this pair (:func:`kvgeom.planning.plan_pair`)."""
+        from kvgeom import plan_pair
 
         return plan_pair(self.pair, request, strategy=strategy)  # type: ignore[arg-type]
 

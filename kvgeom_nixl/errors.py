@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvgeom.errors import KvGeomError
-from kvgeom.serialize import SchemaError
+from kvgeom import KvGeomError, SchemaError
 
 __all__ = ["ExecutorError", "RegistrationError", "HandshakeError", "TransferFailed", "FAILURE_REASONS"]
 

@@ -2,14 +2,14 @@
 
     {"kvgeom_handshake": 1,                     <- payload version
      "role": "prefill", "rank": 1, "agent": "kvgeom-prefill-1-3f2a",
-     "engine": {... kvgeom.serialize document of the engine's geometry ...},
+     "engine": {... kvgeom.tools.serialize document of the engine's geometry ...},
      "memory": {"mem_type": "DRAM",
                 "regions": [{"addr": 139..., "nbytes": 1048576, "device": 0}, ...]},
      "nixl_metadata": "<base64 of nixl_agent.get_agent_metadata()>"}
 
 No pickle: the NIXL metadata travels as base64 and everything else is plain JSON. Decoding checks
 everything before the payload is used: the version, every field's type, the geometry (through
-:mod:`kvgeom.serialize`), ``0 <= rank < tp``, one memory entry per region of the geometry and each
+:mod:`kvgeom.tools.serialize`), ``0 <= rank < tp``, one memory entry per region of the geometry and each
 exactly ``num_pages * page_bytes`` bytes, addresses that do not wrap around. Any failure raises
 :class:`HandshakeError` naming the field; a peer that advertises regions not fitting its own
 geometry is refused before any transfer.
@@ -29,9 +29,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvgeom._validate import is_int
-from kvgeom.geometry import EngineGeometry
-from kvgeom.serialize import SchemaError, from_dict, to_dict
+from kvgeom import EngineGeometry, SchemaError
+from kvgeom.tools import from_dict, to_dict
+from kvgeom.values import is_int
 
 from .errors import HandshakeError
 from .memory import MEM_TYPES

@@ -1,12 +1,12 @@
 """Both engines of a pair on this machine: caches, simulator fills, endpoints, one transfer, a verdict.
 
     allocate_caches(engine)          caches[rank][region] = torch.empty(nbytes, uint8, device)
-    fill_caches(pair, request, ...)  P: kvgeom.simulate.fill_prefill, D: fill_decode (numpy views)
+    fill_caches(pair, request, ...)  P: kvgeom.checking.fill_prefill, D: fill_decode (numpy views)
     LocalDeployment(pair, P, D)      one Endpoint (NIXL agent) per rank, every D rank linked to every
                                      P rank and back, all in this process
       .run(id, request, plan, push=False, mode="coalesced")   pull: D ranks READ, P ranks serve
                                                               push: P ranks WRITE, D ranks accept
-    check_caches(pair, request, D)   kvgeom.simulate.check_decode on every D byte
+    check_caches(pair, request, D)   kvgeom.checking.check_decode on every D byte
 
 This is what ``kvgeom transfer`` runs, and what the executor tests use. On CUDA the caches live in
 VRAM; fills and checks stage through host copies (the simulator is numpy).
@@ -24,10 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvgeom.pair import Pair
-from kvgeom.plan import TransferPlan
-from kvgeom.request import Request
-from kvgeom.simulate import Memory, check_decode, fill_decode, fill_prefill
+from kvgeom import Memory, Pair, Request, TransferPlan
+from kvgeom.checking import check_decode, fill_decode, fill_prefill
 
 from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, Link, Transfer, TransferResult, wait_all
 

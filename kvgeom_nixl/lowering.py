@@ -1,5 +1,5 @@
 """Lowering plan copies to NIXL requests, in one of two modes (no geometry here: offsets come from
-the plan, the tiling from :mod:`kvgeom.tiles`).
+the plan, the tiling from :mod:`kvgeom.lowering.tiles`).
 
     mode "coalesced": one descriptor per plan copy, built per request
         local  [(base[region] + offset, nbytes, dev), ...]   Nx3 uint64
@@ -7,7 +7,7 @@ the plan, the tiling from :mod:`kvgeom.tiles`).
 
     mode "prepped": one table per rank, prepared once; per request two index lists
         table  [(base[region] + i * tile, tile, dev) for every tile of every region]
-        idx    kvgeom.tiles.tile_index_pairs(copies, tile, tables)  -> make_prepped_xfer(op, L, li, R, ri)
+        idx    kvgeom.lowering.tiles.tile_index_pairs(copies, tile, tables)  -> make_prepped_xfer(op, L, li, R, ri)
 
 Worked number: 3 copies of 4096 B with a 1024-byte tile post 3 descriptors in mode "coalesced" and
 12 index pairs in mode "prepped" (NIXL merges consecutive pairs back into 3 descriptors).
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kvgeom.tiles import TileTable
+from kvgeom.lowering import TileTable
 
 __all__ = ["MODES", "copy_descs", "table_descs", "post_coalesced", "post_prepped", "as_nixl_indices"]
 

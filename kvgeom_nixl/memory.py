@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvgeom.geometry import EngineGeometry
+from kvgeom import EngineGeometry
 
 from .errors import RegistrationError
 

@@ -33,8 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvgeom.errors import PlanError
-from kvgeom.plan import Rearrange, Zeros
+from kvgeom import PlanError, Rearrange, Zeros
 
 __all__ = ["apply_zeros", "apply_rearranges", "apply_receive_steps", "zero_index"]
 

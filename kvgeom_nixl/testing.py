@@ -13,7 +13,7 @@
       ("close",)                        ------->  close every endpoint and exit
 
 Between commands the child sits in ``conn.recv`` and does not poll NIXL: a peer that never
-progresses. A decode child checks every D byte with :func:`kvgeom.simulate.check_decode` before it answers ``done`` (the verdict is the
+progresses. A decode child checks every D byte with :func:`kvgeom.checking.check_decode` before it answers ``done`` (the verdict is the
 violation count and the bytes checked). Everything that crosses the pipe is bytes or plain data.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from kvgeom.errors import InternalError
+from kvgeom import InternalError
 
 from . import _nixl
 
@@ -40,7 +40,7 @@ def engine_process(conn: Any, pair_file_text: str, side: str, device: str = "cpu
     _nixl.use_local_defaults()
     import json
 
-    from kvgeom.serialize import parse_pair_file
+    from kvgeom.tools import parse_pair_file
 
     from .endpoint import wait_all
     from .errors import TransferFailed
@@ -113,7 +113,7 @@ def run_local(pair: Any, request: Any, *, push: bool = False, mode: str = "coale
     from .local import LocalDeployment, allocate_caches, check_caches, fill_caches
 
     if plan is None:
-        from kvgeom.planner import plan_pair
+        from kvgeom import plan_pair
 
         plan = plan_pair(pair, request)
     p_caches = allocate_caches(pair.prefill, device)

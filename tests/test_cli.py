@@ -1,4 +1,4 @@
-"""The command line, run in-process through ``kvgeom.cli.main`` (plus one ``python -m kvgeom`` run).
+"""The command line, run in-process through ``kvgeom.tools.cli.main`` (plus one ``python -m kvgeom`` run).
 
 Expected byte counts are arithmetic on the presets' model facts:
 default preset gqa-tp2-tp4, M=100, S=16, 4 layers, 8 KV heads of 256 B, K and V planes:
@@ -10,15 +10,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvgeom import cli
-from kvgeom.cli import COMMANDS, Command, main
-from kvgeom.presets import DEFAULT_PRESET, PRESETS
+from kvgeom.building import DEFAULT_PRESET, PRESETS, get_preset
+from kvgeom.tools import cli, serialize
+from kvgeom.tools.cli import COMMANDS, Command, main
 
 DEFAULT_BYTES = (100 - 16) * 4 * 2 * 8 * 256
 
@@ -32,11 +31,6 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
     rc, out, _ = _run(capsys, *argv)
     return rc, json.loads(out)
-
-
-def _needs_planner() -> None:
-    pytest.importorskip("kvgeom.planner", reason="kvgeom.planner (issue 3) is not in this tree yet")
-    pytest.importorskip("kvgeom.simulate", reason="kvgeom.simulate (issue 2) is not in this tree yet")
 
 
 # ---- kvgeom presets -------------------------------------------------------------------------------
@@ -59,7 +53,6 @@ def test_presets_json(capsys: pytest.CaptureFixture[str]) -> None:
 # ---- kvgeom plan ------------------------------------------------------------------------------------
 
 def test_plan_default_human_summary(capsys: pytest.CaptureFixture[str]) -> None:
-    _needs_planner()
     rc, out, err = _run(capsys, "plan")
     assert rc == 0, err
     lines = out.splitlines()
@@ -75,7 +68,6 @@ def test_plan_default_human_summary(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_plan_default_json(capsys: pytest.CaptureFixture[str]) -> None:
-    _needs_planner()
     rc, doc = _json(capsys, "plan", "--json")
     assert rc == 0
     assert doc["pairable"] is True and doc["verified"] is True and doc["violations"] == []
@@ -99,7 +91,6 @@ def test_plan_default_json(capsys: pytest.CaptureFixture[str]) -> None:
     (["--preset", "nemotron-h-tp1-tp4"], 300 * 2 * 2 * 8 * 256 + 2 * 4_255_744),
 ])
 def test_plan_presets_verify(capsys: pytest.CaptureFixture[str], argv: list[str], expected_bytes: int) -> None:
-    _needs_planner()
     rc, doc = _json(capsys, "plan", *argv, "--json")
     assert rc == 0, doc["violations"]
     assert doc["verified"] is True and doc["bytes"] == expected_bytes
@@ -146,14 +137,8 @@ def test_plan_bad_strategy_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
 
 @pytest.mark.parametrize("strategy", ["staged", "auto"])
 def test_plan_other_strategies(capsys: pytest.CaptureFixture[str], strategy: str) -> None:
-    _needs_planner()
-    from kvgeom import planner
-
     rc, out, err = _run(capsys, "plan", "--strategy", strategy, "--json")
-    if strategy in planner.STRATEGIES:
-        assert rc == 0 and json.loads(out)["verified"] is True
-    else:  # not implemented yet: a typed error naming the strategy, never a traceback
-        assert rc == 2 and "strategy" in err and "Traceback" not in err
+    assert rc == 0 and json.loads(out)["verified"] is True
 
 
 def test_plan_internal_error_one_line_then_traceback_only_with_debug(
@@ -162,7 +147,7 @@ def test_plan_internal_error_one_line_then_traceback_only_with_debug(
     def boom(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(cli, "_planner", lambda: boom)
+    monkeypatch.setattr(cli, "plan_pair", boom)
     rc, _, err = _run(capsys, "plan")
     assert rc == 1
     assert err.splitlines()[0].startswith("kvgeom plan: internal error: RuntimeError: boom")
@@ -177,16 +162,14 @@ def test_plan_reports_violations_and_exits_1(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A plan that drops its zeros must be caught by the simulator, and the CLI must say so."""
-    _needs_planner()
     import attrs
 
-    from kvgeom.plan import Zeros
-    from kvgeom.planner import plan_transfer
+    from kvgeom import Zeros, plan_pair
 
     def no_zeros(*args: Any, **kwargs: Any) -> Any:
-        return attrs.evolve(plan_transfer(*args, **kwargs), zeros=Zeros.empty())
+        return attrs.evolve(plan_pair(*args, **kwargs), zeros=Zeros.empty())
 
-    monkeypatch.setattr(cli, "_planner", lambda: no_zeros)
+    monkeypatch.setattr(cli, "plan_pair", no_zeros)
     rc, out, _ = _run(capsys, "plan")
     assert rc == 1
     assert "verdict: FAILED" in out and "not_zeroed" in out
@@ -194,23 +177,7 @@ def test_plan_reports_violations_and_exits_1(
     assert rc == 1 and doc["verified"] is False and doc["violations"]
 
 
-def test_plan_without_planner_prints_holdings(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(cli, "_planner", lambda: None)
-    rc, out, _ = _run(capsys, "plan")
-    assert rc == 0
-    assert "held coordinates" in out
-    assert "[6, 8)" in out  # D TP4 rank 3 holds heads [6, 8)
-    rc, doc = _json(capsys, "plan", "--json")
-    assert rc == 0 and doc["planned"] is False and doc["verified"] is False
-    assert doc["holds"]["decode"][3]["attn"]["heads"] == [6, 8]
-    assert doc["holds"]["prefill"][1]["attn"]["heads"] == [4, 8]
-
-
 def test_plan_pair_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    _needs_planner()
-    serialize = pytest.importorskip("kvgeom.serialize", reason="kvgeom.serialize is not in this tree yet")
     pair, request = PRESETS[DEFAULT_PRESET].build(40, 8, layers=1)
     with_request = tmp_path / "pair.json"
     with_request.write_text(serialize.dump_pair_file(pair, request))
@@ -227,7 +194,6 @@ def test_plan_pair_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
 
 
 def test_plan_pair_file_unpairable(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    serialize = pytest.importorskip("kvgeom.serialize", reason="kvgeom.serialize is not in this tree yet")
     prefill, decode = PRESETS["unpairable-fp8"].geometries()
     doc = {"schema": serialize.SCHEMA_VERSION, "type": "PairFile", "prefill": serialize.to_dict(prefill),
            "decode": serialize.to_dict(decode)}
@@ -238,15 +204,14 @@ def test_plan_pair_file_unpairable(capsys: pytest.CaptureFixture[str], tmp_path:
 
 
 def test_plan_drawing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    _needs_planner()
     target = tmp_path / "plan.svg"
     rc, out, err = _run(capsys, "plan", "--layers", "1", "--tokens", "32", "--svg", str(target))
     try:
         import matplotlib  # noqa: F401
 
-        import kvgeom.drawing  # noqa: F401
+        import kvgeom.show.drawing  # noqa: F401
     except ImportError:
-        assert rc == 2 and ("kvgeom.drawing" in err or "matplotlib" in err) and not target.exists()
+        assert rc == 2 and ("kvgeom.show.drawing" in err or "matplotlib" in err) and not target.exists()
         return
     assert rc == 0, err
     assert target.read_text()[:200].lstrip().startswith(("<?xml", "<svg"))
@@ -254,17 +219,35 @@ def test_plan_drawing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
 
 # ---- kvgeom transfer ------------------------------------------------------------------------------
 
+class _FakeEntryPoint:
+    """What ``importlib.metadata.entry_points`` yields: a name and ``load()``."""
+
+    def __init__(self, name: str, target: Any) -> None:
+        self.name = name
+        self._target = target
+
+    def load(self) -> Any:
+        return self._target
+
+
 def test_transfer_without_executor_names_the_extra(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = cli._optional
-    monkeypatch.setattr(cli, "_optional", lambda m: None if m == "kvgeom_nixl.cli" else real(m))
+    monkeypatch.setattr(cli, "entry_points", lambda group: [])
     monkeypatch.setattr(cli, "_missing_modules", lambda names: [])
     rc, _, err = _run(capsys, "transfer", "--tokens", "16")
-    assert rc == 2 and 'pip install -e ".[nixl]"' in err and "kvgeom_nixl" in err
+    assert rc == 2 and 'pip install -e ".[nixl]"' in err and "kvgeom.transfer" in err
     monkeypatch.setattr(cli, "_missing_modules", lambda names: ["nixl"])
     rc, _, err = _run(capsys, "transfer")
     assert rc == 2 and "needs nixl" in err and 'pip install -e ".[nixl]"' in err
+
+
+def test_transfer_is_registered_as_an_entry_point() -> None:
+    """The installed distribution registers kvgeom_nixl's executor where the CLI looks for it."""
+    from importlib.metadata import entry_points
+
+    found = {ep.name: ep.value for ep in entry_points(group=cli.TRANSFER_ENTRY_POINTS)}
+    assert found == {"nixl": "kvgeom_nixl.cli:transfer_report"}
 
 
 def test_transfer_hands_its_arguments_to_the_executor(
@@ -272,21 +255,21 @@ def test_transfer_hands_its_arguments_to_the_executor(
 ) -> None:
     seen: dict[str, Any] = {}
 
-    class FakeExecutor:
-        @staticmethod
-        def run_transfer(args: Any) -> int:
-            seen.update(vars(args))
-            return 0
+    def fake_report(preset: str, tokens: int, prefix: int, **options: Any) -> dict[str, Any]:
+        seen.update(options, preset=preset, tokens=tokens, prefix=prefix)
+        return {"verified": True}
 
-    real = cli._optional
-    monkeypatch.setattr(cli, "_optional", lambda m: FakeExecutor if m == "kvgeom_nixl.cli" else real(m))
+    groups: list[str] = []
+    monkeypatch.setattr(cli, "entry_points", lambda group: groups.append(group) or [_FakeEntryPoint("x", fake_report)])
     monkeypatch.setattr(cli, "_missing_modules", lambda names: [])
-    rc, _, _ = _run(capsys, "transfer", "--preset", "nemotron-h-tp1-tp4", "--tokens", "64", "--push",
-                    "--mode", "prepped", "--json", "--timeout", "5")
-    assert rc == 0
-    assert (seen["preset"], seen["tokens"], seen["push"], seen["mode"], seen["json"], seen["timeout"]) == (
-        "nemotron-h-tp1-tp4", 64, True, "prepped", True, 5.0)
-    assert seen["prefix"] is None and seen["layers"] is None and seen["strategy"] == "direct"
+    rc, out, _ = _run(capsys, "transfer", "--preset", "nemotron-h-tp1-tp4", "--tokens", "64", "--push",
+                      "--mode", "prepped", "--json", "--timeout", "5")
+    assert rc == 0 and json.loads(out) == {"verified": True} and groups == [cli.TRANSFER_ENTRY_POINTS]
+    assert (seen["preset"], seen["tokens"], seen["push"], seen["mode"], seen["timeout_s"]) == (
+        "nemotron-h-tp1-tp4", 64, True, "prepped", 5.0)
+    preset_prefix = get_preset("nemotron-h-tp1-tp4").default_prefix
+    assert seen["prefix"] == (preset_prefix if preset_prefix < 64 else 0)
+    assert seen["layers"] is None and seen["strategy"] == "direct"
 
 
 # ---- registry, help, entry points ----------------------------------------------------------------
@@ -301,29 +284,27 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 0 and "--strategy" in out and "--pair" in out and "--svg" in out
 
 
-def test_lazy_command_module_is_loaded_only_when_chosen(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    (tmp_path / "kvgeom_fake_cmd.py").write_text(textwrap.dedent("""
-        LOADED = True
+def test_a_registered_command_runs(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    def add_arguments(parser: Any) -> None:
+        parser.add_argument("--answer", type=int, default=0)
 
-        def add_arguments(parser):
-            parser.add_argument("--answer", type=int, default=0)
+    def run(args: Any) -> int:
+        print(f"answer {args.answer}")
+        return int(args.answer)
 
-        def run(args):
-            print(f"answer {args.answer}")
-            return args.answer
-    """))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(COMMANDS, "fake", Command("a test command", module="kvgeom_fake_cmd"))
-    monkeypatch.setitem(COMMANDS, "ghost", Command("a module that is not installed", module="kvgeom_no_such_cmd"))
-    rc, out, _ = _run(capsys, "presets")
-    assert rc == 0 and "kvgeom_fake_cmd" not in sys.modules
+    monkeypatch.setitem(COMMANDS, "fake", Command("a test command", add_arguments, run))
     rc, out, _ = _run(capsys, "--help")
-    assert "fake" in out and "ghost" not in out and "kvgeom_fake_cmd" not in sys.modules
+    assert rc == 0 and "fake" in out
     rc, out, _ = _run(capsys, "fake", "--answer", "3")
     assert rc == 3 and out.strip() == "answer 3"
-    monkeypatch.delitem(sys.modules, "kvgeom_fake_cmd")
+
+
+def test_fuzz_help_needs_no_hypothesis(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "_missing_modules", lambda names: list(names))
+    rc, out, _ = _run(capsys, "fuzz", "--help")
+    assert rc == 0 and "--examples" in out
+    rc, _, err = _run(capsys, "fuzz", "--examples", "1")
+    assert rc == 2 and "needs hypothesis" in err and ".[testing]" in err
 
 
 def test_python_dash_m_kvgeom() -> None:

@@ -8,9 +8,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgeom.coalesce import coalesce, coalesce_zeros
-from kvgeom.plan import Copies, Zeros
-from kvgeom.runs import fold_modes, strided_rows
+from kvgeom import Copies, Zeros, coalesce, coalesce_zeros
+from kvgeom.arith import fold_modes, strided_rows
 
 
 def byte_map(c: Copies) -> set[tuple[int, int, int, int, int, int]]:

@@ -1,4 +1,4 @@
-"""kvgeom.drawing: the cells (where every drawn coordinate comes from, by arithmetic on small cases), the
+"""kvgeom.show.drawing: the cells (where every drawn coordinate comes from, by arithmetic on small cases), the
 figure (rows, patches, legend) at 128 tokens and aggregated at 100k tokens, and svg/png files."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("matplotlib", reason="kvgeom.drawing needs the notebook extra (matplotlib)")
+pytest.importorskip("matplotlib", reason="kvgeom.show.drawing needs the notebook extra (matplotlib)")
 
 import matplotlib  # noqa: E402
 
@@ -30,7 +30,7 @@ from kvgeom import (  # noqa: E402
     StateSpec,
     fresh_request,
 )
-from kvgeom.drawing import (  # noqa: E402
+from kvgeom.show import (  # noqa: E402
     NOT_LISTED,
     SEVERAL,
     SOURCE_STRIDE,
@@ -220,7 +220,7 @@ def test_draw_into_given_axes_and_bad_arguments() -> None:
 
 def test_top_level_draw_is_the_drawing_function() -> None:
     import kvgeom
-    from kvgeom.presets import get_preset
+    from kvgeom.building import get_preset
 
     pair, request = get_preset("gqa-tp2-tp4").build(tokens=32)
     fig = kvgeom.draw(pair.plan(request), pair, request)

@@ -17,13 +17,19 @@ pytest.importorskip("hypothesis", reason="kvgeom fuzz needs the testing extra (h
 
 import attrs  # noqa: E402
 
-import kvgeom.fuzz as kfuzz  # noqa: E402
-from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, fresh_request  # noqa: E402
-from kvgeom.cli import main  # noqa: E402
-from kvgeom.planner import plan_transfer  # noqa: E402
-from kvgeom.serialize import parse_pair_file  # noqa: E402
-from kvgeom.simulate import simulate  # noqa: E402
-from kvgeom.strategies import GeometryPair  # noqa: E402
+import kvgeom.tools.fuzz as kfuzz  # noqa: E402
+from kvgeom import (  # noqa: E402
+    AttentionSpec,
+    EngineGeometry,
+    ModelSpec,
+    Pair,
+    fresh_request,
+    plan_transfer,  # noqa: E402
+    simulate,  # noqa: E402
+)
+from kvgeom.tools import parse_pair_file  # noqa: E402
+from kvgeom.tools.cli import main  # noqa: E402
+from kvgeom.tools.strategies import GeometryPair  # noqa: E402
 
 
 def gqa(head_bytes: int = 8) -> ModelSpec:

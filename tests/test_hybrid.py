@@ -14,14 +14,15 @@ from kvgeom import (
     EngineGeometry,
     GroupRequest,
     ModelSpec,
+    NoteKind,
     Pair,
     Request,
     StateSection,
     StateSlots,
     StateSpec,
     fresh_request,
+    simulate,
 )
-from kvgeom.simulate import simulate
 
 
 def kda(name: str, layers: int, heads: int = 8, head_dim: int = 4) -> StateSpec:
@@ -153,7 +154,7 @@ def test_unpaired_state_slots_are_noted_and_not_moved() -> None:
     req = Request(12, [GroupRequest(StateSlots([1, 2, 3], [4, 8, 12]), StateSlots([5, 6], [8, 10]))])
     plan = pair.plan(req)
     assert plan.copies.as_array().tolist() == [[0, 0, 2 * 8, 0, 0, 5 * 8, 8]]
-    assert any("no P slot" in n and "after 10 tokens" in n for n in plan.notes)
+    assert any(n.kind is NoteKind.STATE_UNPAIRED and "after 10 tokens" in n.text for n in plan.notes)
     assert simulate(pair, req, plan).ok
 
 

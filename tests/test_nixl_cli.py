@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from typing import Any
@@ -14,21 +13,14 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 pytest.importorskip("nixl._api", reason="nixl is not installed (pip install 'kvgeom[nixl]')")
 pytest.importorskip("torch", reason="torch is not installed (pip install 'kvgeom[nixl]')")
 
-from kvgeom.planner import plan_pair  # noqa: E402
-from kvgeom.presets import DEFAULT_PRESET, get_preset  # noqa: E402
-from kvgeom_nixl.cli import run_transfer  # noqa: E402
-
-
-def _args(**kw: Any) -> argparse.Namespace:
-    base = {"preset": DEFAULT_PRESET, "tokens": None, "prefix": None, "layers": None, "strategy": "direct",
-            "json": True, "push": False, "mode": "coalesced", "timeout": 30.0}
-    base.update(kw)
-    return argparse.Namespace(**base)
+from kvgeom import plan_pair  # noqa: E402
+from kvgeom.building import DEFAULT_PRESET, get_preset  # noqa: E402
+from kvgeom.tools.cli import main  # noqa: E402
 
 
 @pytest.mark.parametrize("push, mode", [(False, "coalesced"), (True, "prepped")])
 def test_run_transfer_json(capsys: Any, push: bool, mode: str) -> None:
-    rc = run_transfer(_args(push=push, mode=mode))
+    rc = main(["transfer", "--json", "--timeout", "30", "--mode", mode] + (["--push"] if push else []))
     out = json.loads(capsys.readouterr().out)
     preset = get_preset(DEFAULT_PRESET)
     prefix = preset.default_prefix if preset.default_prefix < preset.default_tokens else 0
@@ -47,7 +39,7 @@ def test_run_transfer_json(capsys: Any, push: bool, mode: str) -> None:
 
 
 def test_run_transfer_text_on_a_hybrid(capsys: Any) -> None:
-    rc = run_transfer(_args(preset="nemotron-h-tp4-tp1", tokens=64, layers=1, json=False))
+    rc = main(["transfer", "--preset", "nemotron-h-tp4-tp1", "--tokens", "64", "--layers", "1", "--timeout", "30"])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "verdict: OK" in text and "nemotron-h-tp4-tp1, M=64 S=0, pull, mode coalesced" in text
@@ -55,8 +47,6 @@ def test_run_transfer_text_on_a_hybrid(capsys: Any) -> None:
 
 
 def test_kvgeom_main_runs_the_transfer(capsys: Any) -> None:
-    from kvgeom.cli import main
-
     rc = main(["transfer", "--tokens", "48", "--prefix", "0", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["verified"] and out["tokens"] == 48

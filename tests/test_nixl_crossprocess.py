@@ -20,9 +20,16 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 pytest.importorskip("nixl._api", reason="nixl is not installed (pip install 'kvgeom[nixl]')")
 pytest.importorskip("torch", reason="torch is not installed (pip install 'kvgeom[nixl]')")
 
-from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, Request, fresh_request  # noqa: E402
-from kvgeom.planner import plan_pair  # noqa: E402
-from kvgeom.serialize import dump_pair_file  # noqa: E402
+from kvgeom import (  # noqa: E402
+    AttentionSpec,
+    EngineGeometry,
+    ModelSpec,
+    Pair,
+    Request,
+    dump_pair_file,  # noqa: E402
+    fresh_request,
+    plan_pair,  # noqa: E402
+)
 from kvgeom_nixl import Endpoint, TransferFailed, wait_all  # noqa: E402
 from kvgeom_nixl.local import allocate_caches, check_caches, fill_caches  # noqa: E402
 from kvgeom_nixl.testing import engine_process, requested_device  # noqa: E402

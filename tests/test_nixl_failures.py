@@ -17,8 +17,14 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 pytest.importorskip("nixl._api", reason="nixl is not installed (pip install 'kvgeom[nixl]')")
 pytest.importorskip("torch", reason="torch is not installed (pip install 'kvgeom[nixl]')")
 
-from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, fresh_request  # noqa: E402
-from kvgeom.planner import plan_pair  # noqa: E402
+from kvgeom import (  # noqa: E402
+    AttentionSpec,
+    EngineGeometry,
+    ModelSpec,
+    Pair,
+    fresh_request,
+    plan_pair,  # noqa: E402
+)
 from kvgeom_nixl import Endpoint, ExecutorError, TransferFailed, wait_all  # noqa: E402
 from kvgeom_nixl.errors import FAILURE_REASONS  # noqa: E402
 from kvgeom_nixl.local import LocalDeployment, allocate_caches, check_caches, fill_caches  # noqa: E402

@@ -17,8 +17,13 @@ pytest.importorskip("torch", reason="torch is not installed (pip install 'kvgeom
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kvgeom import AttentionSpec, EngineGeometry, IncompatibleGeometry, ModelSpec  # noqa: E402
-from kvgeom.serialize import SchemaError  # noqa: E402
+from kvgeom import (  # noqa: E402
+    AttentionSpec,
+    EngineGeometry,
+    IncompatibleGeometry,
+    ModelSpec,
+    SchemaError,  # noqa: E402
+)
 from kvgeom_nixl import (  # noqa: E402
     HANDSHAKE_VERSION,
     Endpoint,

@@ -2,7 +2,7 @@
 
 Each case fills P with the simulator's coordinate hashes and D with its stale pattern, plans with
 the planner, runs the plan through NIXL (pull or push, coalesced or prepped lowering), applies the
-receive steps with torch and compares every D byte with ``kvgeom.simulate.check_decode``.
+receive steps with torch and compares every D byte with ``kvgeom.checking.check_decode``.
 Set ``KVGEOM_DEVICE=cuda`` to run the same cases on VRAM (scripts/gpu-check).
 """
 
@@ -28,10 +28,10 @@ from kvgeom import (  # noqa: E402
     Request,
     TransferPlan,
     fresh_request,
+    plan_pair,  # noqa: E402
+    tile_bytes,  # noqa: E402
 )
-from kvgeom.planner import plan_pair  # noqa: E402
-from kvgeom.presets import get_preset  # noqa: E402
-from kvgeom.tiles import tile_bytes  # noqa: E402
+from kvgeom.building import get_preset  # noqa: E402
 from kvgeom_nixl import Endpoint, wait_all  # noqa: E402
 from kvgeom_nixl.local import LocalDeployment, allocate_caches, check_caches, fill_caches  # noqa: E402
 from kvgeom_nixl.testing import requested_device, run_local  # noqa: E402
@@ -133,7 +133,7 @@ def _staged_case(name: str) -> tuple[Pair, Request]:
 def test_staged_plan_with_rearranges(case: str, push: bool, mode: str) -> None:
     """Staged strategy: P pages land whole in P's order, then a rearrange per D page fixes the
     layout with torch; fewer, larger descriptors than direct for the same request."""
-    from kvgeom.planner import STRATEGIES
+    from kvgeom import STRATEGIES
 
     if "staged" not in STRATEGIES:
         pytest.skip("the planner has no staged strategy")
@@ -196,7 +196,7 @@ def test_two_requests_back_to_back_reuse_tables_and_links() -> None:
 
 def _merge_fills(pair: Pair, requests: list[Request], device: str) -> tuple[list[list[Any]], list[list[Any]]]:
     """P caches holding every request's P fill in that request's listed pages (D's fill is shared)."""
-    from kvgeom.simulate import listed_pages
+    from kvgeom.checking import listed_pages
 
     p_caches = allocate_caches(pair.prefill, device)
     d_caches = allocate_caches(pair.decode, device)
@@ -215,7 +215,7 @@ def _merge_fills(pair: Pair, requests: list[Request], device: str) -> tuple[list
 
 def _check_alone(pair: Pair, request: Request, others: list[Request], d_caches: list[list[Any]]) -> list[Any]:
     """check_decode for ``request`` after restoring the other requests' D pages to D's fill."""
-    from kvgeom.simulate import listed_pages
+    from kvgeom.checking import listed_pages
 
     fresh_p = allocate_caches(pair.prefill, "cpu")
     fresh_d = allocate_caches(pair.decode, "cpu")
@@ -271,12 +271,12 @@ def test_raw_pointers_and_numpy_buffers_register() -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_hand_built_plans_match_the_simulators_apply_plan(seed: int, mode: str) -> None:
     """Arbitrary plans (random copies with disjoint D ranges, random zeros) on random bytes: NIXL +
-    torch must leave D exactly as kvgeom.simulate.apply_plan's numpy does. Odd seeds use byte
+    torch must leave D exactly as kvgeom.checking.apply_plan's numpy does. Odd seeds use byte
     offsets off the tile grid, so mode "prepped" must fall back to coalesced descriptors."""
     import numpy as np
 
-    from kvgeom import Copies, Zeros
-    from kvgeom.simulate import Memory, apply_plan
+    from kvgeom import Copies, Memory, Zeros
+    from kvgeom.checking import apply_plan
 
     rng = np.random.default_rng(seed)
     pair = _pair({"tp": 2, "kernel_block_tokens": 16}, {"tp": 2, "kernel_block_tokens": 8, "layout": "NHD"}, blocks=4)

@@ -9,8 +9,8 @@ pytest.importorskip("torch", reason="torch is not installed (pip install 'kvgeom
 
 import torch  # noqa: E402
 
-from kvgeom import AttentionSpec, Copies, EngineGeometry, ModelSpec, PlanError, Rearrange, TransferPlan, Zeros  # noqa: E402
-from kvgeom.simulate import Memory, apply_plan  # noqa: E402
+from kvgeom import AttentionSpec, Copies, EngineGeometry, Memory, ModelSpec, PlanError, Rearrange, TransferPlan, Zeros  # noqa: E402
+from kvgeom.checking import apply_plan  # noqa: E402
 from kvgeom_nixl.receive import apply_receive_steps, zero_index  # noqa: E402
 
 

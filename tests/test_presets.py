@@ -9,10 +9,18 @@ import math
 
 import pytest
 
-from kvgeom import IncompatibleGeometry, Pair, RequestError, StateSlots, pairable
-from kvgeom.errors import GeometryError, KvGeomError
-from kvgeom.model import AttentionSpec, StateSpec
-from kvgeom.presets import DEFAULT_PRESET, PRESETS, UnknownPreset, get_preset, hybrid_blocks_per_logical
+from kvgeom import (
+    AttentionSpec,
+    GeometryError,
+    IncompatibleGeometry,
+    KvGeomError,
+    Pair,
+    RequestError,
+    StateSlots,
+    StateSpec,
+    pairable,
+)
+from kvgeom.building import DEFAULT_PRESET, PRESETS, UnknownPreset, get_preset, hybrid_blocks_per_logical
 
 PAIRABLE = [name for name, p in PRESETS.items() if p.pairable]
 SMALL = {"layers": 1}  # keep the tests fast: one layer per group

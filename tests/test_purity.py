@@ -19,10 +19,8 @@ import kvgeom
 
 HEAVY = ("torch", "nixl", "matplotlib", "hypothesis")
 OPTIONAL = {
-    "kvgeom.strategies": "hypothesis strategies (the testing extra)",
-    "kvgeom.fuzz": "the fuzz command, built on hypothesis",
-    "kvgeom.bench": "the bench command, which may time the executor",
-    "kvgeom.drawing": "matplotlib drawings (the notebook extra)",
+    "kvgeom.tools.strategies": "hypothesis strategies (the testing extra)",
+    "kvgeom.tools.fuzz": "the fuzz command, built on hypothesis",
     "kvgeom.__main__": "runs the command line when imported",
 }
 
@@ -48,7 +46,8 @@ def test_import_kvgeom_is_pure() -> None:
 
 def test_every_pure_module_is_pure() -> None:
     modules = _pure_modules()
-    assert {"kvgeom.cli", "kvgeom.presets", "kvgeom.render", "kvgeom.geometry", "kvgeom.plan"} <= set(modules)
+    assert {"kvgeom.tools.cli", "kvgeom.building.presets", "kvgeom.values.text", "kvgeom.values.engine",
+            "kvgeom.values.plan", "kvgeom.show.drawing"} <= set(modules)
     assert _heavy_after("\n".join(f"import {m}" for m in modules)) == []
 
 
@@ -65,7 +64,7 @@ def test_the_heavy_modules_are_detectable() -> None:
 def test_cli_commands_stay_pure(argv: list[str]) -> None:
     code = f"""
         import contextlib, io
-        from kvgeom.cli import main
+        from kvgeom.tools.cli import main
         with contextlib.redirect_stdout(io.StringIO()):
             main({argv!r})
     """

@@ -44,7 +44,7 @@ def test_readme_executor_example_pulls_a_request_with_real_nixl() -> None:
     pair in CPU memory), and every D byte is then checked by the simulator."""
     pytest.importorskip("nixl._api", reason="the executor example needs the nixl extra")
     from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, fresh_request
-    from kvgeom.simulate import check_decode, fill_decode, fill_prefill
+    from kvgeom.checking import check_decode, fill_decode, fill_prefill
     from kvgeom_nixl.local import allocate_caches, host_memory
 
     (code,) = [b for b in _blocks("python") if "kvgeom_nixl" in b]

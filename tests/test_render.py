@@ -9,9 +9,20 @@ import re
 
 import numpy as np
 
-from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, StateSection, StateSpec, fresh_request
-from kvgeom.plan import Copies, Rearrange, TransferPlan, Zeros
-from kvgeom.render import (
+from kvgeom import (
+    AttentionSpec,
+    Copies,
+    EngineGeometry,
+    ModelSpec,
+    Pair,
+    Rearrange,
+    StateSection,
+    StateSpec,
+    TransferPlan,
+    Zeros,
+    fresh_request,
+)
+from kvgeom.values import (
     engine_html,
     engine_line,
     engine_repr,

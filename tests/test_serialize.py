@@ -1,4 +1,4 @@
-"""kvgeom.serialize: round trips of every value class and strict rejection of bad documents."""
+"""kvgeom.tools.serialize: round trips of every value class and strict rejection of bad documents."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvgeom import (
+    SCHEMA_VERSION,
     AttentionSpec,
     BlockList,
     EngineGeometry,
@@ -20,13 +21,13 @@ from kvgeom import (
     Pair,
     Region,
     Request,
+    SchemaError,
     StateSection,
     StateSlots,
     StateSpec,
     fresh_request,
 )
-from kvgeom import serialize as S
-from kvgeom.serialize import SCHEMA_VERSION, SchemaError
+from kvgeom.tools import serialize as S
 
 
 def _hybrid_model() -> ModelSpec:

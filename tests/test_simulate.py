@@ -31,26 +31,26 @@ from kvgeom import (
     GeometryError,
     GroupRequest,
     KvGeomError,
+    Memory,
     ModelSpec,
     PageLayout,
     Pair,
     PlanError,
     Rearrange,
     Region,
+    Report,
     Request,
     RequestError,
     StateSection,
     StateSlots,
     StateSpec,
     TransferPlan,
+    ViolationKind,
     Zeros,
     fresh_request,
+    simulate,
 )
-from kvgeom.simulate import (
-    LIST_LIMIT,
-    Memory,
-    Report,
-    ViolationKind,
+from kvgeom.checking import (
     apply_plan,
     check_decode,
     check_plan,
@@ -59,8 +59,8 @@ from kvgeom.simulate import (
     fill_decode,
     fill_prefill,
     pattern_bytes,
-    simulate,
 )
+from kvgeom.checking.simulator import LIST_LIMIT
 
 V = ViolationKind
 
@@ -746,8 +746,7 @@ def test_ten_thousand_tokens_eight_layers_tp2_to_tp4() -> None:
 def test_rewriting_a_held_prefix_page_is_a_foreign_write_even_with_identical_bytes() -> None:
     """D lists a block it already holds (tokens [0, S)); copying the same bytes into it again is
     invisible in memory but breaks invariant 1, so the plan-level check reports it."""
-    from kvgeom import EngineGeometry, Pair, fresh_request
-    from kvgeom.planner import plan_pair
+    from kvgeom import EngineGeometry, Pair, fresh_request, plan_pair
 
     m = ModelSpec("g", [AttentionSpec("attn", "full", 1, 2, 8)])
     e = EngineGeometry.build(m, tp=1, kernel_block_tokens=4, num_blocks=8)

@@ -13,12 +13,13 @@ from kvgeom import (
     EngineGeometry,
     GroupRequest,
     ModelSpec,
+    NoteKind,
     Pair,
     Request,
     fresh_request,
+    simulate,
     verify,
 )
-from kvgeom.simulate import simulate
 
 HB = 256  # head bytes
 
@@ -67,7 +68,7 @@ def test_staged_falls_back_to_direct_when_pages_do_not_nest() -> None:
     pair = pair_hnd_to_nhd(kp=12, kd=8)
     req = fresh_request(pair, 30)
     plan = pair.plan(req, strategy="staged")
-    assert not plan.rearranges and any("do not nest" in n for n in plan.notes)
+    assert not plan.rearranges and any(n.kind is NoteKind.STAGED_NOT_APPLICABLE and "do not nest" in n.text for n in plan.notes)
     assert plan == pair.plan(req, strategy="direct")
 
 
@@ -79,7 +80,7 @@ def test_staged_equals_direct_when_layouts_agree() -> None:
     req = fresh_request(pair, 20)
     plan = pair.plan(req, strategy="staged")
     assert plan == pair.plan(req, strategy="direct") and not plan.rearranges
-    assert any("staged = direct" in n for n in plan.notes)
+    assert any(n.kind is NoteKind.STAGED_EQUALS_DIRECT for n in plan.notes)
 
 
 def test_auto_follows_the_cost_model() -> None:
@@ -92,8 +93,8 @@ def test_auto_follows_the_cost_model() -> None:
     t_even = moved / bw / (len(direct.copies) - len(staged.copies))
     cheap = pair.plan(req, strategy="auto", cost_model=CostModel(t_even / 2, bw))
     dear = pair.plan(req, strategy="auto", cost_model=CostModel(t_even * 2, bw))
-    assert cheap == direct and any("-> direct" in n for n in cheap.notes)
-    assert dear == staged and any("-> staged" in n for n in dear.notes)
+    assert cheap == direct and any(n.kind is NoteKind.AUTO_DIRECT for n in cheap.notes)
+    assert dear == staged and any(n.kind is NoteKind.AUTO_STAGED for n in dear.notes)
     assert verify(pair, req, strategy="auto").ok
 
 

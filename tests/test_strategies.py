@@ -1,4 +1,4 @@
-"""kvgeom.strategies: what the strategies draw, how they validate and shrink, and the property the
+"""kvgeom.tools.strategies: what the strategies draw, how they validate and shrink, and the property the
 fuzzer runs at scale -- every drawn pair is rejected with the same reason pairable() gives, or
 planned (direct, staged, auto) into a plan the simulator verifies with zero violations."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-hypothesis = pytest.importorskip("hypothesis", reason="kvgeom.strategies needs the testing extra (hypothesis)")
+hypothesis = pytest.importorskip("hypothesis", reason="kvgeom.tools.strategies needs the testing extra (hypothesis)")
 
 from hypothesis import HealthCheck, Phase, find, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -27,10 +27,11 @@ from kvgeom import (  # noqa: E402
     StateSlots,
     StateSpec,
     pairable,
+    plan_transfer,  # noqa: E402
+    simulate,
 )
-from kvgeom import strategies as kst  # noqa: E402
-from kvgeom.planner import plan_transfer  # noqa: E402
-from kvgeom.simulate import listed_pages, simulate  # noqa: E402
+from kvgeom.checking import listed_pages  # noqa: E402
+from kvgeom.tools import strategies as kst  # noqa: E402
 
 FAST = settings(max_examples=60, derandomize=True, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -242,7 +243,7 @@ def test_requests_default_max_tokens_follows_the_pool(data: st.DataObject) -> No
 
 
 def test_importing_kvgeom_does_not_import_hypothesis_or_matplotlib() -> None:
-    code = ("import sys, kvgeom, kvgeom.cli, kvgeom.simulate; "
+    code = ("import sys, kvgeom, kvgeom.tools.cli, kvgeom.checking; "
             "bad = [m for m in ('hypothesis', 'matplotlib', 'torch', 'nixl') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -9,8 +9,17 @@ import attrs
 import numpy as np
 import pytest
 
-from kvgeom import AttentionSpec, BlockList, EngineGeometry, GroupRequest, ModelSpec, Pair, Request, fresh_request
-from kvgeom.simulate import simulate
+from kvgeom import (
+    AttentionSpec,
+    BlockList,
+    EngineGeometry,
+    GroupRequest,
+    ModelSpec,
+    Pair,
+    Request,
+    fresh_request,
+    simulate,
+)
 
 
 @attrs.frozen

@@ -1,4 +1,4 @@
-"""kvgeom.tiles: the tile size argument, the expansion of copies into table entries, and its inverse."""
+"""kvgeom.lowering.tiles: the tile size argument, the expansion of copies into table entries, and its inverse."""
 
 from __future__ import annotations
 
@@ -19,16 +19,25 @@ from kvgeom import (
     StateSection,
     StateSpec,
     TransferPlan,
-)
-from kvgeom.tiles import (
-    TileTable,
-    check_in_regions,
-    merge_runs,
     tile_bytes,
-    tile_index_pairs,
-    tile_quantities,
-    tile_table,
 )
+from kvgeom.lowering import TileTable, check_in_regions, tile_index_pairs, tile_quantities, tile_table
+
+
+def merge_runs(p_index: np.ndarray, d_index: np.ndarray, tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The test's inverse of ``tile_index_pairs``. Re-merge index pairs into runs ``(p_start_index, d_start_index, nbytes)`` where both sides
+    advance by one entry at a time: the inverse of the expansion, and what NIXL's merge does
+    (NIXL also requires the entries to be adjacent in memory, which a run crossing from one region's
+    tiles into the next region's does not satisfy; this function does not look at addresses)."""
+    p = np.asarray(p_index, dtype=np.int64)
+    d = np.asarray(d_index, dtype=np.int64)
+    if p.size == 0:
+        z = np.zeros(0, np.int64)
+        return z, z, z
+    brk = np.flatnonzero((np.diff(p) != 1) | (np.diff(d) != 1)) + 1
+    starts = np.concatenate([[0], brk])
+    lengths = np.diff(np.concatenate([starts, [p.size]]))
+    return p[starts], d[starts], lengths * tile
 
 
 def _llama(heads: int = 2, head_bytes: int = 256, layers: int = 1) -> ModelSpec:
@@ -82,8 +91,8 @@ def test_tile_for_state_layouts_that_differ_falls_to_units() -> None:
 
 
 def _all_plans() -> list[tuple[str, Pair, TransferPlan]]:
-    import kvgeom.presets as presets
-    from kvgeom.planner import STRATEGIES, plan_pair
+    import kvgeom.building.presets as presets
+    from kvgeom import STRATEGIES, plan_pair
 
     out: list[tuple[str, Pair, TransferPlan]] = []
     for name, preset in presets.PRESETS.items():
@@ -239,7 +248,7 @@ def test_merge_runs_inverts_expansion_of_minimal_copies() -> None:
 
 
 def test_tile_rows_names_the_copy_of_every_tile_pair() -> None:
-    from kvgeom.tiles import tile_index_pairs, tile_rows
+    from kvgeom.lowering import tile_index_pairs, tile_rows
 
     # copy 0: 2 tiles of 1024 B, copy 1: 3 tiles
     c = Copies([0, 1], [0, 0], [0, 8192], [0, 0], [0, 0], [4096, 0], [2048, 3072])

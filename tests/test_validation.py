@@ -41,8 +41,9 @@ from kvgeom import (
     StateView,
     TransferPlan,
     Zeros,
+    owned_slice,
 )
-from kvgeom.shard import check_divisible, owned_slice
+from kvgeom.arith import check_divisible
 
 # ---- builders -------------------------------------------------------------------------------------
 
@@ -477,7 +478,7 @@ def test_address_functions_check_their_indices() -> None:
 def test_hostile_sizes_are_refused_by_arithmetic_before_anything_is_enumerated() -> None:
     """A remote's self-description is untrusted: absurd sizes raise typed errors at once (no
     allocation proportional to the claimed sizes)."""
-    from kvgeom.geometry import MAX_PAGE_VECTORS
+    from kvgeom.values import MAX_PAGE_VECTORS
 
     m = ModelSpec("g", [AttentionSpec("a", "full", 1, 2, 8)])
     with pytest.raises(GeometryError) as info:

@@ -16,8 +16,8 @@ from kvgeom import (
     ModelSpec,
     Pair,
     Request,
+    plan_transfer,
 )
-from kvgeom.planner import plan_transfer
 
 
 def rows(cols: object) -> list[tuple[int, ...]]:

@@ -1,0 +1,103 @@
+"""Contiguous runs of a strided copy: the layout ``coalesce`` of CuTe, applied to both sides at once.
+
+A copy of a block of coordinates is described per side by a base offset and, for every mode
+(token, head, plane, row, channel...), its size and byte stride; the innermost unit (a head
+vector, a state unit) is contiguous. Modes whose stride equals the run built so far *on every
+side* fold into the run; the others are enumerated, one row per index::
+
+    unit 256 B, token mode (16, stride 256 | 256), head mode (2, stride 4096 | 512)
+    run = 256 -> token folds (256 == 256 on both sides): run = 4096
+              -> head: P stride 4096 == run but D stride 512 != run: enumerated
+    => 2 rows of 4096 B per base: P at base_p + {0, 4096}, D at base_d + {0, 512}
+
+Worked number above: HND P page (head stride 16 * 256 = 4096) to NHD D page (head stride 256,
+token stride 2 * 256 = 512): the token mode does not fold on D (512 != 256), so it is really
+2 * 16 = 32 rows of 256 B. The function finds that by the same rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["Mode", "fold_modes", "strided_rows", "run_bases", "run_offsets", "element_offsets"]
+
+Mode = tuple[int, Sequence[int]]  # (size, stride on each side)
+
+
+def fold_modes(unit_bytes: int, modes: Sequence[Mode]) -> tuple[int, list[Mode]]:
+    """Fold every mode whose stride equals the current run on all sides; return (run, rest).
+
+    Size-1 modes always fold. The order of the remaining modes is kept (outermost first in the
+    enumeration that :func:`strided_rows` produces).
+    """
+    run = unit_bytes
+    folded = [False] * len(modes)
+    changed = True
+    while changed:
+        changed = False
+        for i, (size, strides) in enumerate(modes):
+            if folded[i]:
+                continue
+            if size == 1 or all(s == run for s in strides):
+                folded[i] = True
+                run *= size
+                changed = True
+    return run, [m for m, f in zip(modes, folded) if not f and m[0] != 1]
+
+
+def strided_rows(
+    unit_bytes: int, modes: Sequence[Mode], bases: Sequence[np.ndarray]
+) -> tuple[list[np.ndarray], int, int]:
+    """Rows (one offset array per side) covering ``bases`` x every index of the unfolded modes.
+
+    Returns ``(offsets per side, run bytes, rows per base)``. Row order: base outer, then the
+    unfolded modes in the given order (first mode outermost). Every row moves ``run`` bytes.
+    """
+    run, rest = fold_modes(unit_bytes, modes)
+    n_sides = len(bases)
+    grids = [np.zeros(1, np.int64) for _ in range(n_sides)]
+    for size, strides in rest:
+        steps = np.arange(size, dtype=np.int64)
+        grids = [(g[:, None] + steps[None, :] * strides[k]).ravel() for k, g in enumerate(grids)]
+    per_base = len(grids[0])
+    out = [(np.asarray(b, np.int64)[:, None] + grids[k][None, :]).ravel() for k, b in enumerate(bases)]
+    return out, run, per_base
+
+
+def run_bases(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, int]:
+    """``(base, total)`` with ``repeat(base, counts) + arange(total)`` = every ``arange(s, s + n)`` in turn.
+
+    The form an on-device expansion takes (``repeat_interleave`` + ``arange``); :func:`run_offsets`
+    is the same expansion on the host.
+
+    >>> run_bases(np.array([10, 40]), np.array([2, 3]))   # rows 10, 11 then 40, 41, 42
+    (array([10, 38]), 5)
+    """
+    starts = np.asarray(starts, dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64)
+    before = np.cumsum(counts) - counts
+    return starts - before, int(counts.sum())
+
+
+def run_offsets(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + n)`` for every ``(s, n)`` (int64).
+
+    >>> run_offsets(np.array([10, 40]), np.array([2, 3])).tolist()
+    [10, 11, 40, 41, 42]
+    """
+    base, total = run_bases(starts, counts)
+    return np.repeat(base, np.asarray(counts, dtype=np.int64)) + np.arange(total, dtype=np.int64)
+
+
+def element_offsets(shape: Sequence[int], strides: Sequence[int], offset: int = 0) -> np.ndarray:
+    """Byte offset of every element of a strided pattern, first mode outermost (int64).
+
+    >>> element_offsets((2, 3), (100, 8), 4).tolist()
+    [4, 12, 20, 104, 112, 120]
+    """
+    off = np.array([offset], dtype=np.int64)
+    for n, s in zip(shape, strides, strict=True):
+        off = (off[:, None] + np.arange(n, dtype=np.int64) * s).ravel()
+    return off

@@ -1,0 +1,30 @@
+"""Named geometries and requests, and ``verify`` (plan + simulate in one call).
+"""
+
+from __future__ import annotations
+
+from .presets import (
+    DEFAULT_PRESET,
+    PRESETS,
+    Preset,
+    UnknownPreset,
+    get_preset,
+    hybrid_blocks_per_logical,
+)
+from .requests import (
+    fresh_request,
+)
+from .verify import (
+    verify,
+)
+
+__all__ = [
+    "Preset",
+    "PRESETS",
+    "DEFAULT_PRESET",
+    "UnknownPreset",
+    "get_preset",
+    "hybrid_blocks_per_logical",
+    "fresh_request",
+    "verify",
+]

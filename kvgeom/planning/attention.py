@@ -1,0 +1,218 @@
+"""Direct copies and zeros for attention groups (full, sliding window, MLA): any K, ppl, TP, layout.
+
+For one group, D rank ``d`` needs tokens ``[lo, hi)`` with ``lo = max(S, d0, p0)`` and
+``hi = min(M, d1, p1)`` ([p0, p1) and [d0, d1) being the tokens each side lists) and the heads of
+its slice, each read from exactly one P rank (:func:`kvgeom.arith.shard.sources`). Every other token
+D lists from ``max(S, d0)`` on is zeroed, in D's layout, for every head D holds::
+
+    D listed       d0=S ............................................ d1
+    transferred        lo ======================== hi
+    zeroed         [S, lo)                             [hi, d1)      (token tail, whole stale pages)
+
+Per (D rank, source P rank, plane, segment, layer) the bytes form a strided block over
+(token, head[, plane]) with head vectors contiguous; :func:`kvgeom.arith.runs.strided_rows` folds the
+modes that are contiguous on both sides into one run and enumerates the others.
+
+Worked number (E2 of the vLLM notes): 4 heads of 512 B, P TP1 HND (head stride 512 with K=1) and
+D TP2: D rank 1 holds heads [2, 4) and reads them from offset 2 * 512 = 1024 of each 2048 B P page,
+1024 B per page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..arith.runs import Mode, fold_modes, strided_rows
+from ..arith.shard import owned_slice, sources
+from ..arith.tokens import Segments, segments
+from ..errors import InternalError
+from ..values.model import AttentionSpec
+from ..values.notes import Note, NoteKind
+from ..values.pair import EnginePair
+from ..values.plan import Copies, Zeros
+from ..values.request import BlockList, Request
+from .group import GroupPlan
+from .rows import Rows
+from .sides import SideView
+
+__all__ = ["needed_tokens", "zero_intervals", "plan_attention_group"]
+
+
+def needed_tokens(request: Request, pair: EnginePair, group: int) -> tuple[int, int]:
+    """``[lo, hi)``: the tokens D needs and P has for ``group`` (may be empty: lo >= hi)."""
+    g = request.groups[group]
+    if not (isinstance(g.prefill, BlockList) and isinstance(g.decode, BlockList)):
+        raise InternalError("checked by Pair")
+    p0, p1 = g.prefill.token_range(pair.prefill.logical_block_tokens)
+    d0, d1 = g.decode.token_range(pair.decode.logical_block_tokens)
+    return max(request.prefix_hit_tokens, d0, p0), min(request.computed_tokens, d1, p1)
+
+
+def zero_intervals(request: Request, pair: EnginePair, group: int) -> list[tuple[int, int]]:
+    """Token intervals of D's listing (from S on) that receive nothing and must be zeroed."""
+    g = request.groups[group]
+    if not isinstance(g.decode, BlockList):
+        raise InternalError("checked by Pair")
+    d0, d1 = g.decode.token_range(pair.decode.logical_block_tokens)
+    zs = max(request.prefix_hit_tokens, d0)
+    lo, hi = needed_tokens(request, pair, group)
+    if hi <= lo:
+        return [(zs, d1)] if zs < d1 else []
+    out = []
+    if zs < lo:
+        out.append((zs, lo))
+    if hi < d1:
+        out.append((max(hi, zs), d1))
+    return out
+
+
+def _bases(segs: Segments, k: int, side: SideView, reg: np.ndarray, off: np.ndarray,
+           head0: int) -> tuple[np.ndarray, np.ndarray]:
+    """Base offsets and their regions for side ``k``, layer-major (layer outer, segment inner), so
+    that rows come out in long runs of the plan's sorted order (region, then offset)."""
+    start = segs.page[k][:, None] * side.page_bytes[reg][None, :] + off[None, :] \
+        + side.head_offset(head0) + side.slot_offset(segs.slot[k])[:, None]
+    regions = np.broadcast_to(reg[None, :], start.shape)
+    return start.T.ravel(), regions.T.ravel()
+
+
+def _by_length(segs: Segments) -> list[tuple[int, Segments]]:
+    lengths = np.unique(segs.length)
+    return [(int(n), segs.take(np.flatnonzero(segs.length == n))) for n in lengths]
+
+
+def _page_runs(sub: Segments, sides: Sequence[int], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Group whole-page segments whose pages are consecutive on every side: (first index, count)."""
+    cont = sub.start[1:] == sub.start[:-1] + n
+    for k in sides:
+        cont &= sub.page[k][1:] == sub.page[k][:-1] + 1
+    heads = np.flatnonzero(np.concatenate(([True], ~cont)))
+    counts = np.diff(np.concatenate((heads, [len(sub)])))
+    return heads, counts
+
+
+def _emit(rows: Rows, sub: Segments, n: int, views: Sequence[tuple[int, SideView, np.ndarray, np.ndarray, int]],
+          modes: list[Mode], unit: int, ranks: tuple[int, int], materialize: bool = True) -> int:
+    """Rows for segments ``sub`` (all of length ``n``) x layers x the unfolded modes.
+
+    ``views`` holds, per side, (segment side index, view, layer regions, layer offsets, first
+    head). When every mode folds into one run that is exactly a whole page at offset 0 on every
+    side, consecutive pages collapse first: one row per run of pages, not per page.
+    Returns the number of rows (adding them to ``rows`` when ``materialize``).
+    """
+    run, rest = fold_modes(unit, modes)
+    whole_pages = not rest and all(
+        n == side.engine.kernel_block_tokens and np.all(off == 0) and np.all(side.page_bytes[reg] == run)
+        for _, side, reg, off, _ in views)
+    if whole_pages:
+        first, count = _page_runs(sub, [k for k, *_ in views], n)
+        sub = sub.take(first)
+    layers = len(views[0][2])
+    per = 1
+    for size, _ in rest:
+        per *= size
+    total = len(sub) * layers * per
+    if not materialize or total == 0:
+        return total
+    bases, regions = [], []
+    for k, side, reg, off, head0 in views:
+        b, r = _bases(sub, k, side, reg, off, head0)
+        bases.append(b)
+        regions.append(r)
+    offsets, run, per = strided_rows(unit, modes, bases)
+    if whole_pages:
+        nbytes = np.tile(count * run, layers)  # layer-major bases: segment index inner
+    else:
+        nbytes = np.asarray(run, np.int64)
+    if len(views) == 2:
+        rows.add(ranks[0], np.repeat(regions[0], per), offsets[0], ranks[1], np.repeat(regions[1], per), offsets[1],
+                 np.repeat(nbytes, per) if nbytes.ndim else nbytes)
+    else:
+        rows.add(0, 0, 0, ranks[1], np.repeat(regions[0], per), offsets[0],
+                 np.repeat(nbytes, per) if nbytes.ndim else nbytes)
+    return total
+
+
+def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
+                         landing: SideView | None = None,
+                         materialize: bool = True) -> GroupPlan:
+    """Uncoalesced direct copies and zeros of one attention group, notes on the choices, and the
+    number of copy rows before coalescing.
+
+    ``landing`` replaces D's own layout as the place copies land (the staged strategy's
+    "arrived" layout); zeros are always in D's own layout. ``materialize=False`` only counts the
+    copy rows (the auto strategy's estimate) and returns empty columns.
+    """
+    spec = pair.model.groups[group]
+    if not isinstance(spec, AttentionSpec):
+        raise InternalError("dispatched on kind")
+    g = request.groups[group]
+    if not (isinstance(g.prefill, BlockList) and isinstance(g.decode, BlockList)):
+        raise InternalError("an attention group lists BlockLists (checked by Pair)")
+    P, D = pair.prefill, pair.decode
+    ps, ds_final = SideView(P, group), SideView(D, group)
+    ds = ds_final if landing is None else landing
+    H, hb = spec.num_kv_heads, spec.head_bytes
+    lo, hi = needed_tokens(request, pair, group)
+    notes: list[Note] = []
+
+    copies = Rows()
+    n_copies = 0
+    planes_inner = spec.planes > 1 and ps.planes_share_region() and ds.planes_share_region()
+    plane_sets: Sequence[tuple[int, ...]] = [(0,)] if spec.planes == 1 or planes_inner else [(0,), (1,)]
+    segs = segments(lo, hi, [ps.tokens(g.prefill), ds.tokens(g.decode)])
+    if hi > lo:
+        notes.append(Note(NoteKind.SEGMENTS, f"{spec.name}: tokens [{lo}, {hi}) move in {len(segs)} aligned segments "
+                          f"(P K={P.kernel_block_tokens} ppl={P.blocks_per_logical}, "
+                          f"D K={D.kernel_block_tokens} ppl={D.blocks_per_logical})"))
+    else:
+        notes.append(Note(NoteKind.NOTHING_TO_MOVE,
+                          f"{spec.name}: no token is both listed by P (computed) and needed by D"))
+    by_len = _by_length(segs)
+    layer_arrays = {(side, plane): view.layer_arrays(plane) for side, view in (("p", ps), ("d", ds))
+                    for plane in range(spec.planes)}
+    for d in range(D.tp):
+        d_slice = owned_slice(H, D.tp, d, replicated=spec.replicated)
+        srcs = sources(H, p_tp=P.tp, p_replicated=spec.replicated, d_tp=D.tp, d_rank=d,
+                       d_replicated=spec.replicated)
+        if materialize and hi > lo and (d < 4 or d == D.tp - 1):
+            notes.append(Note(NoteKind.SOURCES, f"{spec.name}: D rank {d} heads {d_slice} <- " +
+                              ", ".join(f"P{s.p_rank} {s.items}" for s in srcs)))
+        for src in srcs:
+            p_slice = owned_slice(H, P.tp, src.p_rank, replicated=spec.replicated)
+            hp0, hd0, nh = src.items.start - p_slice.start, src.items.start - d_slice.start, src.items.size
+            for planes in plane_sets:
+                preg, poff = layer_arrays[("p", planes[0])]
+                dreg, doff = layer_arrays[("d", planes[0])]
+                for n, sub in by_len:
+                    cmodes: list[Mode] = [(n, (ps.layout.token_stride, ds.layout.token_stride)),
+                                          (nh, (ps.layout.head_stride, ds.layout.head_stride))]
+                    if planes_inner:
+                        cmodes.append((spec.planes, (ps.layout.kv_stride, ds.layout.kv_stride)))
+                    n_copies += _emit(copies, sub, n, [(0, ps, preg, poff, hp0), (1, ds, dreg, doff, hd0)],
+                                      cmodes, hb, (src.p_rank, d), materialize)
+    if not materialize:
+        return GroupPlan(Copies.empty(), Zeros.empty(), (), notes, n_copies)
+
+    zeros = Rows()
+    d_planes_inner = spec.planes > 1 and ds_final.planes_share_region()
+    d_plane_sets: Sequence[tuple[int, ...]] = [(0,)] if spec.planes == 1 or d_planes_inner else [(0,), (1,)]
+    h_local = D.local_heads(group)
+    for z0, z1 in zero_intervals(request, pair, group):
+        zsegs = segments(z0, z1, [ds_final.tokens(g.decode)])
+        notes.append(Note(NoteKind.ZEROED, f"{spec.name}: D tokens [{z0}, {z1}) receive nothing and are zeroed"))
+        for planes in d_plane_sets:
+            dreg, doff = ds_final.layer_arrays(planes[0])
+            for n, sub in _by_length(zsegs):
+                modes: list[Mode] = [(n, (ds_final.layout.token_stride,)), (h_local, (ds_final.layout.head_stride,))]
+                if d_planes_inner:
+                    modes.append((spec.planes, (ds_final.layout.kv_stride,)))
+                one = Rows()
+                _emit(one, sub, n, [(0, ds_final, dreg, doff, 0)], modes, hb, (0, 0))
+                if one.count:
+                    z = one.zeros()
+                    for d in range(D.tp):
+                        zeros.add(0, 0, 0, d, z.d_region, z.d_offset, z.nbytes)
+    return GroupPlan(copies.copies(), zeros.zeros(), (), notes, n_copies)

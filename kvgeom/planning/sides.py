@@ -1,0 +1,68 @@
+"""How the planner addresses one side of an attention group: per-layer regions and offsets, the page
+layout's strides, and where a token slot and a head sit inside a page.
+
+The direct strategy lands copies through D's own :class:`SideView`; the staged strategy passes an
+*arrived* view (a subclass with other slot and head offsets) as the landing place, so the row
+builder never knows which strategy it serves::
+
+    SideView(engine, group)                slot_offset(s) = s * token_stride, head_offset(h) = h * head_stride
+    staged ArrivedView(engine, group, a)   sub-page of K_s tokens: (s // K_s) * sub_bytes + (s % K_s) * ts
+
+Worked number: D HND, 2 heads of 256 B, K = 16: slot 5 sits at ``5 * 256 = 1280`` and head 1 at
+``16 * 256 = 4096`` inside the plane.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..arith.tokens import SideTokens
+from ..errors import InternalError
+from ..values.engine import EngineGeometry
+from ..values.layout import AttentionGroupGeometry, PageLayout
+from ..values.request import BlockList
+
+__all__ = ["SideView"]
+
+
+class SideView:
+    """One engine's attention group as the planner addresses it: per-layer regions and offsets,
+    the page layout's strides, and where a token slot sits inside a page."""
+
+    def __init__(self, engine: EngineGeometry, group: int, layout: PageLayout | None = None) -> None:
+        geo = engine.groups[group]
+        if not isinstance(geo, AttentionGroupGeometry):
+            raise InternalError("checked by the caller")
+        self.engine = engine
+        self.layout = geo.layout if layout is None else layout
+        self.views = geo.views
+        self.page_bytes = np.array([r.page_bytes for r in engine.regions], np.int64)
+
+    def slot_offset(self, slot: np.ndarray) -> np.ndarray:
+        """Byte offset of token slot ``slot`` inside a page (before head and plane terms)."""
+        return slot * self.layout.token_stride
+
+    def head_offset(self, head: int) -> int:
+        """Byte offset of local head ``head`` inside a page (the first head a source fills)."""
+        return head * self.layout.head_stride
+
+    def planes_share_region(self) -> bool:
+        return all(len(set(v.regions)) == 1 for v in self.views)
+
+    def linear(self) -> bool:
+        """Token-outermost pages: consecutive pages continue the token stride."""
+        K = self.engine.kernel_block_tokens
+        ts = self.layout.token_stride
+        regions = {r for v in self.views for r in v.regions}
+        return ts > 0 and all(int(self.page_bytes[r]) == K * ts for r in regions)
+
+    def layer_arrays(self, plane: int) -> tuple[np.ndarray, np.ndarray]:
+        """(region, offset of plane ``plane`` inside the page) for every layer."""
+        reg = np.array([v.regions[plane] for v in self.views], np.int64)
+        off = np.array([v.offset + plane * self.layout.kv_stride for v in self.views], np.int64)
+        return reg, off
+
+    def tokens(self, listing: BlockList) -> SideTokens:
+        e = self.engine
+        return SideTokens(np.asarray(listing.block_ids, np.int64), listing.first_token,
+                          e.kernel_block_tokens, e.blocks_per_logical, self.linear())

@@ -1,0 +1,90 @@
+"""plan_transfer: two engine geometries and one request in, a :class:`TransferPlan` out.
+
+Pure addressing arithmetic: no torch, no NIXL, no device, no I/O. Per group it chooses the
+strategy (:mod:`kvgeom.planning.choose`), then coalesces every group's rows once::
+
+    request --> plan_group(g) for every group --> coalesce --> TransferPlan(copies, zeros,
+                (attention: direct/staged/auto;                  rearranges, notes)
+                 state: direct)
+
+:class:`Pair` is the pair users build: the validated :class:`~kvgeom.values.pair.EnginePair`
+plus :meth:`Pair.plan`.
+
+Worked number: P and D both TP1, HND, K=16, one layer of 8 heads x 256 B (64 KiB pages), 64
+tokens on fresh blocks 0..3 on both sides: 4 pages x 1 plane-run each = 4 rows before
+coalescing, 1 row of 4 * 65536 = 262144 B after.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import attrs
+
+from ..errors import KvGeomError
+from ..values.engine import EngineGeometry
+from ..values.notes import Note, NoteKind
+from ..values.pair import EnginePair
+from ..values.plan import Copies, TransferPlan, Zeros
+from ..values.request import Request
+from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy, plan_group
+from .coalesce import coalesce, coalesce_zeros
+
+__all__ = ["Pair", "plan_transfer", "plan_pair"]
+
+
+@attrs.frozen(repr=False)
+class Pair(EnginePair):
+    """Two engines that can exchange KV cache (raises :class:`~kvgeom.errors.IncompatibleGeometry`
+    otherwise, naming the field), and the way to plan requests between them."""
+
+    def plan(self, request: Request, *, strategy: Strategy = "direct",
+             cost_model: CostModel = DEFAULT_COST_MODEL) -> TransferPlan:
+        """Plan ``request`` for this pair (:func:`plan_pair`)."""
+        return plan_pair(self, request, strategy=strategy, cost_model=cost_model)
+
+
+@functools.lru_cache(maxsize=64)
+def _pair(prefill: EngineGeometry, decode: EngineGeometry) -> Pair:
+    return Pair(prefill, decode)
+
+
+def plan_transfer(
+    prefill: EngineGeometry,
+    decode: EngineGeometry,
+    request: Request,
+    *,
+    strategy: Strategy = "direct",
+    cost_model: CostModel = DEFAULT_COST_MODEL,
+) -> TransferPlan:
+    """Plan ``request``'s transfer from ``prefill`` to ``decode``.
+
+    The pair is checked once (and cached) before any request; raises
+    :class:`~kvgeom.errors.IncompatibleGeometry` if the engines cannot be paired and
+    :class:`~kvgeom.errors.RequestError` if the request does not fit them.
+    """
+    return plan_pair(_pair(prefill, decode), request, strategy=strategy, cost_model=cost_model)
+
+
+def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direct",
+              cost_model: CostModel = DEFAULT_COST_MODEL) -> TransferPlan:
+    """:func:`plan_transfer` for an already built pair."""
+    if strategy not in STRATEGIES:
+        raise KvGeomError("strategy", f"unknown strategy {strategy!r}", actual=strategy,
+                          expected=list(STRATEGIES), fix=f"use one of {', '.join(STRATEGIES)}")
+    pair.check_request(request)
+    groups = [plan_group(pair, request, gi, strategy, cost_model) for gi in range(len(pair.model.groups))]
+    copies = [g.copies for g in groups]
+    zeros = [g.zeros for g in groups if len(g.zeros)] or [Zeros.empty()]
+    raw_c = copies[0] if len(copies) == 1 else Copies.concat(copies)
+    raw_z = zeros[0] if len(zeros) == 1 else Zeros.concat(zeros)
+    return TransferPlan(
+        prefill_tp=pair.prefill.tp,
+        decode_tp=pair.decode.tp,
+        copies=coalesce(raw_c),
+        zeros=coalesce_zeros(raw_z),
+        rearranges=[r for g in groups for r in g.rearranges],
+        notes=(Note(NoteKind.STRATEGY, f"strategy {strategy}"),) + tuple(n for g in groups for n in g.notes),
+        copies_before_coalescing=sum(g.rows_before_coalescing for g in groups),
+        zeros_before_coalescing=len(raw_z),
+    )

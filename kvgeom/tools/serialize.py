@@ -1,0 +1,472 @@
+"""Versioned JSON documents for models, engine geometries, requests and pairs (no pickle).
+
+A geometry crosses a trust boundary in the executor's handshake and in ``kvgeom plan --pair FILE``,
+so decoding is strict: every field is checked for presence and type, unknown fields are refused,
+and the value classes' own validation runs on the result. Any failure raises :class:`SchemaError`
+(a :class:`~kvgeom.errors.GeometryError`) naming the JSON path of the bad field::
+
+    {"schema": 1, "type": "EngineGeometry",            <- top level: schema version + type
+     "model": {"type": "ModelSpec", "groups": [...]},  <- nested objects carry "type" too
+     "tp": 2, "kernel_block_tokens": 16, ...}
+
+    loads('{"schema": 1, "type": "Region", "num_pages": 4}')
+    SchemaError: $.page_bytes: missing field (expected: int >= 1; fix: add "page_bytes")
+
+Nested objects always get a ``"type"`` when encoded. When decoding, ``"type"`` may be omitted where
+only one class fits the position (e.g. a region inside ``regions``) and is required where several
+do (a model group is an ``AttentionSpec`` or a ``StateSpec``).
+
+Worked number: ``Region(num_pages=4, page_bytes=8192)`` encodes as
+``{"num_pages":4,"page_bytes":8192,"schema":1,"type":"Region"}`` (keys sorted, 60 bytes).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import KvGeomError, SchemaError
+from ..planning.transfer import Pair
+from ..values.engine import EngineGeometry
+from ..values.fields import is_int
+from ..values.layout import AttentionGroupGeometry, AttentionView, PageLayout, Region, StateGroupGeometry, StateView
+from ..values.model import AttentionSpec, ModelSpec, StateSection, StateSpec
+from ..values.request import BlockList, GroupRequest, Request, StateSlots
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "to_dict",
+    "from_dict",
+    "dumps",
+    "loads",
+    "load_pair_file",
+    "dump_pair_file",
+    "pair_file_dict",
+    "parse_pair_file",
+]
+
+SCHEMA_VERSION = 1
+"""Version of the documents this module writes and the only one it reads."""
+
+
+# ---- encoding ------------------------------------------------------------------------------
+
+
+def _enc_list(items: Any) -> list[Any]:
+    return [_encode(x) for x in items]
+
+
+_ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {
+    Region: lambda r: {"num_pages": int(r.num_pages), "page_bytes": int(r.page_bytes)},
+    PageLayout: lambda lay: {"kv_stride": int(lay.kv_stride), "head_stride": int(lay.head_stride),
+                             "token_stride": int(lay.token_stride), "byte_stride": int(lay.byte_stride)},
+    AttentionView: lambda v: {"regions": [int(r) for r in v.regions], "offset": int(v.offset)},
+    StateView: lambda v: {"region": int(v.region), "offset": int(v.offset)},
+    AttentionGroupGeometry: lambda g: {"layout": _encode(g.layout), "views": _enc_list(g.views)},
+    StateGroupGeometry: lambda g: {"layout": g.layout.value, "views": _enc_list(g.views)},
+    AttentionSpec: lambda s: {"name": s.name, "kind": s.kind.value, "num_layers": int(s.num_layers),
+                              "num_kv_heads": int(s.num_kv_heads), "head_bytes": int(s.head_bytes),
+                              "window_tokens": None if s.window_tokens is None else int(s.window_tokens)},
+    StateSection: lambda s: {"name": s.name, "channels": int(s.channels), "unit_bytes": int(s.unit_bytes),
+                             "rows": int(s.rows), "replicated": bool(s.replicated)},
+    StateSpec: lambda s: {"name": s.name, "num_layers": int(s.num_layers), "sections": _enc_list(s.sections)},
+    ModelSpec: lambda m: {"name": m.name, "groups": _enc_list(m.groups), "dtype": m.dtype},
+    EngineGeometry: lambda e: {"name": e.name, "model": _encode(e.model), "tp": int(e.tp),
+                               "kernel_block_tokens": int(e.kernel_block_tokens),
+                               "blocks_per_logical": int(e.blocks_per_logical),
+                               "regions": _enc_list(e.regions), "groups": _enc_list(e.groups)},
+    BlockList: lambda b: {"block_ids": [int(x) for x in b.block_ids], "first_token": int(b.first_token)},
+    StateSlots: lambda s: {"slot_ids": [int(x) for x in s.slot_ids], "tokens": [int(x) for x in s.tokens]},
+    GroupRequest: lambda g: {"prefill": _encode(g.prefill), "decode": _encode(g.decode)},
+    Request: lambda r: {"computed_tokens": int(r.computed_tokens), "prefix_hit_tokens": int(r.prefix_hit_tokens),
+                        "groups": _enc_list(r.groups)},
+    Pair: lambda p: {"prefill": _encode(p.prefill), "decode": _encode(p.decode)},
+}
+
+_BY_NAME: dict[str, type] = {cls.__name__: cls for cls in _ENCODERS}
+
+
+def _encode(obj: Any) -> dict[str, Any]:
+    enc = _ENCODERS.get(type(obj))
+    if enc is None:
+        raise SchemaError("$", f"cannot serialize a {type(obj).__name__}", actual=type(obj).__name__,
+                          expected=sorted(_BY_NAME), fix="pass a kvgeom model, geometry, request or pair")
+    out = enc(obj)
+    out["type"] = type(obj).__name__
+    return out
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """A JSON-able dict of ``obj`` with ``"schema"`` and ``"type"`` at the top."""
+    out = _encode(obj)
+    out["schema"] = SCHEMA_VERSION
+    return out
+
+
+def dumps(obj: Any, *, indent: int | None = None) -> str:
+    """``to_dict(obj)`` as JSON text (keys sorted, so equal objects give equal text)."""
+    return json.dumps(to_dict(obj), sort_keys=True, indent=indent, separators=None if indent else (",", ":"))
+
+
+# ---- decoding ------------------------------------------------------------------------------
+
+
+class _Obj:
+    """A JSON object being decoded: typed field access with the path in every error."""
+
+    def __init__(self, path: str, d: Any, cls: type) -> None:
+        if not isinstance(d, dict):
+            raise SchemaError(path, f"expected a JSON object for {cls.__name__}, got {_jtype(d)}",
+                              actual=_short(d), expected="object")
+        self.path = path
+        self.d = d
+        self.cls = cls
+        self.used = {"type", "schema"}
+
+    def _get(self, key: str, expected: str) -> Any:
+        self.used.add(key)
+        if key not in self.d:
+            raise SchemaError(f"{self.path}.{key}", f"missing field of {self.cls.__name__}", expected=expected,
+                              fix=f'add "{key}"')
+        return self.d[key]
+
+    def f_int(self, key: str, *, minimum: int = 0, default: Any = ...) -> int:
+        if default is not ... and key not in self.d:
+            self.used.add(key)
+            return int(default)
+        v = self._get(key, f"int >= {minimum}")
+        return _int(f"{self.path}.{key}", v, minimum)
+
+    def f_opt_int(self, key: str, *, minimum: int = 0) -> int | None:
+        self.used.add(key)
+        v = self.d.get(key)
+        return None if v is None else _int(f"{self.path}.{key}", v, minimum)
+
+    def f_str(self, key: str, *, default: Any = ...) -> str:
+        if default is not ... and key not in self.d:
+            self.used.add(key)
+            return str(default)
+        v = self._get(key, "string")
+        if not isinstance(v, str):
+            raise SchemaError(f"{self.path}.{key}", f"expected a string, got {_jtype(v)}", actual=_short(v),
+                              expected="string")
+        return v
+
+    def f_bool(self, key: str, *, default: bool) -> bool:
+        self.used.add(key)
+        v = self.d.get(key, default)
+        if not isinstance(v, bool):
+            raise SchemaError(f"{self.path}.{key}", f"expected true or false, got {_jtype(v)}", actual=_short(v),
+                              expected="boolean")
+        return v
+
+    def f_list(self, key: str) -> list[Any]:
+        v = self._get(key, "array")
+        if not isinstance(v, list):
+            raise SchemaError(f"{self.path}.{key}", f"expected an array, got {_jtype(v)}", actual=_short(v),
+                              expected="array")
+        return v
+
+    def f_ints(self, key: str, *, minimum: int = 0) -> tuple[int, ...]:
+        return tuple(_int(f"{self.path}.{key}[{i}]", v, minimum) for i, v in enumerate(self.f_list(key)))
+
+    def f_objs(self, key: str, *classes: type) -> tuple[Any, ...]:
+        return tuple(_decode(f"{self.path}.{key}[{i}]", v, classes) for i, v in enumerate(self.f_list(key)))
+
+    def f_obj(self, key: str, *classes: type) -> Any:
+        return _decode(f"{self.path}.{key}", self._get(key, "object"), classes)
+
+    def build(self, make: Callable[[], Any]) -> Any:
+        extra = sorted(set(self.d) - self.used)
+        if extra:
+            raise SchemaError(f"{self.path}.{extra[0]}", f"unknown field of {self.cls.__name__}",
+                              actual=extra, expected=sorted(self.used - {"type", "schema"}),
+                              fix="remove it or check its spelling")
+        try:
+            return make()
+        except SchemaError:
+            raise
+        except KvGeomError as e:
+            raise SchemaError(self.path, f"inconsistent {self.cls.__name__}: {e.path}: {e.message}", actual=e.actual,
+                              expected=e.expected, fix=e.fix) from e
+        except (TypeError, ValueError) as e:
+            raise SchemaError(self.path, f"invalid {self.cls.__name__}: {e}") from e
+
+
+def _jtype(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "array"
+    if isinstance(v, dict):
+        return "object"
+    return type(v).__name__
+
+
+def _short(v: Any) -> Any:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _int(path: str, v: Any, minimum: int) -> int:
+    if not is_int(v):
+        raise SchemaError(path, f"expected an integer, got {_jtype(v)} {_short(v)}", actual=_short(v),
+                          expected=f"int >= {minimum}", fix="write a plain JSON integer")
+    if v < minimum:
+        raise SchemaError(path, f"must be >= {minimum}, got {v}", actual=v, expected=f">= {minimum}")
+    return int(v)
+
+
+def _dec_region(o: _Obj) -> Region:
+    pages, page_bytes = o.f_int("num_pages", minimum=1), o.f_int("page_bytes", minimum=1)
+    return o.build(lambda: Region(pages, page_bytes))
+
+
+def _dec_layout(o: _Obj) -> PageLayout:
+    kv, head, tok = o.f_int("kv_stride"), o.f_int("head_stride"), o.f_int("token_stride")
+    byte = o.f_int("byte_stride", minimum=1, default=1)
+    return o.build(lambda: PageLayout(kv, head, tok, byte))
+
+
+def _dec_attention_view(o: _Obj) -> AttentionView:
+    regions, offset = o.f_ints("regions"), o.f_int("offset", default=0)
+    return o.build(lambda: AttentionView(regions, offset))
+
+
+def _dec_state_view(o: _Obj) -> StateView:
+    region, offset = o.f_int("region"), o.f_int("offset", default=0)
+    return o.build(lambda: StateView(region, offset))
+
+
+def _dec_attention_group(o: _Obj) -> AttentionGroupGeometry:
+    layout, views = o.f_obj("layout", PageLayout), o.f_objs("views", AttentionView)
+    return o.build(lambda: AttentionGroupGeometry(layout, views))
+
+
+def _dec_state_group(o: _Obj) -> StateGroupGeometry:
+    layout, views = o.f_str("layout"), o.f_objs("views", StateView)
+    return o.build(lambda: StateGroupGeometry(layout, views))  # type: ignore[arg-type]  # converter
+
+
+def _dec_attention_spec(o: _Obj) -> AttentionSpec:
+    name, kind = o.f_str("name"), o.f_str("kind")
+    layers, heads = o.f_int("num_layers", minimum=1), o.f_int("num_kv_heads", minimum=1)
+    head_bytes, window = o.f_int("head_bytes", minimum=1), o.f_opt_int("window_tokens", minimum=1)
+    return o.build(lambda: AttentionSpec(name, kind, layers, heads, head_bytes, window))  # type: ignore[arg-type]
+
+
+def _dec_section(o: _Obj) -> StateSection:
+    name, channels, unit = o.f_str("name"), o.f_int("channels", minimum=1), o.f_int("unit_bytes", minimum=1)
+    rows, rep = o.f_int("rows", minimum=1, default=1), o.f_bool("replicated", default=False)
+    return o.build(lambda: StateSection(name, channels, unit, rows, rep))
+
+
+def _dec_state_spec(o: _Obj) -> StateSpec:
+    name, layers, sections = o.f_str("name"), o.f_int("num_layers", minimum=1), o.f_objs("sections", StateSection)
+    return o.build(lambda: StateSpec(name, layers, sections))
+
+
+def _dec_model(o: _Obj) -> ModelSpec:
+    name, groups = o.f_str("name"), o.f_objs("groups", AttentionSpec, StateSpec)
+    dtype = o.f_str("dtype", default="bfloat16")
+    return o.build(lambda: ModelSpec(name, groups, dtype))
+
+
+def _dec_engine(o: _Obj) -> EngineGeometry:
+    name = o.f_str("name", default="engine")
+    model = o.f_obj("model", ModelSpec)
+    tp, k = o.f_int("tp", minimum=1), o.f_int("kernel_block_tokens", minimum=1)
+    ppl = o.f_int("blocks_per_logical", minimum=1, default=1)
+    regions = o.f_objs("regions", Region)
+    groups = o.f_objs("groups", AttentionGroupGeometry, StateGroupGeometry)
+    return o.build(lambda: EngineGeometry(model, tp, k, ppl, regions, groups, name))
+
+
+def _dec_block_list(o: _Obj) -> BlockList:
+    ids, first = o.f_ints("block_ids"), o.f_int("first_token", default=0)
+    return o.build(lambda: BlockList(ids, first))
+
+
+def _dec_state_slots(o: _Obj) -> StateSlots:
+    ids, tokens = o.f_ints("slot_ids"), o.f_ints("tokens")
+    return o.build(lambda: StateSlots(ids, tokens))
+
+
+def _dec_group_request(o: _Obj) -> GroupRequest:
+    p = o.f_obj("prefill", BlockList, StateSlots)
+    d = o.f_obj("decode", BlockList, StateSlots)
+    return o.build(lambda: GroupRequest(p, d))
+
+
+def _dec_request(o: _Obj) -> Request:
+    m, s = o.f_int("computed_tokens"), o.f_int("prefix_hit_tokens", default=0)
+    groups = o.f_objs("groups", GroupRequest)
+    return o.build(lambda: Request(m, groups, s))
+
+
+def _dec_pair(o: _Obj) -> Pair:
+    p, d = o.f_obj("prefill", EngineGeometry), o.f_obj("decode", EngineGeometry)
+    return o.build(lambda: Pair(p, d))
+
+
+_DECODERS: dict[type, Callable[[_Obj], Any]] = {
+    Region: _dec_region,
+    PageLayout: _dec_layout,
+    AttentionView: _dec_attention_view,
+    StateView: _dec_state_view,
+    AttentionGroupGeometry: _dec_attention_group,
+    StateGroupGeometry: _dec_state_group,
+    AttentionSpec: _dec_attention_spec,
+    StateSection: _dec_section,
+    StateSpec: _dec_state_spec,
+    ModelSpec: _dec_model,
+    EngineGeometry: _dec_engine,
+    BlockList: _dec_block_list,
+    StateSlots: _dec_state_slots,
+    GroupRequest: _dec_group_request,
+    Request: _dec_request,
+    Pair: _dec_pair,
+}
+
+
+def _decode(path: str, d: Any, classes: tuple[type, ...]) -> Any:
+    if not isinstance(d, dict):
+        alternatives = " or ".join(c.__name__ for c in classes)
+        raise SchemaError(path, f"expected a JSON object ({alternatives}), got {_jtype(d)}", actual=_short(d),
+                          expected="object")
+    names = [c.__name__ for c in classes]
+    tname = d.get("type")
+    if tname is None:
+        if len(classes) != 1:
+            raise SchemaError(f"{path}.type", "missing: this position holds one of several types", expected=names,
+                              fix=f'add "type": one of {names}')
+        cls = classes[0]
+    elif not isinstance(tname, str) or tname not in names:
+        raise SchemaError(f"{path}.type", f"{_short(tname)} is not allowed here", actual=_short(tname),
+                          expected=names, fix=f"use one of {names}")
+    else:
+        cls = classes[names.index(tname)]
+    return _DECODERS[cls](_Obj(path, d, cls))
+
+
+def _check_schema(d: Any, path: str = "$") -> None:
+    if not isinstance(d, dict):
+        raise SchemaError(path, f"expected a JSON object, got {_jtype(d)}", actual=_short(d), expected="object")
+    if "schema" not in d:
+        raise SchemaError(f"{path}.schema", "missing schema version", expected=SCHEMA_VERSION,
+                          fix=f'add "schema": {SCHEMA_VERSION}')
+    v = d["schema"]
+    if not is_int(v) or v != SCHEMA_VERSION:
+        raise SchemaError(f"{path}.schema", f"unsupported schema version {_short(v)}", actual=_short(v),
+                          expected=SCHEMA_VERSION,
+                          fix=f"write the document with kvgeom schema {SCHEMA_VERSION} (this kvgeom reads only that)")
+
+
+def from_dict(d: Any, *, expect: type | tuple[type, ...] | None = None) -> Any:
+    """Decode a document made by :func:`to_dict`; ``expect`` restricts the accepted top-level type(s)."""
+    _check_schema(d)
+    classes: tuple[type, ...]
+    if expect is None:
+        classes = tuple(_DECODERS)
+        if "type" not in d:
+            raise SchemaError("$.type", "missing document type", expected=sorted(_BY_NAME),
+                              fix='add "type", e.g. "EngineGeometry"')
+    else:
+        classes = expect if isinstance(expect, tuple) else (expect,)
+    return _decode("$", d, classes)
+
+
+def _parse_json(text: str | bytes | bytearray) -> Any:
+    if isinstance(text, (bytes, bytearray)):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SchemaError("$", f"not UTF-8 text (byte {e.start})", fix="send the JSON text as UTF-8") from e
+    if not isinstance(text, str):
+        raise SchemaError("$", f"expected JSON text, got {type(text).__name__}", actual=type(text).__name__,
+                          expected="str or bytes")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        what = "truncated" if e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated") else "malformed"
+        raise SchemaError("$", f"{what} JSON at line {e.lineno} column {e.colno}: {e.msg}",
+                          actual=len(text), fix="send the whole document produced by kvgeom.tools.serialize.dumps") from e
+
+
+def loads(text: str | bytes | bytearray, *, expect: type | tuple[type, ...] | None = None) -> Any:
+    """Decode JSON text (or UTF-8 bytes) made by :func:`dumps`."""
+    return from_dict(_parse_json(text), expect=expect)
+
+
+# ---- pair files (``kvgeom plan --pair FILE``) ---------------------------------------------
+
+
+def pair_file_dict(pair: Pair, request: Request | None = None) -> dict[str, Any]:
+    """``{"schema", "prefill", "decode", "request"}``: both engines and an optional request."""
+    return {
+        "schema": SCHEMA_VERSION,
+        "type": "PairFile",
+        "prefill": _encode(pair.prefill),
+        "decode": _encode(pair.decode),
+        "request": None if request is None else _encode(request),
+    }
+
+
+def dump_pair_file(pair: Pair, request: Request | None = None) -> str:
+    """The text of a pair file (indented JSON) for :func:`load_pair_file`."""
+    return json.dumps(pair_file_dict(pair, request), sort_keys=True, indent=1) + "\n"
+
+
+def parse_pair_file(d: Any) -> tuple[Pair, Request | None]:
+    """Decode a pair-file object; the request, when given, is checked against the pair."""
+    _check_schema(d)
+    tname = d.get("type", "PairFile")
+    if tname != "PairFile":
+        raise SchemaError("$.type", f"a pair file has type 'PairFile', got {_short(tname)}", actual=_short(tname),
+                          expected="PairFile")
+    extra = sorted(set(d) - {"schema", "type", "prefill", "decode", "request"})
+    if extra:
+        raise SchemaError(f"$.{extra[0]}", "unknown field of a pair file", actual=extra,
+                          expected=["prefill", "decode", "request"], fix="remove it or check its spelling")
+    for key in ("prefill", "decode"):
+        if key not in d:
+            raise SchemaError(f"$.{key}", "missing engine geometry", expected="EngineGeometry object",
+                              fix=f'add "{key}"')
+    p = _decode("$.prefill", d["prefill"], (EngineGeometry,))
+    dec = _decode("$.decode", d["decode"], (EngineGeometry,))
+    try:
+        pair = Pair(p, dec)
+    except KvGeomError as e:
+        raise SchemaError("$", f"the two engines cannot be paired: {e.path}: {e.message}", actual=e.actual,
+                          expected=e.expected,
+                          fix=e.fix) from e
+    req_d = d.get("request")
+    if req_d is None:
+        return pair, None
+    request = _decode("$.request", req_d, (Request,))
+    try:
+        pair.check_request(request)
+    except KvGeomError as e:
+        raise SchemaError("$.request", f"does not fit the pair: {e.path}: {e.message}", actual=e.actual,
+                          expected=e.expected,
+                          fix=e.fix) from e
+    return pair, request
+
+
+def load_pair_file(path: str | Path) -> tuple[Pair, Request | None]:
+    """Read a pair file written by :func:`dump_pair_file` (or by hand in the same format)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise SchemaError(str(path), f"cannot read pair file: {e.strerror or e}", fix="check the path") from e
+    except UnicodeDecodeError as e:
+        raise SchemaError(str(path), f"not UTF-8 text (byte {e.start})") from e
+    return parse_pair_file(_parse_json(text))

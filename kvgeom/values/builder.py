@@ -1,0 +1,173 @@
+"""The usual engine geometries from a few words: HND/NHD, K/V packed/split/inner, regions per layer,
+interleaved or shared (vLLM's hybrid overlay).
+
+:func:`engine_fields` computes the fields of an :class:`~kvgeom.values.engine.EngineGeometry`;
+``EngineGeometry.build(...)`` is its named constructor. Every region holds ``num_blocks`` logical
+blocks of ``ppl`` kernel pages::
+
+    per_layer    region per layer (two with kv="split")      r0 = layer 0, r1 = layer 1, ...
+    interleaved  region per group, layers side by side        page = [layer 0 | layer 1 | ...]
+    shared       region i = layer i of every group           page as large as the largest user
+
+Worked number: 2 local heads of 256 B, K = 16, K/V packed, per_layer, 4 layers, 8 blocks of ppl 1:
+4 regions of 8 pages x (2 planes * 2 heads * 16 tokens * 256 B) = 8 x 16384 B.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from ..arith.ints import ceil_div
+from ..arith.shard import check_divisible, local_count
+from ..errors import GeometryError, InternalError
+from .fields import check_int
+from .layout import (
+    AttentionGroupGeometry,
+    AttentionView,
+    GroupGeometry,
+    PageLayout,
+    Region,
+    StateGroupGeometry,
+    StateLayout,
+    StateView,
+    section_placements,
+)
+from .layout import state_layout as as_state_layout
+from .model import AttentionSpec, ModelSpec
+
+__all__ = ["engine_fields"]
+
+
+def engine_fields(
+    model: ModelSpec,
+    *,
+    tp: int,
+    kernel_block_tokens: int,
+    num_blocks: int,
+    blocks_per_logical: int = 1,
+    layout: Literal["HND", "NHD"] = "HND",
+    kv: Literal["packed", "split", "inner"] = "packed",
+    regions: Literal["per_layer", "interleaved", "shared"] = "per_layer",
+    state_layout: StateLayout | str = StateLayout.CHANNEL_MAJOR,
+    name: str = "engine",
+) -> dict[str, Any]:
+    """The keyword arguments of ``EngineGeometry(...)`` for the described engine (see the module).
+
+    ``regions``:
+      * ``per_layer``  every layer of every group has its own region (two with ``kv='split'``);
+      * ``interleaved`` one region per group, its layers side by side inside each page;
+      * ``shared``     region i holds layer i of every group (vLLM's hybrid overlay);
+        K/V must be packed, and the page is as large as the largest layer page that uses it.
+    """
+    check_int(f"{name}.num_blocks", num_blocks, minimum=1)
+    check_int(f"{name}.tp", tp, minimum=1)
+    check_int(f"{name}.kernel_block_tokens", kernel_block_tokens, minimum=1)
+    check_int(f"{name}.blocks_per_logical", blocks_per_logical, minimum=1)
+    if layout not in ("HND", "NHD"):
+        raise GeometryError(f"{name}.layout", f"unknown attention layout {layout!r}",
+                            actual=layout, expected=["HND", "NHD"], fix="use 'HND' or 'NHD'")
+    if kv not in ("packed", "split", "inner"):
+        raise GeometryError(f"{name}.kv", f"unknown K/V arrangement {kv!r}", actual=kv,
+                            expected=["packed", "split", "inner"])
+    if regions not in ("per_layer", "interleaved", "shared"):
+        raise GeometryError(f"{name}.regions", f"unknown region arrangement {regions!r}",
+                            actual=regions, expected=["per_layer", "interleaved", "shared"])
+    if regions == "shared" and kv == "split":
+        raise GeometryError(f"{name}.kv", "shared regions need K/V in one page", actual=kv,
+                            expected="packed or inner", fix="use kv='packed' with regions='shared'")
+    K = kernel_block_tokens
+    ppl = blocks_per_logical
+    num_pages = num_blocks * ppl
+    layouts: list[PageLayout | StateLayout] = []
+    layer_bytes: list[int] = []  # per rank, one layer: kernel page bytes (attn) or state bytes
+    for spec in model.groups:
+        if isinstance(spec, AttentionSpec):
+            check_divisible(f"{name}.tp (group {spec.name!r} num_kv_heads)", spec.num_kv_heads,
+                            tp, replicated=spec.replicated)
+            h = local_count(spec.num_kv_heads, tp, replicated=spec.replicated)
+            maker = PageLayout.hnd if layout == "HND" else PageLayout.nhd
+            lay = maker(heads=h, tokens=K, head_bytes=spec.head_bytes, planes=spec.planes, kv=kv)
+            layouts.append(lay)
+            per_plane = h * K * spec.head_bytes
+            layer_bytes.append(per_plane if kv == "split" else spec.planes * per_plane)
+        else:
+            for s in spec.sections:
+                check_divisible(f"{name}.tp (group {spec.name!r} section {s.name!r} channels)",
+                                s.channels, tp, replicated=s.replicated)
+            slay = as_state_layout(state_layout)
+            layouts.append(slay)
+            layer_bytes.append(sum(p.local_channels * p.rows * p.unit_bytes
+                                   for p in section_placements(spec, slay, tp)))
+
+    region_pages: list[int] = []  # page bytes per region
+    group_geos: list[GroupGeometry] = []
+
+    def attn_views(gi: int, spec: AttentionSpec, per_layer_regions: list[tuple[int, ...]],
+                   offsets: list[int]) -> AttentionGroupGeometry:
+        lay = layouts[gi]
+        if not isinstance(lay, PageLayout):
+            raise InternalError("an attention group's layout is a PageLayout")
+        return AttentionGroupGeometry(lay, tuple(AttentionView(r, o) for r, o in
+                                                 zip(per_layer_regions, offsets)))
+
+    def state_page(gi: int, nlayers: int = 1) -> int:
+        return ceil_div(layer_bytes[gi] * nlayers, ppl)  # a state fills ppl kernel pages
+
+    if regions == "shared":
+        depth = max(s.num_layers for s in model.groups)
+        for i in range(depth):
+            need = 0
+            for gi, spec in enumerate(model.groups):
+                if spec.num_layers > i:
+                    need = max(need, layer_bytes[gi] if isinstance(spec, AttentionSpec)
+                               else state_page(gi))
+            region_pages.append(need)
+        for gi, spec in enumerate(model.groups):
+            if isinstance(spec, AttentionSpec):
+                group_geos.append(attn_views(gi, spec, [(i,) * spec.planes for i in range(spec.num_layers)],
+                                             [0] * spec.num_layers))
+            else:
+                slay = layouts[gi]  # type: ignore[assignment]
+                if not isinstance(slay, StateLayout):
+                    raise InternalError("a state group's layout is a StateLayout")
+                group_geos.append(StateGroupGeometry(slay, tuple(StateView(i, 0) for i in range(spec.num_layers))))
+    else:
+        for gi, spec in enumerate(model.groups):
+            if isinstance(spec, AttentionSpec):
+                planes_regions = spec.planes if kv == "split" else 1
+                if regions == "per_layer":
+                    per_layer = []
+                    for _ in range(spec.num_layers):
+                        first = len(region_pages)
+                        region_pages.extend([layer_bytes[gi]] * planes_regions)
+                        per_layer.append(tuple(first + (p if kv == "split" else 0)
+                                               for p in range(spec.planes)))
+                    group_geos.append(attn_views(gi, spec, per_layer, [0] * spec.num_layers))
+                else:
+                    first = len(region_pages)
+                    region_pages.extend([layer_bytes[gi] * spec.num_layers] * planes_regions)
+                    rs = tuple(first + (p if kv == "split" else 0) for p in range(spec.planes))
+                    group_geos.append(attn_views(gi, spec, [rs] * spec.num_layers,
+                                                 [layer_bytes[gi] * li for li in range(spec.num_layers)]))
+            else:
+                slay = layouts[gi]  # type: ignore[assignment]
+                if not isinstance(slay, StateLayout):
+                    raise InternalError("a state group's layout is a StateLayout")
+                if regions == "per_layer":
+                    first = len(region_pages)
+                    region_pages.extend([state_page(gi)] * spec.num_layers)
+                    views = [StateView(first + li, 0) for li in range(spec.num_layers)]
+                else:
+                    first = len(region_pages)
+                    region_pages.append(state_page(gi, spec.num_layers))
+                    views = [StateView(first, layer_bytes[gi] * li) for li in range(spec.num_layers)]
+                group_geos.append(StateGroupGeometry(slay, tuple(views)))
+    return dict(
+        model=model,
+        tp=tp,
+        kernel_block_tokens=K,
+        blocks_per_logical=ppl,
+        regions=tuple(Region(num_pages, pb) for pb in region_pages),
+        groups=tuple(group_geos),
+        name=name,
+    )

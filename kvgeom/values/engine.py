@@ -1,0 +1,366 @@
+"""One engine's cache geometry: the engine-wide sizes, which coordinates a rank holds, and where each lives.
+
+Every rank of an engine has the same geometry apart from its rank index and its memory. The pieces
+(regions, page layouts, per-layer views) are in :mod:`kvgeom.values.layout`; the rules checked when
+an engine is built are in :mod:`kvgeom.values.engine_checks`; ``EngineGeometry.build`` (the usual
+layouts from a few words) is :mod:`kvgeom.values.builder`. Logical block ``b`` of an attention group
+is kernel pages ``b*ppl .. b*ppl + ppl - 1``; a state group's slot ``b`` is the same bytes seen as
+one logical page::
+
+    attention (layer, plane, page, slot, local head)  ->  region, page*page_bytes + view.offset
+                                                           + plane*kv_stride + head*head_stride + slot*token_stride
+    state (layer, section, slot, local channel, row)  ->  region, slot*page_bytes*ppl + view.offset
+                                                           + section.offset + channel*channel_stride + row*row_stride
+
+Worked number: HND, 2 local heads of 256 B, K = 16, K/V packed: ``head_stride = 16 * 256 = 4096``,
+``kv_stride = 2 * 4096 = 8192``; head 1, V plane, token 5 of page 3 starts at
+``3 * 16384 + 8192 + 4096 + 5 * 256 = 62720``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import attrs
+import numpy as np
+
+from ..arith.shard import Slice, local_count, owned_slice
+from ..errors import GeometryError, InternalError
+from .builder import engine_fields
+from .engine_checks import validate_engine
+from .fields import is_int, pos_int
+from .layout import (
+    AttentionGroupGeometry,
+    GroupGeometry,
+    Region,
+    SectionPlacement,
+    StateGroupGeometry,
+    StateLayout,
+    section_placements,
+)
+from .model import AttentionSpec, ModelSpec, StateSpec
+from .text import MAX_RANK_ROWS, cut, format_ids, html_block, html_table, text_table
+
+__all__ = ["EngineGeometry", "engine_line", "engine_repr", "engine_html"]
+
+
+def _groups(value: Any) -> tuple[GroupGeometry, ...]:
+    return tuple(value)
+
+
+def _regions(value: Any) -> tuple[Region, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(repr=False)
+class EngineGeometry:
+    """The geometry every rank of one engine shares.
+
+    ``kernel_block_tokens`` is K (tokens per attention kernel page); ``blocks_per_logical`` is
+    ppl (kernel pages per logical block). Logical block size is ``K * ppl`` tokens.
+    """
+
+    model: ModelSpec
+    tp: int = attrs.field(validator=pos_int)
+    kernel_block_tokens: int = attrs.field(validator=pos_int)
+    blocks_per_logical: int = attrs.field(validator=pos_int)
+    regions: tuple[Region, ...] = attrs.field(converter=_regions)
+    groups: tuple[GroupGeometry, ...] = attrs.field(converter=_groups)
+    name: str = "engine"
+
+    def __attrs_post_init__(self) -> None:
+        validate_engine(self)
+
+    # ---- sizes -----------------------------------------------------------------------------
+    @property
+    def logical_block_tokens(self) -> int:
+        return self.kernel_block_tokens * self.blocks_per_logical
+
+    def logical_page_bytes(self, region: int) -> int:
+        """Bytes of one logical page (a state slot) of ``region``."""
+        return self.regions[region].page_bytes * self.blocks_per_logical
+
+    def num_logical_blocks(self, region: int) -> int:
+        return self.regions[region].num_pages // self.blocks_per_logical
+
+    def local_heads(self, group: int) -> int:
+        """KV heads every rank holds for attention group ``group``."""
+        self._index("group", group, len(self.groups))
+        spec = self.model.groups[group]
+        if not isinstance(spec, AttentionSpec):
+            raise GeometryError(f"{self.name}.groups[{group}]", "not an attention group",
+                                actual=spec.kind.value)
+        return local_count(spec.num_kv_heads, self.tp, replicated=spec.replicated)
+
+    def group_regions(self, group: int) -> tuple[int, ...]:
+        """Regions any layer of ``group`` lives in, sorted."""
+        g = self.groups[group]
+        if isinstance(g, AttentionGroupGeometry):
+            return tuple(sorted({r for v in g.views for r in v.regions}))
+        return tuple(sorted({v.region for v in g.views}))
+
+    # ---- ownership -------------------------------------------------------------------------
+    def holds(self, rank: int) -> dict[str, dict[str, Slice]]:
+        """Which global coordinates rank ``rank`` holds, per group and axis.
+
+        >>> # 8 heads over TP 4: rank 3 holds heads [6, 8)
+        """
+        out: dict[str, dict[str, Slice]] = {}
+        for spec in self.model.groups:
+            if isinstance(spec, AttentionSpec):
+                out[spec.name] = {"heads": owned_slice(spec.num_kv_heads, self.tp, rank,
+                                                       replicated=spec.replicated)}
+            else:
+                out[spec.name] = {
+                    s.name: owned_slice(s.channels, self.tp, rank, replicated=s.replicated)
+                    for s in spec.sections
+                }
+        return out
+
+    # ---- state sections --------------------------------------------------------------------
+    def state_sections(self, group: int) -> tuple[SectionPlacement, ...]:
+        """Placement of each section of state group ``group`` inside one rank's state page.
+
+        Worked number (channel_major): x with 4 local channels of 3 rows * 2 B, then ssm with 2
+        local heads of 64 B: x at 0 (channel_stride 6, row_stride 2), ssm at 4 * 6 = 24.
+        """
+        self._index("group", group, len(self.groups))
+        spec = self.model.groups[group]
+        geo = self.groups[group]
+        if not isinstance(spec, StateSpec) or not isinstance(geo, StateGroupGeometry):
+            raise GeometryError(f"{self.name}.groups[{group}]", "not a state group",
+                                actual=spec.kind.value)
+        return section_placements(spec, geo.layout, self.tp)
+
+    def state_bytes(self, group: int) -> int:
+        """Bytes of one layer's state on one rank."""
+        return sum(p.local_channels * p.rows * p.unit_bytes for p in self.state_sections(group))
+
+    def _index(self, what: str, value: int, size: int) -> None:
+        if not (is_int(value) and 0 <= value < size):
+            raise GeometryError(f"{self.name}.{what}", f"{value!r} is outside [0, {size})", actual=value,
+                                expected=f"0 <= {what} < {size}", fix=f"pass an index below {size}")
+
+    # ---- addressing (the model; vectorized) ------------------------------------------------
+    def attention_address(
+        self, group: int, layer: int, plane: int, page: Any, slot: Any, local_head: Any
+    ) -> tuple[int, Any]:
+        """(region, byte offset of the head vector) for an attention coordinate on any rank.
+
+        ``page`` is the kernel page id, ``slot`` the token's index inside the page. Arguments
+        broadcast as numpy arrays.
+        """
+        self._index("group", group, len(self.groups))
+        geo = self.groups[group]
+        if not isinstance(geo, AttentionGroupGeometry):
+            raise GeometryError(f"{self.name}.groups[{group}]", "attention_address needs an attention group",
+                                actual=type(geo).__name__, expected="AttentionGroupGeometry",
+                                fix="use state_address for state groups")
+        self._index("layer", layer, len(geo.views))
+        view = geo.views[layer]
+        self._index("plane", plane, len(view.regions))
+        lay = geo.layout
+        region = view.regions[plane]
+        off = (
+            np.asarray(page, dtype=np.int64) * self.regions[region].page_bytes
+            + view.offset
+            + plane * lay.kv_stride
+            + np.asarray(local_head, dtype=np.int64) * lay.head_stride
+            + np.asarray(slot, dtype=np.int64) * lay.token_stride
+        )
+        return region, off
+
+    def state_address(
+        self, group: int, layer: int, section: int, slot_id: Any, local_channel: Any, row: Any
+    ) -> tuple[int, Any]:
+        """(region, byte offset of the unit) for a state coordinate on any rank."""
+        self._index("group", group, len(self.groups))
+        geo = self.groups[group]
+        if not isinstance(geo, StateGroupGeometry):
+            raise GeometryError(f"{self.name}.groups[{group}]", "state_address needs a state group",
+                                actual=type(geo).__name__, expected="StateGroupGeometry",
+                                fix="use attention_address for attention groups")
+        self._index("layer", layer, len(geo.views))
+        view = geo.views[layer]
+        places = self.state_sections(group)
+        self._index("section", section, len(places))
+        place = places[section]
+        off = (
+            np.asarray(slot_id, dtype=np.int64) * self.logical_page_bytes(view.region)
+            + view.offset
+            + place.offset
+            + np.asarray(local_channel, dtype=np.int64) * place.channel_stride
+            + np.asarray(row, dtype=np.int64) * place.row_stride
+        )
+        return view.region, off
+
+    # ---- builders --------------------------------------------------------------------------
+    @classmethod
+    def build(
+        cls,
+        model: ModelSpec,
+        *,
+        tp: int,
+        kernel_block_tokens: int,
+        num_blocks: int,
+        blocks_per_logical: int = 1,
+        layout: Literal["HND", "NHD"] = "HND",
+        kv: Literal["packed", "split", "inner"] = "packed",
+        regions: Literal["per_layer", "interleaved", "shared"] = "per_layer",
+        state_layout: StateLayout | str = StateLayout.CHANNEL_MAJOR,
+        name: str = "engine",
+    ) -> EngineGeometry:
+        """Build the usual geometries: ``num_blocks`` logical blocks in every region
+        (:func:`kvgeom.values.builder.engine_fields` says how each choice lays the pages out)."""
+        return cls(**engine_fields(model, tp=tp, kernel_block_tokens=kernel_block_tokens, num_blocks=num_blocks,
+                                   blocks_per_logical=blocks_per_logical, layout=layout, kv=kv, regions=regions,
+                                   state_layout=state_layout, name=name))
+
+    def with_name(self, name: str) -> EngineGeometry:
+        return attrs.evolve(self, name=name)
+
+    def __repr__(self) -> str:
+        return engine_repr(self)
+
+    def _repr_html_(self) -> str:
+        return engine_html(self)
+
+    def summary(self) -> str:
+        """One line: name, model, TP, K, ppl, layouts and regions."""
+        return engine_line(self)
+
+
+# ---- text and HTML ----------------------------------------------------------------------------------
+
+def _attention_layout(e: EngineGeometry, gi: int) -> str:
+    """``HND packed``, ``NHD split``, ``HND inner`` or ``latent`` (MLA)."""
+
+    spec = e.model.groups[gi]
+    g = e.groups[gi]
+    if not (isinstance(g, AttentionGroupGeometry) and isinstance(spec, AttentionSpec)):
+        raise InternalError("caller checks")
+    lay = g.layout
+    if spec.planes == 1:
+        return "latent"
+    heads = e.local_heads(gi)
+    order = "HND" if heads == 1 or lay.head_stride >= lay.token_stride else "NHD"
+    if any(len(set(v.regions)) > 1 for v in g.views):
+        kv = "split"
+    elif lay.kv_stride == spec.head_bytes:
+        kv = "inner"
+    else:
+        kv = "packed"
+    return f"{order} {kv}"
+
+
+def engine_line(e: EngineGeometry) -> str:
+    """One line: name, model, TP, K, ppl, each group's kind and layout, region count."""
+
+    kinds = []
+    for gi, (spec, g) in enumerate(zip(e.model.groups, e.groups, strict=True)):
+        if isinstance(g, AttentionGroupGeometry):
+            kinds.append(f"{spec.name}:{spec.kind.value}/{_attention_layout(e, gi)}")
+        else:
+            kinds.append(f"{spec.name}:state/{g.layout.value}")
+    return (f"{e.name}: {e.model.name} TP{e.tp} K={e.kernel_block_tokens} ppl={e.blocks_per_logical} "
+            f"(logical {e.logical_block_tokens} tok) [{', '.join(kinds)}] {len(e.regions)} regions")
+
+
+def _region_runs(e: EngineGeometry) -> list[list[Any]]:
+    """Regions grouped into runs of equal shape: ``r0..r79: 15 pages x 8,192 B``."""
+    rows: list[list[Any]] = [["regions", "pages", "page B", "region B"]]
+    start = 0
+    regs = e.regions
+    for i in range(1, len(regs) + 1):
+        if i == len(regs) or regs[i] != regs[start]:
+            name = f"r{start}" if i - 1 == start else f"r{start}..r{i - 1}"
+            r = regs[start]
+            rows.append([name, r.num_pages, r.page_bytes, r.nbytes])
+            start = i
+    return rows
+
+
+def _region_set(regions: Sequence[int]) -> str:
+    """``r0..r3, r7``: the region indices as runs."""
+    if not regions:
+        return "-"
+    parts = format_ids(sorted(set(regions)), limit=4).split(", ")
+    return ", ".join(part if part.startswith("...") or "ids)" in part else
+                     "..".join(f"r{x}" for x in part.split("..")) for part in parts)
+
+
+def _group_rows(e: EngineGeometry) -> list[list[Any]]:
+
+    rows: list[list[Any]] = [["group", "kind", "layers", "per rank", "unit B", "layout", "strides kv/head/token",
+                              "regions"]]
+    for gi, (spec, g) in enumerate(zip(e.model.groups, e.groups, strict=True)):
+        regions = _region_set(e.group_regions(gi))
+        if isinstance(spec, AttentionSpec) and isinstance(g, AttentionGroupGeometry):
+            lay = g.layout
+            per_rank = f"{e.local_heads(gi)} of {spec.num_kv_heads} heads"
+            strides = f"{lay.kv_stride}/{lay.head_stride}/{lay.token_stride}"
+            kind = spec.kind.value + (f" (window {spec.window_tokens})" if spec.window_tokens else "")
+            if spec.replicated:
+                per_rank = "latent (replicated)"
+            rows.append([spec.name, kind, spec.num_layers, per_rank, spec.head_bytes, _attention_layout(e, gi),
+                         strides, regions])
+        elif isinstance(spec, StateSpec) and isinstance(g, StateGroupGeometry):
+            rows.append([spec.name, "state", spec.num_layers, f"{len(spec.sections)} sections",
+                         e.state_bytes(gi), g.layout.value, "-", regions])
+    return rows
+
+
+def _section_rows(e: EngineGeometry, gi: int) -> list[list[Any]]:
+
+    spec = e.model.groups[gi]
+    if not isinstance(spec, StateSpec):
+        raise InternalError("caller checks")
+    rows: list[list[Any]] = [["section", "channels", "per rank", "rows", "unit B", "offset", "channel stride",
+                              "row stride", "TP"]]
+    for s, p in zip(spec.sections, e.state_sections(gi), strict=True):
+        rows.append([s.name, s.channels, p.local_channels, s.rows, s.unit_bytes, p.offset, p.channel_stride,
+                     p.row_stride, "replicated" if s.replicated else "sharded"])
+    return rows
+
+
+def _held_rows(e: EngineGeometry) -> list[list[Any]] | None:
+    """Per rank, the global slice of every sharded axis (``None`` when TP or the axes are too many)."""
+    holds0 = e.holds(0)
+    axes = [(g, a) for g, d in holds0.items() for a in d]
+    if e.tp > MAX_RANK_ROWS or len(axes) > 10:
+        return None
+    rows: list[list[Any]] = [["rank"] + [f"{g}.{a}" if a != "heads" else f"{g} heads" for g, a in axes]]
+    for r in range(e.tp):
+        h = e.holds(r)
+        rows.append([r] + [str(h[g][a]) for g, a in axes])
+    return rows
+
+
+def _engine_title(e: EngineGeometry) -> str:
+    return (f"EngineGeometry {e.name!r}: {e.model.name} ({e.model.dtype}), TP{e.tp}, kernel {e.kernel_block_tokens} "
+            f"tok x ppl {e.blocks_per_logical} = logical {e.logical_block_tokens} tok")
+
+
+def _engine_parts(e: EngineGeometry) -> list[tuple[str, list[list[Any]]]]:
+
+    parts: list[tuple[str, list[list[Any]]]] = [("groups", _group_rows(e)), ("regions", _region_runs(e))]
+    for gi, spec in enumerate(e.model.groups):
+        if isinstance(spec, StateSpec):
+            parts.append((f"state group {spec.name!r} sections (one layer, one rank)", _section_rows(e, gi)))
+    held = _held_rows(e)
+    if held is not None:
+        parts.append(("held coordinates (global slices)", held))
+    return parts
+
+
+def engine_repr(e: EngineGeometry) -> str:
+    lines = [_engine_title(e)]
+    for title, rows in _engine_parts(e):
+        lines.append(f" {title}:")
+        lines.append(text_table(cut(rows) if title.startswith("held") else rows, indent="   "))
+    return "\n".join(lines)
+
+
+def engine_html(e: EngineGeometry) -> str:
+    return html_block(_engine_title(e), [], [html_table(rows, title) for title, rows in _engine_parts(e)])

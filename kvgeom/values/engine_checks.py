@@ -1,0 +1,175 @@
+"""The structural rules of one engine's geometry, checked when an ``EngineGeometry`` is built.
+
+Every rule raises :class:`~kvgeom.errors.GeometryError` naming the field path. Bounds are checked
+by arithmetic before anything is enumerated: a remote's self-description is untrusted, so a page
+layout's last head vector must end inside its page before any per-vector check runs::
+
+    span = (planes-1)*kv_stride + (heads-1)*head_stride + (K-1)*token_stride + head_bytes
+    view.offset + span <= page_bytes          (else GeometryError, nothing allocated)
+    then: every head vector of a page, all layers of a region: sorted starts >= head_bytes apart
+
+Worked number: HND, 2 heads of 256 B, K = 16, packed (strides 8192/4096/256):
+``span = 8192 + 4096 + 15 * 256 + 256 = 16384``, exactly one 16384-byte page.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+
+from ..arith.shard import check_divisible, local_count
+from ..errors import GeometryError
+from .fields import check_int
+from .layout import AttentionGroupGeometry, GroupGeometry, Region, StateGroupGeometry, section_placements
+from .model import AttentionSpec, ModelSpec, StateSpec
+
+__all__ = ["MAX_PAGE_VECTORS", "EngineFields", "validate_engine"]
+
+MAX_PAGE_VECTORS = 1 << 24  # head vectors per page (all layers of a group) the overlap check enumerates
+
+
+class EngineFields(Protocol):
+    """The fields of an engine geometry the rules read (``EngineGeometry`` has them all)."""
+
+    @property
+    def model(self) -> ModelSpec: ...
+    @property
+    def tp(self) -> int: ...
+    @property
+    def kernel_block_tokens(self) -> int: ...
+    @property
+    def blocks_per_logical(self) -> int: ...
+    @property
+    def regions(self) -> tuple[Region, ...]: ...
+    @property
+    def groups(self) -> tuple[GroupGeometry, ...]: ...
+    @property
+    def name(self) -> str: ...
+
+
+def validate_engine(e: EngineFields) -> None:
+    """Every structural rule of one engine, with the field path in each error."""
+    n = e.name
+    if len(e.groups) != len(e.model.groups):
+        raise GeometryError(f"{n}.groups", f"{len(e.groups)} group geometries for a model with "
+                            f"{len(e.model.groups)} groups", actual=len(e.groups),
+                            expected=len(e.model.groups), fix="give one geometry per model group, in order")
+    if not e.regions:
+        raise GeometryError(f"{n}.regions", "an engine needs at least one region", actual=())
+    for ri, r in enumerate(e.regions):
+        if not isinstance(r, Region):
+            raise GeometryError(f"{n}.regions[{ri}]", f"expected Region, got {type(r).__name__}", actual=r)
+    for gi, (spec, geo) in enumerate(zip(e.model.groups, e.groups)):
+        path = f"{n}.groups[{gi}]({spec.name})"
+        if isinstance(spec, AttentionSpec):
+            if not isinstance(geo, AttentionGroupGeometry):
+                raise GeometryError(path, f"{spec.kind} group needs an AttentionGroupGeometry, got "
+                                    f"{type(geo).__name__}", actual=type(geo).__name__,
+                                    expected="AttentionGroupGeometry")
+            check_divisible(f"{n}.tp (group {spec.name!r} num_kv_heads={spec.num_kv_heads})",
+                            spec.num_kv_heads, e.tp, replicated=spec.replicated)
+            _validate_attention(e, gi, spec, geo, path)
+        else:
+            if not isinstance(geo, StateGroupGeometry):
+                raise GeometryError(path, f"state group needs a StateGroupGeometry, got {type(geo).__name__}",
+                                    actual=type(geo).__name__, expected="StateGroupGeometry")
+            for s in spec.sections:
+                check_divisible(f"{n}.tp (group {spec.name!r} section {s.name!r} channels={s.channels})",
+                                s.channels, e.tp, replicated=s.replicated)
+            _validate_state(e, gi, spec, geo, path)
+
+
+def _region_index(e: EngineFields, path: str, r: Any) -> int:
+    check_int(path, r, minimum=0)
+    if r >= len(e.regions):
+        raise GeometryError(path, f"region {r} does not exist", actual=r,
+                            expected=f"0 <= region < {len(e.regions)}", fix="add the region or fix the index")
+    return int(r)
+
+
+def _validate_attention(e: EngineFields, gi: int, spec: AttentionSpec, geo: AttentionGroupGeometry,
+                        path: str) -> None:
+    if len(geo.views) != spec.num_layers:
+        raise GeometryError(f"{path}.views", f"{len(geo.views)} views for {spec.num_layers} layers",
+                            actual=len(geo.views), expected=spec.num_layers, fix="give one view per layer")
+    h = local_count(spec.num_kv_heads, e.tp, replicated=spec.replicated)
+    K = e.kernel_block_tokens
+    hb = spec.head_bytes
+    lay = geo.layout
+    # bounds first, by arithmetic: the last head vector of every view must end inside its page
+    # (a remote's self-description is untrusted: nothing below is enumerated before this holds)
+    span = (spec.planes - 1) * lay.kv_stride + (h - 1) * lay.head_stride + (K - 1) * lay.token_stride + hb
+    for li, v in enumerate(geo.views):
+        for p, r in enumerate(v.regions):
+            ri = _region_index(e, f"{path}.views[{li}].regions[{p}]", r)
+            end = v.offset + span
+            if end > e.regions[ri].page_bytes:
+                raise GeometryError(f"{path}.views[{li}]", f"the page layout ends at byte {end} of a "
+                                    f"{e.regions[ri].page_bytes} B page of region {ri}", actual=end,
+                                    expected=f"<= {e.regions[ri].page_bytes}",
+                                    fix="enlarge the region's page_bytes or fix the strides/offset")
+    vectors = spec.planes * h * K
+    if vectors * len(geo.views) > MAX_PAGE_VECTORS:
+        raise GeometryError(f"{path}", f"{len(geo.views)} layers x {vectors} head vectors per page exceed the "
+                            f"{MAX_PAGE_VECTORS} kvgeom checks for overlap", actual=vectors * len(geo.views),
+                            expected=f"<= {MAX_PAGE_VECTORS}", fix="use realistic kernel pages (<= 4096 tokens)")
+    # every head vector (plane, head, slot) of one page, per layer: start offsets inside the page
+    pl, hh, ss = np.meshgrid(np.arange(spec.planes), np.arange(h), np.arange(K), indexing="ij")
+    per_region: dict[int, list[np.ndarray]] = {}
+    for li, v in enumerate(geo.views):
+        vp = f"{path}.views[{li}]"
+        if len(v.regions) != spec.planes:
+            raise GeometryError(f"{vp}.regions", f"{len(v.regions)} regions for {spec.planes} planes",
+                                actual=v.regions, expected=f"{spec.planes} region indices (one per plane)",
+                                fix="name the region of each plane (the same index twice when packed)")
+        for p, r in enumerate(v.regions):
+            ri = _region_index(e, f"{vp}.regions[{p}]", r)
+            starts = v.offset + (pl[p].ravel() * lay.kv_stride + hh[p].ravel() * lay.head_stride
+                                 + ss[p].ravel() * lay.token_stride)
+            end = int(starts.max()) + hb
+            if end > e.regions[ri].page_bytes:
+                raise GeometryError(f"{vp}", f"plane {p} ends at byte {end} of a {e.regions[ri].page_bytes} B page "
+                                    f"of region {ri}", actual=end, expected=f"<= {e.regions[ri].page_bytes}",
+                                    fix="enlarge the region's page_bytes or fix the strides/offset")
+            per_region.setdefault(ri, []).append(starts)
+    for ri, chunks in per_region.items():
+        starts = np.sort(np.concatenate(chunks))
+        if starts.size > 1 and np.any(np.diff(starts) < hb):
+            i = int(np.argmax(np.diff(starts) < hb))
+            raise GeometryError(f"{path}.layout", f"two head vectors overlap in region {ri} at page bytes "
+                                f"{int(starts[i])} and {int(starts[i + 1])} (head vectors are {hb} B)",
+                                actual=attrs.asdict(lay), expected="strides that keep every head vector apart",
+                                fix="use strides of at least head_bytes and distinct layer offsets")
+
+
+def _validate_state(e: EngineFields, gi: int, spec: StateSpec, geo: StateGroupGeometry, path: str) -> None:
+    if len(geo.views) != spec.num_layers:
+        raise GeometryError(f"{path}.views", f"{len(geo.views)} views for {spec.num_layers} layers",
+                            actual=len(geo.views), expected=spec.num_layers, fix="give one view per layer")
+    size = sum(p.local_channels * p.rows * p.unit_bytes
+               for p in section_placements(spec, geo.layout, e.tp))
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for li, v in enumerate(geo.views):
+        vp = f"{path}.views[{li}]"
+        ri = _region_index(e, f"{vp}.region", v.region)
+        reg = e.regions[ri]
+        if reg.num_pages % e.blocks_per_logical:
+            raise GeometryError(f"{e.name}.regions[{ri}].num_pages", f"{reg.num_pages} pages are not whole "
+                                f"logical pages of {e.blocks_per_logical}", actual=reg.num_pages,
+                                expected=f"a multiple of blocks_per_logical={e.blocks_per_logical}")
+        lp = reg.page_bytes * e.blocks_per_logical
+        if v.offset + size > lp:
+            raise GeometryError(vp, f"state of {size} B at offset {v.offset} overflows the {lp} B logical page "
+                                f"(page_bytes {reg.page_bytes} x ppl {e.blocks_per_logical})",
+                                actual=v.offset + size, expected=f"<= {lp}",
+                                fix="raise blocks_per_logical or page_bytes (vLLM inflates the logical block)")
+        spans.setdefault(ri, []).append((v.offset, v.offset + size))
+    for ri, sp in spans.items():
+        sp.sort()
+        for (a0, a1), (b0, _) in zip(sp, sp[1:]):
+            if b0 < a1:
+                raise GeometryError(f"{path}.views", f"two layers' states overlap in region {ri}: "
+                                    f"[{a0}, {a1}) and [{b0}, ...)", actual=(a0, b0),
+                                    fix="give each layer its own offset or region")

@@ -1,0 +1,389 @@
+"""The plan container: copies, rearranges and zeros as numpy columns, plus notes.
+
+A plan is data, applied on the D side in this order::
+
+    copies      P rank/region/offset  ->  D rank/region/offset, nbytes      (NIXL descriptor pairs)
+    rearranges  in-place permutations of whole D kernel pages (staged strategy)
+    zeros       D rank/region/offset, nbytes                                (stale bytes)
+
+Offsets are bytes from the start of the region. One global plan serves both executors:
+:meth:`TransferPlan.for_decode_rank` (pull: a D rank posts READs) and
+:meth:`TransferPlan.for_prefill_rank` (push: a P rank posts WRITEs).
+
+Worked number: a copy row ``(p_rank=1, p_region=0, p_offset=8192, d_rank=0, d_region=0,
+d_offset=4096, nbytes=4096)`` moves P rank 1's region-0 bytes [8192, 12288) into D rank 0's
+region-0 bytes [4096, 8192).
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ..arith.runs import element_offsets
+from ..errors import PlanError
+from .fields import check_int, int_tuple
+from .notes import Note, as_notes
+from .text import cut, format_bytes, format_ids, html_block, html_table, text_table
+
+__all__ = ["Copies", "Zeros", "Rearrange", "TransferPlan", "COPY_COLUMNS", "ZERO_COLUMNS", "plan_repr", "plan_html",
+           "plan_rank_rows", "plan_pair_bytes"]
+
+COPY_COLUMNS = ("p_rank", "p_region", "p_offset", "d_rank", "d_region", "d_offset", "nbytes")
+ZERO_COLUMNS = ("d_rank", "d_region", "d_offset", "nbytes")
+
+
+def _as_column(name: str, value: Any) -> np.ndarray:
+    """A read-only, contiguous int64 column; anything else is a :class:`PlanError` naming it."""
+    arr = np.asarray(value)
+    if arr.size == 0:
+        arr = arr.reshape(0)
+    if arr.ndim != 1:
+        raise PlanError(name, f"must be one-dimensional, got shape {arr.shape}", actual=arr.shape, expected="(n,)")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise PlanError(name, f"must hold integers, got dtype {arr.dtype}", actual=str(arr.dtype),
+                        expected="int64", fix="build columns with dtype=np.int64")
+    out = np.ascontiguousarray(arr, dtype=np.int64).view()  # a view: the caller's array stays writable
+    out.setflags(write=False)
+    return out
+
+
+class _Columns:
+    _names: tuple[str, ...] = ()
+
+    def _check(self) -> None:
+        n = len(getattr(self, self._names[0]))
+        for c in self._names:
+            col = getattr(self, c)
+            if len(col) != n:
+                raise PlanError(f"{type(self).__name__}.{c}", f"has {len(col)} rows, {self._names[0]} has {n}",
+                                actual=len(col), expected=n, fix="give every column the same length")
+            if n and int(col.min()) < 0:
+                raise PlanError(f"{type(self).__name__}.{c}", f"holds a negative value {int(col.min())}",
+                                actual=int(col.min()), expected=">= 0")
+        if n and int(self.nbytes.min()) <= 0:  # type: ignore[attr-defined]
+            raise PlanError(f"{type(self).__name__}.nbytes", "every row must move at least one byte",
+                            actual=int(self.nbytes.min()), expected=">= 1")  # type: ignore[attr-defined]
+
+    def __len__(self) -> int:
+        return len(getattr(self, self._names[0]))
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())  # type: ignore[attr-defined]
+
+    def as_array(self) -> np.ndarray:
+        """An ``(n, columns)`` int64 array in column order."""
+        return np.stack([getattr(self, c) for c in self._names], axis=1) if len(self) else \
+            np.zeros((0, len(self._names)), np.int64)
+
+    def take(self, index: Any) -> Any:
+        return type(self)(**{c: getattr(self, c)[index] for c in self._names})
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(np.array_equal(getattr(self, c), getattr(other, c)) for c in self._names)
+
+    def __hash__(self) -> int:
+        return hash(tuple(getattr(self, c).tobytes() for c in self._names))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} rows, {self.total_bytes} B)"
+
+    @classmethod
+    def empty(cls) -> Any:
+        return cls(**{c: np.zeros(0, np.int64) for c in cls._names})
+
+    @classmethod
+    def concat(cls, parts: list[Any]) -> Any:
+        if not parts:
+            return cls.empty()
+        return cls(**{c: np.concatenate([getattr(p, c) for p in parts]) for c in cls._names})
+
+
+@attrs.frozen(eq=False, repr=False)
+class Copies(_Columns):
+    """Copy rows as int64 columns (struct of arrays).
+
+    Columns are read-only views of the arrays given (no copy for int64 input, so large plans cost
+    no extra pass): hand over arrays you will not modify afterwards.
+    """
+
+    _names = COPY_COLUMNS
+    p_rank: np.ndarray = attrs.field(converter=lambda v: _as_column("p_rank", v))
+    p_region: np.ndarray = attrs.field(converter=lambda v: _as_column("p_region", v))
+    p_offset: np.ndarray = attrs.field(converter=lambda v: _as_column("p_offset", v))
+    d_rank: np.ndarray = attrs.field(converter=lambda v: _as_column("d_rank", v))
+    d_region: np.ndarray = attrs.field(converter=lambda v: _as_column("d_region", v))
+    d_offset: np.ndarray = attrs.field(converter=lambda v: _as_column("d_offset", v))
+    nbytes: np.ndarray = attrs.field(converter=lambda v: _as_column("nbytes", v))
+
+    def __attrs_post_init__(self) -> None:
+        self._check()
+
+
+@attrs.frozen(eq=False, repr=False)
+class Zeros(_Columns):
+    """Zero rows as int64 columns."""
+
+    _names = ZERO_COLUMNS
+    d_rank: np.ndarray = attrs.field(converter=lambda v: _as_column("d_rank", v))
+    d_region: np.ndarray = attrs.field(converter=lambda v: _as_column("d_region", v))
+    d_offset: np.ndarray = attrs.field(converter=lambda v: _as_column("d_offset", v))
+    nbytes: np.ndarray = attrs.field(converter=lambda v: _as_column("nbytes", v))
+
+    def __attrs_post_init__(self) -> None:
+        self._check()
+
+
+def _pages(value: Any) -> tuple[int, ...]:
+    """Kernel page ids as a tuple of ints, validated in one vectorized pass (plans list many)."""
+    arr = np.asarray(value if not isinstance(value, (int, np.integer)) else [value])
+    if arr.size == 0:
+        return ()
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise PlanError("Rearrange.pages", f"must be a sequence of integer page ids, got dtype {arr.dtype}",
+                        actual=str(arr.dtype), expected="ints >= 0", fix="pass kernel page ids as ints")
+    if int(arr.min()) < 0:
+        i = int(np.argmax(arr < 0))
+        raise PlanError(f"Rearrange.pages[{i}]", f"must be >= 0, got {int(arr[i])}", actual=int(arr[i]),
+                        expected=">= 0", fix="use kernel page ids of the D region")
+    return tuple(arr.tolist())
+
+
+@attrs.frozen
+class Rearrange:
+    """An in-place permutation of bytes inside each listed D kernel page.
+
+    ``pages`` are kernel page ids of the region (logical block ``b`` is pages ``b*ppl .. b*ppl +
+    ppl - 1``): the pages of the request's D blocks that receive data. For every page ``k`` in
+    ``pages`` of region ``d_region`` on D rank ``d_rank``, the element at
+    multi-index ``i`` (over ``shape``, innermost last, elements of ``unit_bytes`` contiguous bytes)
+    moves from ``k*page_bytes + src_offset + sum(i*src_strides)`` to
+    ``k*page_bytes + dst_offset + sum(i*dst_strides)``. All sources are read before any write, so
+    numpy (``as_strided``) and torch apply it the same way.
+
+    Worked number: NHD -> HND for 2 heads x 4 tokens of 8 B: ``shape=(2, 4)`` (head, token),
+    ``src_strides=(8, 16)``, ``dst_strides=(32, 8)``, ``unit_bytes=8``.
+    """
+
+    d_rank: int
+    d_region: int
+    pages: tuple[int, ...] = attrs.field(converter=_pages)
+    shape: tuple[int, ...] = attrs.field(converter=int_tuple)
+    src_strides: tuple[int, ...] = attrs.field(converter=int_tuple)
+    dst_strides: tuple[int, ...] = attrs.field(converter=int_tuple)
+    unit_bytes: int
+    src_offset: int = 0
+    dst_offset: int = 0
+    page_bytes: int = attrs.field(kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("d_rank", "d_region", "src_offset", "dst_offset"):
+            check_int(f"Rearrange.{name}", getattr(self, name), minimum=0, error=PlanError)
+        for name in ("unit_bytes", "page_bytes"):
+            check_int(f"Rearrange.{name}", getattr(self, name), minimum=1, error=PlanError)
+        for name in ("src_strides", "dst_strides"):
+            for i, v in enumerate(getattr(self, name)):
+                check_int(f"Rearrange.{name}[{i}]", v, minimum=0, error=PlanError)
+        for i, v in enumerate(self.shape):
+            check_int(f"Rearrange.shape[{i}]", v, minimum=1, error=PlanError)
+        if not (len(self.shape) == len(self.src_strides) == len(self.dst_strides)):
+            raise PlanError("Rearrange.shape", "shape, src_strides and dst_strides differ in length",
+                            actual=(self.shape, self.src_strides, self.dst_strides),
+                            fix="give one src and one dst stride per mode of shape")
+        for side, off, strides in (("src", self.src_offset, self.src_strides), ("dst", self.dst_offset, self.dst_strides)):
+            end = off + sum((n - 1) * s for n, s in zip(self.shape, strides)) + self.unit_bytes
+            if end > self.page_bytes:
+                raise PlanError(f"Rearrange.{side}_strides", f"elements reach byte {end} of a {self.page_bytes} B page",
+                                actual=end, expected=f"<= {self.page_bytes}",
+                                fix="keep every element inside its page")
+
+    @property
+    def nbytes_per_page(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.unit_bytes
+
+    def src_offsets(self) -> np.ndarray:
+        """Page byte offset of every element's source, first mode outermost (the one definition)."""
+        return element_offsets(self.shape, self.src_strides, self.src_offset)
+
+    def dst_offsets(self) -> np.ndarray:
+        """Page byte offset of every element's destination, in the same element order."""
+        return element_offsets(self.shape, self.dst_strides, self.dst_offset)
+
+
+def _rearranges(value: Any) -> tuple[Rearrange, ...]:
+    out = tuple(value)
+    for i, r in enumerate(out):
+        if not isinstance(r, Rearrange):
+            raise PlanError(f"TransferPlan.rearranges[{i}]", f"expected Rearrange, got {type(r).__name__}", actual=r)
+    return out
+
+
+@attrs.frozen(repr=False)
+class TransferPlan:
+    """Everything one request's transfer does; see the module docstring for the order."""
+
+    prefill_tp: int
+    decode_tp: int
+    copies: Copies
+    zeros: Zeros
+    rearranges: tuple[Rearrange, ...] = attrs.field(default=(), converter=_rearranges)
+    notes: tuple[Note, ...] = attrs.field(default=(), converter=as_notes)
+    copies_before_coalescing: int = -1
+    zeros_before_coalescing: int = -1
+
+    def __attrs_post_init__(self) -> None:
+        check_int("TransferPlan.prefill_tp", self.prefill_tp, minimum=1, error=PlanError)
+        check_int("TransferPlan.decode_tp", self.decode_tp, minimum=1, error=PlanError)
+        for name, cols in (("copies", self.copies), ("zeros", self.zeros)):
+            if not isinstance(cols, Copies if name == "copies" else Zeros):
+                raise PlanError(f"TransferPlan.{name}", f"expected {'Copies' if name == 'copies' else 'Zeros'}, got "
+                                f"{type(cols).__name__}", actual=type(cols).__name__,
+                                fix="build the columns with Copies(...) / Zeros(...)")
+        for col, tp in (("p_rank", self.prefill_tp), ("d_rank", self.decode_tp)):
+            arr = getattr(self.copies, col)
+            if len(arr) and int(arr.max()) >= tp:
+                raise PlanError(f"TransferPlan.copies.{col}", f"rank {int(arr.max())} outside tp={tp}",
+                                actual=int(arr.max()), expected=f"< {tp}")
+        for i, r in enumerate(self.rearranges):
+            if r.d_rank >= self.decode_tp:
+                raise PlanError(f"TransferPlan.rearranges[{i}].d_rank", f"rank {r.d_rank} outside tp={self.decode_tp}",
+                                actual=r.d_rank, expected=f"< {self.decode_tp}")
+        if len(self.zeros) and int(self.zeros.d_rank.max()) >= self.decode_tp:
+            raise PlanError("TransferPlan.zeros.d_rank", f"rank {int(self.zeros.d_rank.max())} outside "
+                            f"tp={self.decode_tp}", actual=int(self.zeros.d_rank.max()),
+                            expected=f"< {self.decode_tp}")
+
+    # ---- projections -----------------------------------------------------------------------
+    def for_decode_rank(self, d_rank: int) -> TransferPlan:
+        """The rows a pull executor on D rank ``d_rank`` posts and applies."""
+        return attrs.evolve(
+            self,
+            copies=self.copies.take(self.copies.d_rank == d_rank),
+            zeros=self.zeros.take(self.zeros.d_rank == d_rank),
+            rearranges=tuple(r for r in self.rearranges if r.d_rank == d_rank),
+        )
+
+    def for_prefill_rank(self, p_rank: int) -> Copies:
+        """The copies a push executor on P rank ``p_rank`` posts (D applies the rest)."""
+        return self.copies.take(self.copies.p_rank == p_rank)
+
+    def consumers(self) -> np.ndarray:
+        """For every P rank, how many distinct D ranks read from it (it may free after that many)."""
+        out = np.zeros(self.prefill_tp, np.int64)
+        if len(self.copies):
+            pairs = np.unique(self.copies.p_rank * self.decode_tp + self.copies.d_rank)
+            np.add.at(out, pairs // self.decode_tp, 1)
+        return out
+
+    def sources_of(self, d_rank: int) -> tuple[int, ...]:
+        """The P ranks D rank ``d_rank`` reads from, sorted."""
+        return tuple(int(p) for p in np.unique(self.copies.p_rank[self.copies.d_rank == d_rank]))
+
+    # ---- summaries -------------------------------------------------------------------------
+    @property
+    def bytes_copied(self) -> int:
+        return self.copies.total_bytes
+
+    @property
+    def bytes_zeroed(self) -> int:
+        return self.zeros.total_bytes
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TransferPlan):
+            return NotImplemented
+        return (self.prefill_tp == other.prefill_tp and self.decode_tp == other.decode_tp
+                and self.copies == other.copies and self.zeros == other.zeros
+                and self.rearranges == other.rearranges)
+
+    def __hash__(self) -> int:
+        return hash((self.prefill_tp, self.decode_tp, self.copies, self.zeros, self.rearranges))
+
+    def __repr__(self) -> str:
+        return plan_repr(self)
+
+    def _repr_html_(self) -> str:
+        return plan_html(self)
+
+
+# ---- text and HTML ----------------------------------------------------------------------------------
+
+MAX_MATRIX_TP = 8  # P->D byte matrices up to 8 x 8; larger plans list the non-zero pairs
+
+def plan_rank_rows(p: TransferPlan) -> list[list[Any]]:
+    """Per D rank: its P sources, copies, bytes, zero ranges, zero bytes, rearranged pages."""
+    d_tp = p.decode_tp
+    c, z = p.copies, p.zeros
+    n_copies = np.bincount(c.d_rank, minlength=d_tp)
+    b_copies = np.bincount(c.d_rank, weights=c.nbytes, minlength=d_tp)
+    n_zeros = np.bincount(z.d_rank, minlength=d_tp)
+    b_zeros = np.bincount(z.d_rank, weights=z.nbytes, minlength=d_tp)
+    pages = np.zeros(d_tp, np.int64)
+    for r in p.rearranges:
+        pages[r.d_rank] += len(r.pages)
+    rows: list[list[Any]] = [["D rank", "from P", "copies", "bytes", "zero ranges", "zero B", "rearranged pages"]]
+    for d in range(d_tp):
+        src = format_ids(p.sources_of(d), limit=4)
+        rows.append([d, src, int(n_copies[d]), int(b_copies[d]), int(n_zeros[d]), int(b_zeros[d]), int(pages[d])])
+    return rows
+
+
+def plan_pair_bytes(p: TransferPlan) -> dict[tuple[int, int], int]:
+    """Bytes each (P rank, D rank) pair moves, non-zero pairs only, sorted."""
+    c = p.copies
+    if not len(c):
+        return {}
+    key = c.p_rank * p.decode_tp + c.d_rank
+    uniq, inv = np.unique(key, return_inverse=True)
+    sums = np.bincount(inv, weights=c.nbytes)
+    return {(int(k) // p.decode_tp, int(k) % p.decode_tp): int(s) for k, s in zip(uniq, sums, strict=True)}
+
+
+def _pair_rows(p: TransferPlan) -> list[list[Any]]:
+    pairs = plan_pair_bytes(p)
+    if p.prefill_tp <= MAX_MATRIX_TP and p.decode_tp <= MAX_MATRIX_TP:
+        rows: list[list[Any]] = [["bytes"] + [f"D{d}" for d in range(p.decode_tp)]]
+        for q in range(p.prefill_tp):
+            rows.append([f"P{q}"] + [pairs.get((q, d), 0) for d in range(p.decode_tp)])
+        return rows
+    rows = [["P rank", "D rank", "bytes"]]
+    rows.extend([q, d, b] for (q, d), b in pairs.items())
+    return cut(rows)
+
+
+def _plan_title(p: TransferPlan) -> str:
+    return f"TransferPlan P TP{p.prefill_tp} -> D TP{p.decode_tp}"
+
+
+def _plan_lines(p: TransferPlan) -> list[str]:
+    before = p.copies_before_coalescing
+    before_text = f" ({before:,} before coalescing)" if before >= 0 else ""
+    return [
+        f"copies: {len(p.copies):,}{before_text}, {format_bytes(p.bytes_copied)}",
+        f"zeros: {len(p.zeros):,} ranges, {format_bytes(p.bytes_zeroed)}; rearranges: {len(p.rearranges)} "
+        f"({sum(len(r.pages) for r in p.rearranges):,} pages)",
+    ]
+
+
+def plan_repr(p: TransferPlan) -> str:
+    lines = [_plan_title(p)] + [" " + line for line in _plan_lines(p)]
+    lines.append(text_table(cut(plan_rank_rows(p))))
+    lines.append(" bytes per P rank -> D rank:")
+    lines.append(text_table(_pair_rows(p), indent="   "))
+    if p.notes:
+        lines.append(" notes:")
+        lines.extend(f"   - {n.text}" for n in p.notes)
+    return "\n".join(lines)
+
+
+def plan_html(p: TransferPlan) -> str:
+    tables = [html_table(cut(plan_rank_rows(p)), "per D rank"),
+              html_table(_pair_rows(p), "bytes per P rank -> D rank")]
+    if p.notes:
+        tables.append("<ul>" + "".join(f"<li>{html.escape(n.text)}</li>" for n in p.notes) + "</ul>")
+    return html_block(_plan_title(p), _plan_lines(p), tables)

@@ -1,0 +1,199 @@
+"""One request: per group, each side's block ids and the token position they start at.
+
+Alignment is by token position, never by counting list entries::
+
+    D logical blocks (B_d = 24 tok)   first_token = 0    [ 7 ][ 3 ]          tokens [0, 48)
+    P logical blocks (B_p = 16 tok)   first_token = 0    [ 2 ][ 9 ][ 4 ]     tokens [0, 48)
+    token 30 lives in D block 3 (30 // 24 = 1 -> ids[1]) and in P block 9 (30 // 16 = 1 -> ids[1])
+
+P computed tokens ``[0, M)``; D already holds ``[0, S)`` (a prefix-cache hit on a D logical block
+boundary). A sliding-window group lists only its tail window, so its ``first_token`` differs per
+side. A state group lists state slots with the number of tokens each slot's state has absorbed
+(usually one slot per side, the running state after ``M`` tokens).
+
+Worked number: M = 40, D lists 24-token blocks from token 24 (a prefix hit S = 24): D needs
+tokens [24, 40), 16 tokens, all inside its first listed block.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import attrs
+
+from ..errors import RequestError
+from .fields import as_tuple, check_int, int_tuple, is_int
+from .text import format_ids, html_block, html_table, text_table
+
+__all__ = ["BlockList", "StateSlots", "SideBlocks", "GroupRequest", "Request", "request_repr", "request_html"]
+
+
+def _int_tuple(path: str, value: Any) -> tuple[int, ...]:
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    return int_tuple(as_tuple(value, path, RequestError))
+
+
+def _block_ids(value: Any) -> tuple[int, ...]:
+    return _int_tuple("BlockList.block_ids", value)
+
+
+def _slot_ids(value: Any) -> tuple[int, ...]:
+    return _int_tuple("StateSlots.slot_ids", value)
+
+
+def _tokens(value: Any) -> tuple[int, ...]:
+    return _int_tuple("StateSlots.tokens", value)
+
+
+def _check_ids(path: str, ids: tuple[Any, ...]) -> None:
+    for i, b in enumerate(ids):
+        check_int(f"{path}[{i}]", b, minimum=0, error=RequestError)
+    if len(set(ids)) != len(ids):
+        seen: set[int] = set()
+        dup = next(b for b in ids if b in seen or seen.add(b))  # type: ignore[func-returns-value]
+        raise RequestError(path, f"block id {dup} is listed twice", actual=ids,
+                           expected="distinct block ids", fix="list every block once")
+
+
+@attrs.frozen
+class BlockList:
+    """An attention group's logical block ids on one side, in token order, from ``first_token``."""
+
+    block_ids: tuple[int, ...] = attrs.field(converter=_block_ids)
+    first_token: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        _check_ids("BlockList.block_ids", self.block_ids)
+        check_int("BlockList.first_token", self.first_token, minimum=0, error=RequestError)
+
+    def token_range(self, block_tokens: int) -> tuple[int, int]:
+        """Tokens ``[first, end)`` the listed blocks cover at ``block_tokens`` per block."""
+        return self.first_token, self.first_token + len(self.block_ids) * block_tokens
+
+    @classmethod
+    def consecutive(cls, first_id: int, count: int, first_token: int = 0) -> BlockList:
+        """``count`` fresh consecutive ids starting at ``first_id``."""
+        return cls(tuple(range(first_id, first_id + count)), first_token)
+
+
+@attrs.frozen
+class StateSlots:
+    """A state group's slots on one side and the tokens each slot's state has absorbed."""
+
+    slot_ids: tuple[int, ...] = attrs.field(converter=_slot_ids)
+    tokens: tuple[int, ...] = attrs.field(converter=_tokens)
+
+    def __attrs_post_init__(self) -> None:
+        _check_ids("StateSlots.slot_ids", self.slot_ids)
+        if len(self.tokens) != len(self.slot_ids):
+            raise RequestError("StateSlots.tokens", f"{len(self.tokens)} token counts for "
+                               f"{len(self.slot_ids)} slots", actual=self.tokens,
+                               expected=f"{len(self.slot_ids)} entries", fix="give one token count per slot")
+        for i, t in enumerate(self.tokens):
+            check_int(f"StateSlots.tokens[{i}]", t, minimum=0, error=RequestError)
+        if len(set(self.tokens)) != len(self.tokens):
+            raise RequestError("StateSlots.tokens", "two slots claim the same token position",
+                               actual=self.tokens, fix="one slot per token position")
+
+    @classmethod
+    def running(cls, slot_id: int, tokens: int) -> StateSlots:
+        """The usual listing: one slot holding the running state after ``tokens`` tokens."""
+        return cls((slot_id,), (tokens,))
+
+
+SideBlocks = Union[BlockList, StateSlots]
+
+
+@attrs.frozen
+class GroupRequest:
+    """One group's listing on both sides."""
+
+    prefill: SideBlocks
+    decode: SideBlocks
+
+    def __attrs_post_init__(self) -> None:
+        if type(self.prefill) is not type(self.decode) or not isinstance(self.prefill, (BlockList, StateSlots)):
+            raise RequestError("GroupRequest", "both sides must list the same kind of blocks "
+                               f"(got {type(self.prefill).__name__} and {type(self.decode).__name__})",
+                               actual=(type(self.prefill).__name__, type(self.decode).__name__),
+                               expected="BlockList for attention groups, StateSlots for state groups")
+
+
+def _group_requests(value: Any) -> tuple[GroupRequest, ...]:
+    return as_tuple(value, "Request.groups", RequestError)
+
+
+@attrs.frozen(repr=False)
+class Request:
+    """The whole request: ``M`` computed tokens, ``S`` prefix-hit tokens, one listing per group.
+
+    ``groups`` follows the model's group order.
+    """
+
+    computed_tokens: int
+    groups: tuple[GroupRequest, ...] = attrs.field(converter=_group_requests)
+    prefix_hit_tokens: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        check_int("Request.computed_tokens", self.computed_tokens, minimum=0, error=RequestError)
+        check_int("Request.prefix_hit_tokens", self.prefix_hit_tokens, minimum=0, error=RequestError)
+        if not is_int(self.computed_tokens) or self.prefix_hit_tokens > self.computed_tokens:
+            raise RequestError("Request.prefix_hit_tokens", f"S={self.prefix_hit_tokens} exceeds "
+                               f"M={self.computed_tokens}", actual=self.prefix_hit_tokens,
+                               expected=f"<= {self.computed_tokens}", fix="a prefix hit cannot exceed the prompt")
+        for i, g in enumerate(self.groups):
+            if not isinstance(g, GroupRequest):
+                raise RequestError(f"Request.groups[{i}]", f"expected GroupRequest, got {type(g).__name__}",
+                                   actual=g, fix="wrap each group's two listings in GroupRequest(p, d)")
+
+    @property
+    def M(self) -> int:  # noqa: N802 - the design's name
+        return self.computed_tokens
+
+    @property
+    def S(self) -> int:  # noqa: N802 - the design's name
+        return self.prefix_hit_tokens
+
+    def __repr__(self) -> str:
+        return request_repr(self)
+
+    def _repr_html_(self) -> str:
+        return request_html(self)
+
+
+# ---- text and HTML ----------------------------------------------------------------------------------
+
+def _request_rows(r: Request, pair: Any = None) -> list[list[Any]]:
+    names = [g.name for g in pair.model.groups] if pair is not None else [f"g{i}" for i in range(len(r.groups))]
+    rows: list[list[Any]] = [["group", "side", "ids", "count", "tokens"]]
+    for gi, gr in enumerate(r.groups):
+        for side in ("prefill", "decode"):
+            listing = getattr(gr, side)
+            name = names[gi] if gi < len(names) else f"g{gi}"
+            if isinstance(listing, BlockList):
+                if pair is not None:
+                    lo, hi = listing.token_range(pair.side(side).logical_block_tokens)
+                    tokens = f"[{lo}, {hi})"
+                else:
+                    tokens = f"from {listing.first_token}"
+                rows.append([name, side, format_ids(listing.block_ids), len(listing.block_ids), tokens])
+            elif isinstance(listing, StateSlots):
+                rows.append([name, side, "slots " + format_ids(listing.slot_ids), len(listing.slot_ids),
+                             "state after " + ", ".join(str(t) for t in listing.tokens)])
+    return rows
+
+
+def _request_title(r: Request) -> str:
+    n = len(r.groups)
+    return (f"Request: M={r.computed_tokens} computed tokens, S={r.prefix_hit_tokens} prefix-hit tokens, "
+            f"{n} group{'s' if n != 1 else ''}")
+
+
+def request_repr(r: Request, pair: Any = None) -> str:
+    """The request as a table; with ``pair`` the groups are named and token ranges are exact."""
+    return _request_title(r) + "\n" + text_table(_request_rows(r, pair))
+
+
+def request_html(r: Request, pair: Any = None) -> str:
+    return html_block(_request_title(r), [], [html_table(_request_rows(r, pair))])
