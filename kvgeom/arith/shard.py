@@ -20,7 +20,7 @@ import attrs
 
 from ..errors import GeometryError
 
-__all__ = ["Slice", "owned_slice", "local_count", "check_divisible", "sources", "SourceSlice"]
+__all__ = ["Slice", "owned_slice", "local_count", "divisible", "check_divisible", "sources", "SourceSlice"]
 
 
 @attrs.frozen
@@ -42,12 +42,21 @@ class Slice:
         return f"[{self.start}, {self.stop})"
 
 
-def check_divisible(path: str, n: int, tp: int, *, replicated: bool = False) -> None:
-    """Raise :class:`GeometryError` when an axis of ``n`` items cannot be split over ``tp`` ranks.
+def divisible(n: int, tp: int, *, replicated: bool = False) -> bool:
+    """Whether an axis of ``n`` items can be split over ``tp`` ranks (the one TP divisibility rule).
 
     Accepted: replicated axes, ``n % tp == 0`` (slices) and ``tp % n == 0`` (replicas).
+
+    >>> divisible(8, 4), divisible(2, 8), divisible(8, 3)
+    (True, True, False)
     """
-    if replicated or n % tp == 0 or tp % n == 0:
+    return replicated or n % tp == 0 or tp % n == 0
+
+
+def check_divisible(path: str, n: int, tp: int, *, replicated: bool = False) -> None:
+    """Raise :class:`GeometryError` when an axis of ``n`` items cannot be split over ``tp`` ranks
+    (:func:`divisible`)."""
+    if divisible(n, tp, replicated=replicated):
         return
     divisors = [t for t in range(1, 2 * n + 1) if n % t == 0 or t % n == 0]
     raise GeometryError(

@@ -35,6 +35,7 @@ import attrs
 import numpy as np
 
 from ..arith.shard import owned_slice
+from ..arith.tokens import locate
 from ..errors import KvGeomError
 from ..values.engine import EngineGeometry
 from ..values.model import AttentionSpec, StateSpec
@@ -156,11 +157,7 @@ class _Resolver:
         if k not in self._inverse:
             r = self.rearranges[k]
             inv = np.arange(r.page_bytes, dtype=np.int64)
-            src = np.array([r.src_offset], np.int64)
-            dst = np.array([r.dst_offset], np.int64)
-            for n, s, t in zip(r.shape, r.src_strides, r.dst_strides):
-                src = (src[:, None] + np.arange(n) * s).ravel()
-                dst = (dst[:, None] + np.arange(n) * t).ravel()
+            src, dst = r.src_offsets(), r.dst_offsets()
             u = np.arange(r.unit_bytes)
             d_all = (dst[:, None] + u).ravel()
             s_all = (src[:, None] + u).ravel()
@@ -278,11 +275,12 @@ def _locate(engine: EngineGeometry, listing: BlockList, tokens: np.ndarray) -> t
     B, K, ppl = engine.logical_block_tokens, engine.kernel_block_tokens, engine.blocks_per_logical
     lo, hi = _span(listing.block_ids, listing.first_token, B)
     valid = (tokens >= lo) & (tokens < hi)
-    rel = np.where(valid, tokens - listing.first_token, 0)
-    ids = np.asarray(listing.block_ids, np.int64)
-    if not len(ids):
-        return valid, np.zeros_like(rel), np.zeros_like(rel)
-    return valid, ids[rel // B] * ppl + (rel % B) // K, rel % K
+    if not listing.block_ids:
+        zero = np.zeros_like(tokens)
+        return valid, zero, zero
+    page, slot = locate(np.asarray(listing.block_ids, np.int64), listing.first_token, K, ppl,
+                        np.where(valid, tokens, listing.first_token))
+    return valid, page, slot
 
 
 def _ranges(values: Sequence[int]) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 from ..errors import KvGeomError, SchemaError
 from ..planning.transfer import Pair
 from ..values.engine import EngineGeometry
-from ..values.fields import is_int
+from ..values.fields import check_int, is_int
 from ..values.layout import AttentionGroupGeometry, AttentionView, PageLayout, Region, StateGroupGeometry, StateView
 from ..values.model import AttentionSpec, ModelSpec, StateSection, StateSpec
 from ..values.request import BlockList, GroupRequest, Request, StateSlots
@@ -217,12 +217,10 @@ def _short(v: Any) -> Any:
 
 
 def _int(path: str, v: Any, minimum: int) -> int:
-    if not is_int(v):
+    if not is_int(v):  # worded for JSON; the bounds are kvgeom's one integer rule
         raise SchemaError(path, f"expected an integer, got {_jtype(v)} {_short(v)}", actual=_short(v),
                           expected=f"int >= {minimum}", fix="write a plain JSON integer")
-    if v < minimum:
-        raise SchemaError(path, f"must be >= {minimum}, got {v}", actual=v, expected=f">= {minimum}")
-    return int(v)
+    return check_int(path, v, minimum=minimum, error=SchemaError)
 
 
 def _dec_region(o: _Obj) -> Region:

@@ -40,9 +40,12 @@ import attrs
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
+from ..arith.ints import ceil_div
+from ..arith.shard import divisible
 from ..building.presets import hybrid_blocks_per_logical
-from ..errors import InternalError
+from ..errors import InternalError, KvGeomError
 from ..values.engine import EngineGeometry
+from ..values.fields import check_int
 from ..values.layout import AttentionView, Region, StateView
 from ..values.model import AttentionSpec, ModelSpec, StateSection, StateSpec
 from ..values.pair import pairable
@@ -94,11 +97,13 @@ class Transfer(NamedTuple):
 
 
 def _int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(f"{name}={value!r} must be an int")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise InvalidArgument(f"{name}={value!r} must be {bound}")
+    """kvgeom's integer rule (:func:`kvgeom.values.check_int`), raised as hypothesis' InvalidArgument."""
+    try:
+        value = check_int(name, value, minimum=minimum)
+    except KvGeomError as e:
+        raise InvalidArgument(f"{name}={e.actual!r}: {e.message}") from None
+    if maximum is not None and value > maximum:
+        raise InvalidArgument(f"{name}={value!r} must be in [{minimum}, {maximum}]")
     return value
 
 
@@ -242,17 +247,14 @@ def _models(draw: Any, kinds: tuple[str, ...], min_groups: int, max_groups: int,
 def valid_tps(model: ModelSpec, max_tp: int) -> tuple[int, ...]:
     """Every TP in ``1..max_tp`` that slices or replicates each sharded axis of ``model``."""
 
-    def fits(n: int, tp: int, replicated: bool) -> bool:
-        return replicated or n % tp == 0 or tp % n == 0
-
     out = []
     for tp in range(1, max_tp + 1):
         ok = True
         for g in model.groups:
             if isinstance(g, AttentionSpec):
-                ok = ok and fits(g.num_kv_heads, tp, g.replicated)
+                ok = ok and divisible(g.num_kv_heads, tp, replicated=g.replicated)
             else:
-                ok = ok and all(fits(s.channels, tp, s.replicated) for s in g.sections)
+                ok = ok and all(divisible(s.channels, tp, replicated=s.replicated) for s in g.sections)
         if ok:
             out.append(tp)
     return tuple(out)
@@ -721,10 +723,6 @@ def requests(
                      paired)
 
 
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @st.composite
 def _requests(draw: Any, P: EngineGeometry, D: EngineGeometry, min_tokens: int, max_tokens: int, prefix_hits: bool,
               scattered: bool, sliding_tails: bool, extra_states: bool, paired: bool) -> Request:
@@ -756,8 +754,8 @@ def _requests(draw: Any, P: EngineGeometry, D: EngineGeometry, min_tokens: int, 
         if spec.window_tokens is not None and sliding_tails and not draw(st.booleans()):
             pf = max(pf, max(0, M - spec.window_tokens) // Bp * Bp)
             df = max(df, max(0, N - spec.window_tokens) // Bd * Bd)
-        p_count = (_ceil(M - pf, Bp) if M > pf else 0) + p_extra
-        d_count = _ceil(N - df, Bd) if N > df else 0
+        p_count = (ceil_div(M - pf, Bp) if M > pf else 0) + p_extra
+        d_count = ceil_div(N - df, Bd) if N > df else 0
         listings.append(((pf, p_count), (df, d_count)))
 
     def ids_for(engine: EngineGeometry, counts: list[int], check: bool) -> list[int]:

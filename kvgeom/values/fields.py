@@ -24,8 +24,12 @@ def is_int(value: Any) -> bool:
 
 def check_int(
     path: str, value: Any, *, minimum: int = 0, error: type[KvGeomError] = GeometryError
-) -> None:
-    """Raise ``error`` unless ``value`` is an integer >= ``minimum``."""
+) -> int:
+    """``value`` as a Python int; raise ``error`` unless it is an integer in ``[minimum, MAX_INT]``.
+
+    The one integer rule: value classes, pair files, handshakes and the strategies' arguments all
+    check through it (each with its own error type).
+    """
     if not is_int(value):
         raise error(
             path,
@@ -50,6 +54,7 @@ def check_int(
             expected=f"<= {MAX_INT}",
             fix="describe real byte and token counts (a remote that advertises such sizes is refused)",
         )
+    return int(value)
 
 
 def attr_int(minimum: int) -> Any:
