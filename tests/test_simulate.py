@@ -33,6 +33,7 @@ from kvgeom import (
     KvGeomError,
     Memory,
     ModelSpec,
+    NoteKind,
     PageLayout,
     Pair,
     PlanError,
@@ -60,7 +61,7 @@ from kvgeom.checking import (
     fill_prefill,
     pattern_bytes,
 )
-from kvgeom.checking.simulator import LIST_LIMIT
+from kvgeom.checking.report import LIST_LIMIT
 
 V = ViolationKind
 
@@ -213,7 +214,11 @@ def test_offset_beyond_the_region_is_out_of_bounds() -> None:
     assert V.OUT_OF_BOUNDS in kinds(report)
     assert kinds(report) <= {V.OUT_OF_BOUNDS, V.MISSING}  # the row is reported, not applied
     assert report.counts[V.OUT_OF_BOUNDS] == 1
-    assert any("not applied" in n for n in report.notes)
+    assert [n.kind for n in report.notes] == [NoteKind.ROWS_NOT_APPLIED]
+    assert report.notes[0].text == "1 out-of-bounds rows were not applied"
+    assert "note: 1 out-of-bounds rows were not applied" in str(report)
+    data = report.to_dict()
+    assert data["note_kinds"] == ["rows_not_applied"] and data["notes"] == [report.notes[0].text]
 
 
 def test_missing_region_and_rank_are_out_of_bounds() -> None:

@@ -12,7 +12,8 @@ with ``ok`` true and 4 D ranks x their regions of bytes checked.
 
 from __future__ import annotations
 
-from ..checking.simulator import Report, simulate
+from ..checking.report import Report
+from ..checking.simulator import simulate
 from ..planning.choose import Strategy
 from ..planning.transfer import plan_pair
 from ..values.pair import EnginePair

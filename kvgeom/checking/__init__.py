@@ -1,29 +1,22 @@
-"""The reference simulator: applies a plan to byte buffers filled from the model and checks every invariant.
+"""The reference simulator (docs/design.md §7): applies a plan to byte buffers filled from the model
+and checks every invariant of docs/design.md §4.2.
 
-It never imports the planner (it is the oracle the planner is checked against).
+It never imports the planner (it is the oracle the planner is checked against). The modules, one
+job each, are listed in :mod:`kvgeom.checking.simulator`'s docstring.
 """
 
 from __future__ import annotations
 
-from .simulator import (
-    Memory,
-    Report,
-    Violation,
-    ViolationKind,
-    apply_plan,
-    attention_hash,
-    check_decode,
-    check_plan,
-    coordinate_hash,
-    describe,
-    fill_decode,
-    fill_prefill,
-    listed_pages,
-    pattern_bytes,
-    simulate,
-    state_hash,
-    writable_pages,
-)
+from .apply import apply_plan
+from .content import check_decode
+from .describe import describe
+from .fill import fill_decode, fill_prefill
+from .hashing import attention_hash, coordinate_hash, pattern_bytes, state_hash
+from .memory import Memory
+from .plan_checks import check_plan
+from .report import Report, Violation, ViolationKind
+from .simulator import simulate
+from .walk import listed_pages, writable_pages
 
 __all__ = [
     "writable_pages",

@@ -37,7 +37,8 @@ import attrs
 
 from ..building.presets import DEFAULT_PRESET, PRESETS, Preset, get_preset
 from ..building.requests import fresh_request
-from ..checking.simulator import Report, simulate
+from ..checking.report import Report
+from ..checking.simulator import simulate
 from ..errors import IncompatibleGeometry, KvGeomError
 from ..planning.choose import STRATEGIES
 from ..planning.transfer import Pair, plan_pair

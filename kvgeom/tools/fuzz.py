@@ -40,7 +40,8 @@ import attrs
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 
-from ..checking.simulator import Report, simulate
+from ..checking.report import Report
+from ..checking.simulator import simulate
 from ..errors import IncompatibleGeometry
 from ..planning.choose import STRATEGIES
 from ..planning.transfer import Pair, plan_transfer

@@ -1,0 +1,147 @@
+"""Content checks: every D byte after the plan ran, against what a correct transfer leaves there.
+
+The expected D memory is :func:`~kvgeom.checking.fill.fill_decode`'s bytes with each byte given a
+category (per group ``g``; ``[p0, p1)`` and ``[d0, d1)`` are the token ranges of the listed P and D
+blocks, ``M`` computed tokens, ``S`` prefix-hit tokens; docs/design.md §3.4)::
+
+    D tokens   d0 ........ S ........ lo ============ hi ........ d1
+               |   keep    | must be  |    needed     | must be  |
+               | (D holds) |  zero    | (P's hash)    |  zero    |
+
+* **needed** (attention, D rank ``d``): tokens ``[lo, hi)``, ``lo = max(S, d0, p0)``,
+  ``hi = min(M, d1, p1)``, every layer, plane, byte and every head D rank ``d`` holds: the
+  coordinate hash P computed (docs/design.md §4.2, invariant 3).
+  (state) a D slot is *paired* with the P slot that lists the same ``tokens``; every coordinate of
+  D rank ``d``'s section slices of a paired slot is needed.
+* **must be zero** (attention only): tokens ``[max(S, d0), d1)`` outside ``[lo, hi)``, all of D's
+  heads, planes and layers (head-vector bytes only, not padding): invariant 4, transferred or zeroed.
+* **keep**: everything else in D (the prefix ``[d0, S)``, padding, other blocks, unpaired state
+  slots) must keep the value ``fill_decode`` gave it (invariant 1).
+
+A difference is reported per run of bad bytes of one category; bad bytes at most ``_GAP`` bytes apart
+join one run, since a wrong byte equals the right one with probability 1/256. A run of needed
+bytes that all still hold D's stale pattern is MISSING, of must-be-zero bytes NOT_ZEROED, any other
+bad needed or must-be-zero run WRONG_DATA, and a bad keep run CLOBBERED.
+
+Worked number: d0 = 0, d1 = 64, S = 16, p0 = 0, p1 = 48, M = 40: lo = max(16, 0, 0) = 16,
+hi = min(40, 64, 48) = 40, so D tokens [0, 16) keep, [16, 40) are needed and [40, 64) must be zero.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..values.model import AttentionSpec
+from ..values.pair import EnginePair
+from ..values.request import Request
+from .describe import describe
+from .fill import fill_decode
+from .hashing import SALT_DECODE, attention_hash, pattern_bytes, state_hash
+from .memory import Memory, check_memory
+from .report import Sink, Violation, ViolationKind
+from .walk import attention_vectors, check_request, listing, state_units, vector_index
+
+__all__ = ["check_decode"]
+
+_KEEP, _NEEDED, _ZERO = 0, 1, 2
+_GAP = 4  # bad bytes at most this far apart form one run
+
+
+def _expected_decode(pair: EnginePair, request: Request) -> tuple[Memory, list[list[np.ndarray]]]:
+    """D's bytes after a correct transfer, and each byte's category (keep, needed, must be zero)."""
+    P, D = pair.prefill, pair.decode
+    exp = Memory.allocate(D)
+    fill_decode(pair, request, exp)
+    cat = [[np.zeros(b.size, np.uint8) for b in regs] for regs in exp.buffers]
+    M, S = request.computed_tokens, request.prefix_hit_tokens
+    for g, spec in enumerate(D.model.groups):
+        pl, dl = listing(request, g, "prefill"), listing(request, g, "decode")
+        for rank in range(D.tp):
+            if isinstance(spec, AttentionSpec):
+                p0, p1 = pl.token_range(P.logical_block_tokens)
+                d0, d1 = dl.token_range(D.logical_block_tokens)
+                start = max(S, d0)
+                lo, hi = max(start, p0), min(M, d1, p1)
+                spans = [(lo, hi, _NEEDED)] if lo < hi else []
+                spans += [(start, min(lo, d1), _ZERO), (max(hi, start), d1, _ZERO)] if lo < hi else [(start, d1, _ZERO)]
+                for a, b, what in spans:
+                    for layer, plane, region, starts, tokens, heads in attention_vectors(D, g, rank, dl, a, b):
+                        idx = vector_index(starts, spec.head_bytes)
+                        cat[rank][region][idx] = what
+                        exp.buffers[rank][region][idx] = 0 if what == _ZERO else attention_hash(
+                            g, layer, plane, tokens[:, None], heads[None, :], spec.head_bytes)
+            else:
+                p_tokens = set(pl.tokens)
+                for slot_id, t in zip(dl.slot_ids, dl.tokens, strict=True):
+                    if t not in p_tokens:
+                        continue  # unpaired: D keeps whatever it had
+                    for layer, si, region, starts, chans, rows, unit in state_units(D, g, rank, slot_id):
+                        idx = vector_index(starts, unit)
+                        cat[rank][region][idx] = _NEEDED
+                        exp.buffers[rank][region][idx] = state_hash(g, layer, si, t, chans[:, None], rows[None, :],
+                                                                    unit)
+    return exp, cat
+
+
+def content_checks(pair: EnginePair, request: Request, dmem: Memory, sink: Sink) -> int:
+    """Compare every byte of ``dmem`` with the expected D memory into ``sink`` (package-internal);
+    returns the number of D bytes compared."""
+    D = pair.decode
+    check_memory(dmem, D, "decode")
+    exp, cat = _expected_decode(pair, request)
+    checked = 0
+    for rank in range(D.tp):
+        for region in range(len(D.regions)):
+            got, want = dmem.buffers[rank][region], exp.buffers[rank][region]
+            checked += got.size
+            at = np.flatnonzero(got != want)
+            if not at.size:
+                continue
+            category = cat[rank][region][at]
+            stale = got[at] == pattern_bytes(SALT_DECODE, rank, region, at)
+            # runs: bad bytes of one category less than _GAP apart (a wrong byte equals the expected one
+            # by chance with probability 1/256; bridging such holes keeps one run per damaged range)
+            new = np.concatenate(([True], (np.diff(at) > _GAP) | (category[1:] != category[:-1])))
+            first = np.flatnonzero(new)
+            last = np.append(first[1:], at.size) - 1
+            span = at[last] - at[first] + 1
+            bad = last - first + 1
+            all_stale = np.minimum.reduceat(stale.astype(np.uint8), first).astype(bool)
+            run_cat = category[first]
+            codes = np.where(run_cat == _KEEP, 0, np.where(all_stale, np.where(run_cat == _NEEDED, 1, 2), 3))
+            for code, kind in enumerate((ViolationKind.CLOBBERED, ViolationKind.MISSING, ViolationKind.NOT_ZEROED,
+                                         ViolationKind.WRONG_DATA)):
+                runs = np.flatnonzero(codes == code)
+
+                def make(i: int, runs: np.ndarray = runs, kind: ViolationKind = kind, rank: int = rank,
+                         region: int = region, got: np.ndarray = got, want: np.ndarray = want,
+                         at: np.ndarray = at, first: np.ndarray = first, span: np.ndarray = span) -> Violation:
+                    r = int(runs[i])
+                    off, n = int(at[first[r]]), int(span[r])
+                    show = min(n, 8)
+                    more = "..." if n > show else ""
+                    return Violation(kind, "decode", rank, region, off, n,
+                                     describe(D, request, "decode", rank, region, off),
+                                     f"expected {want[off:off + show].tobytes().hex()}{more} "
+                                     f"got {got[off:off + show].tobytes().hex()}{more}")
+
+                sink.add(kind, len(runs), int(bad[runs].sum()), make)
+    return checked
+
+
+def check_decode(pair: EnginePair, request: Request, dmem: Memory, *,
+                 max_per_kind: int | None = None) -> tuple[list[Violation], int]:
+    """Content invariants on D memory after a plan ran on :func:`fill_prefill` /
+    :func:`fill_decode` memory. Every D byte is compared with the expected bytes; a difference is
+    reported per run of consecutive bytes of one category:
+
+    * needed bytes: MISSING when every byte of the run still holds the stale pattern, else WRONG_DATA;
+    * must-be-zero bytes: NOT_ZEROED when the run is all stale, else WRONG_DATA;
+    * every other byte: CLOBBERED.
+
+    Returns the violations and the number of D bytes compared.
+    """
+    check_request(pair, request)
+    sink = Sink(max_per_kind)
+    checked = content_checks(pair, request, dmem, sink)
+    return sink.items, checked

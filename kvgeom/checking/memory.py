@@ -1,0 +1,102 @@
+"""One engine's memory as the simulator sees it: a flat uint8 array per rank and region.
+
+The simulator never models devices, tensors or strides of its own: a region is its whole
+allocation, ``num_pages * page_bytes`` bytes, and every address the geometry computes
+(docs/design.md §3.2) is a byte offset into it::
+
+    Memory(engine).buffers[rank][region]    rank 0: [ region 0 | region 1 | ... ]
+                                            rank 1: [ region 0 | region 1 | ... ]
+                                            ...     (each a flat uint8 array)
+
+``allocate`` makes fresh zeroed arrays; ``wrap`` adopts existing ones (the executor's tests pass
+their torch caches viewed as bytes, so the simulator checks the very memory NIXL wrote).
+
+Worked number: P engine TP1, HND, 2 local heads of 256 B, K = 16, K/V packed: one page is
+2 planes x 2 heads x 16 tokens x 256 B = 16384 B, so a region of 64 pages is one array of
+64 x 16384 = 1048576 B. Work over memory runs in steps of ``CHUNK = 1 << 22`` elements, which
+bounds an int64 index array to 32 MiB.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ..errors import GeometryError
+from ..values.engine import EngineGeometry
+
+__all__ = ["Memory"]
+
+CHUNK = 1 << 22  # package-internal: elements per vectorized step (bounds the int64 index arrays to 32 MiB)
+
+
+@attrs.define(eq=False)
+class Memory:
+    """Every rank's regions of one engine as flat uint8 arrays: ``buffers[rank][region]``."""
+
+    engine: EngineGeometry
+    buffers: list[list[np.ndarray]]
+
+    @classmethod
+    def allocate(cls, engine: EngineGeometry) -> Memory:
+        """Zero-filled buffers of ``num_pages * page_bytes`` for every rank and region."""
+        return cls(engine, [[np.zeros(r.nbytes, np.uint8) for r in engine.regions] for _ in range(engine.tp)])
+
+    @classmethod
+    def wrap(cls, engine: EngineGeometry, buffers: Any) -> Memory:
+        """Use existing uint8 arrays (e.g. ``tensor.view(torch.uint8).numpy()``) without copying.
+
+        Each ``buffers[rank][region]`` must be a C-contiguous, writable uint8 array of exactly the
+        region's ``num_pages * page_bytes`` bytes; it is kept as a flat view of the same memory.
+        """
+        ranks = list(buffers)
+        if len(ranks) != engine.tp:
+            raise GeometryError("Memory.buffers", f"{len(ranks)} ranks of buffers for an engine of tp={engine.tp}",
+                                actual=len(ranks), expected=engine.tp, fix="pass one list of regions per rank")
+        out: list[list[np.ndarray]] = []
+        for rank, regs in enumerate(ranks):
+            regs = list(regs)
+            if len(regs) != len(engine.regions):
+                raise GeometryError(f"Memory.buffers[{rank}]", f"{len(regs)} buffers for {len(engine.regions)} regions",
+                                    actual=len(regs), expected=len(engine.regions),
+                                    fix="pass one buffer per region, in the engine's region order")
+            row: list[np.ndarray] = []
+            for ri, (arr, region) in enumerate(zip(regs, engine.regions, strict=True)):
+                path = f"Memory.buffers[{rank}][{ri}]"
+                if not isinstance(arr, np.ndarray):
+                    raise GeometryError(path, f"expected a numpy array, got {type(arr).__name__}",
+                                        actual=type(arr).__name__, expected="numpy.ndarray of uint8",
+                                        fix="pass tensor.view(torch.uint8).numpy() or a uint8 array")
+                if arr.dtype != np.uint8:
+                    raise GeometryError(path, f"dtype {arr.dtype} is not uint8", actual=str(arr.dtype),
+                                        expected="uint8", fix="view the memory as bytes first")
+                if arr.nbytes != region.nbytes:
+                    raise GeometryError(path, f"{arr.nbytes} B for a region of {region.num_pages} pages x "
+                                        f"{region.page_bytes} B = {region.nbytes} B", actual=arr.nbytes,
+                                        expected=region.nbytes, fix="pass the region's whole allocation")
+                if not arr.flags.c_contiguous or not arr.flags.writeable:
+                    raise GeometryError(path, "the buffer must be C-contiguous and writable",
+                                        actual={"c_contiguous": bool(arr.flags.c_contiguous),
+                                                "writeable": bool(arr.flags.writeable)},
+                                        expected="a contiguous writable array", fix="pass the allocation itself")
+                row.append(arr.reshape(-1))
+            out.append(row)
+        return cls(engine, out)
+
+    def copy(self) -> Memory:
+        return Memory(self.engine, [[b.copy() for b in regs] for regs in self.buffers])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.size for regs in self.buffers for b in regs)
+
+
+def check_memory(mem: Memory, engine: EngineGeometry, side: str) -> None:
+    """Raise :class:`GeometryError` unless ``mem`` was made for ``engine`` (package-internal)."""
+    if mem.engine.tp != engine.tp or mem.engine.regions != engine.regions:
+        raise GeometryError(f"Memory({side})", f"memory was made for {mem.engine.summary()}, "
+                            f"not for the pair's {side} engine {engine.summary()}",
+                            actual=mem.engine.name, expected=engine.name,
+                            fix=f"allocate it with Memory.allocate(pair.{side})")
