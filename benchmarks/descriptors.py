@@ -1,7 +1,7 @@
 """Descriptor counts: kvgeom's coalesced copies against one descriptor per (region, kernel block).
 
-The per-block count is how vLLM's NIXL connector posts a transfer (reference notes, sections
-1.3-2.4), computed here from the request and the geometry alone, never from kvgeom's plan::
+The per-block count is how vLLM's NIXL connector posts a transfer (docs/design.md §4.3), computed
+here from the request and the geometry alone, never from kvgeom's plan::
 
     attention group, per D rank d:
         sum over the group's layers of (distinct regions of the layer's K/V planes)  -- R

@@ -1,7 +1,7 @@
 """kvgeom: plan and check KV-cache transfers between engines whose cache geometries differ.
 
 Pure arithmetic on integers and numpy arrays: importing kvgeom never imports torch or nixl. The
-subpackages are layers, each importing only the ones below it (docs/design.md, "Layout")::
+subpackages are layers, each importing only the ones below it (docs/design.md §2)::
 
     errors <- arith <- values <- {planning, lowering, checking} <- {building, show} <- tools
 

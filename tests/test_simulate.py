@@ -750,7 +750,7 @@ def test_ten_thousand_tokens_eight_layers_tp2_to_tp4() -> None:
 
 def test_rewriting_a_held_prefix_page_is_a_foreign_write_even_with_identical_bytes() -> None:
     """D lists a block it already holds (tokens [0, S)); copying the same bytes into it again is
-    invisible in memory but breaks invariant 1, so the plan-level check reports it."""
+    invisible in memory but breaks docs/design.md §4.2 (invariant 1), so the plan-level check reports it."""
     from kvgeom import EngineGeometry, Pair, fresh_request, plan_pair
 
     m = ModelSpec("g", [AttentionSpec("attn", "full", 1, 2, 8)])

@@ -1,5 +1,5 @@
-"""The worked examples E1, E2, E3, E5, E6 of the vLLM notes (reference/vllm-nixl-geometry.md §8),
-translated to P/D and to kvgeom's API. Expected offsets are written as arithmetic.
+"""The worked examples E1, E2, E3, E5, E6 of docs/design.md §9 (cases first worked out for vLLM's NIXL
+connector), in P/D terms and kvgeom's API. Expected offsets are written as arithmetic.
 
 vLLM copies whole P kernel pages and zeros what lies past them; kvgeom copies exactly the tokens
 P computed (``[0, M)``) and zeros everything else D lists, so where vLLM would copy the garbage

@@ -13,7 +13,7 @@ Per (D rank, source P rank, plane, segment, layer) the bytes form a strided bloc
 (token, head[, plane]) with head vectors contiguous; :func:`kvgeom.arith.runs.strided_rows` folds the
 modes that are contiguous on both sides into one run and enumerates the others.
 
-Worked number (E2 of the vLLM notes): 4 heads of 512 B, P TP1 HND (head stride 512 with K=1) and
+Worked number (E2 of docs/design.md §9): 4 heads of 512 B, P TP1 HND (head stride 512 with K=1) and
 D TP2: D rank 1 holds heads [2, 4) and reads them from offset 2 * 512 = 1024 of each 2048 B P page,
 1024 B per page.
 """

@@ -11,9 +11,10 @@ posts are contiguous, and the planner emits rows in that order, so sorting is us
 Worked number: 1024 consecutive kernel pages of 16 KiB copied page by page between two
 identically laid-out regions coalesce into a single 16 MiB row.
 
-Within one (ranks, regions) key the D ranges of a valid plan are disjoint (invariant 2), so after
-sorting by D offset any two mergeable rows are neighbours and one pass leaves a minimal plan (DESIGN.md 3.3,
-invariant 5). Zeros are one-sided: the same pass on (d_rank, d_region, d_offset).
+Within one (ranks, regions) key the D ranges of a valid plan are disjoint: docs/design.md §4.2
+(invariant 2). So after sorting by D offset any two mergeable rows are neighbours, and one pass
+leaves a minimal plan: docs/design.md §4.2 (invariant 5); coalescing is docs/design.md §4.3.
+Zeros are one-sided: the same pass on (d_rank, d_region, d_offset).
 """
 
 from __future__ import annotations

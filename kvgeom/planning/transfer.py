@@ -11,8 +11,10 @@ strategy (:mod:`kvgeom.planning.choose`), then coalesces every group's rows once
 plus :meth:`Pair.plan`.
 
 Worked number: P and D both TP1, HND, K=16, one layer of 8 heads x 256 B (64 KiB pages), 64
-tokens on fresh blocks 0..3 on both sides: 4 pages x 1 plane-run each = 4 rows before
-coalescing, 1 row of 4 * 65536 = 262144 B after.
+tokens on fresh blocks 0..3 on both sides: every page is one whole-page run and the 4 pages are
+consecutive on both sides, so they collapse into 1 row of 4 * 65536 = 262144 B before coalescing
+(``copies_before_coalescing == 1``); with P ids 0, 2, 1, 3 the plan keeps 4 rows
+(docs/design.md §4.3).
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         compat = pairable(*engines)
         return _report_unpairable(header, list(compat.reasons), engines, args)
     plan = plan_pair(pair, request, strategy=args.strategy)
-    # planning twice lets the simulator check determinism (docs/design.md, invariant 6)
+    # planning twice lets the simulator check determinism (docs/design.md §4.2 (invariant 6))
     report = simulate(pair, request, plan, replan=plan_pair(pair, request, strategy=args.strategy))
     if args.svg or args.png:
         _draw(plan, pair, request, args.svg or args.png, "svg" if args.svg else "png")

@@ -1,6 +1,6 @@
 """Model-wide facts both engines share: groups, layer counts, KV heads, head bytes, state sections.
 
-These are the *global coordinates* of DESIGN.md 2.1, independent of any engine::
+These are the *global coordinates* of docs/design.md §3.1, independent of any engine::
 
     attention group  : (layer, token, kv plane, KV head, byte of a head vector)
     MLA group        : (layer, token, byte of the latent)          one plane, one head, replicated
