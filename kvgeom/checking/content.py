@@ -14,9 +14,9 @@ blocks, ``M`` computed tokens, ``S`` prefix-hit tokens; docs/design.md §3.4)::
   (state) a D slot is *paired* with the P slot that lists the same ``tokens``; every coordinate of
   D rank ``d``'s section slices of a paired slot is needed.
 * **must be zero** (attention only): tokens ``[max(S, d0), d1)`` outside ``[lo, hi)``, all of D's
-  heads, planes and layers (head-vector bytes only, not padding): invariant 4, transferred or zeroed.
+  heads, planes and layers (head-vector bytes only, not padding): docs/design.md §4.2 (invariant 4).
 * **keep**: everything else in D (the prefix ``[d0, S)``, padding, other blocks, unpaired state
-  slots) must keep the value ``fill_decode`` gave it (invariant 1).
+  slots) must keep the value ``fill_decode`` gave it (docs/design.md §4.2, invariant 1).
 
 A difference is reported per run of bad bytes of one category; bad bytes at most ``_GAP`` bytes apart
 join one run, since a wrong byte equals the right one with probability 1/256. A run of needed
