@@ -6,17 +6,25 @@
     result = link.pull("req-1", request).wait(timeout_s=5)  # READs, receive steps, done
 
 The executor never computes geometry: copies, zeros and rearranges come from the plan
-(:func:`kvgeom.planning.plan_pair`), the tile tables from :mod:`kvgeom.lowering.tiles`.
+(:func:`kvgeom.planning.plan_pair`), the tile tables and receive-step rows from
+:mod:`kvgeom.lowering`; it imports only the public faces of kvgeom (docs/design.md §2, §8).
+
+    endpoint   Endpoint, Link: connect, pull / push / accept_push / serve_pull   (the API)
+    transfer   Transfer: posted -> landed -> receiving -> done | failed; wait_all
+    agent      RankAgent: one rank's NIXL agent (the only module that imports NIXL)
+    lowering   descriptors for the coalesced and prepped modes     receive    torch receive steps
+    handshake  the versioned payload      memory    registrable regions      errors    typed errors
 """
 
 from __future__ import annotations
 
-from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, Link, Transfer, TransferResult, wait_all
+from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, Link
 from .errors import ExecutorError, HandshakeError, RegistrationError, TransferFailed
 from .handshake import HANDSHAKE_VERSION, RankInfo, decode_rank, encode_rank
 from .lowering import MODES
 from .memory import RankMemory, RegionMemory
 from .receive import apply_rearranges, apply_receive_steps, apply_zeros
+from .transfer import Transfer, TransferResult, wait_all
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

@@ -17,7 +17,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from . import _nixl
+from kvgeom import plan_pair
+from kvgeom.building import get_preset
+from kvgeom.values import engine_line
+
+from .agent import use_local_defaults
+from .errors import TransferFailed
+from .local import LocalDeployment, allocate_caches, check_caches, fill_caches, summarize
 
 __all__ = ["transfer_report"]
 
@@ -25,14 +31,7 @@ __all__ = ["transfer_report"]
 def transfer_report(preset_name: str, tokens: int, prefix: int, *, layers: int | None = None, push: bool = False,
                     mode: str = "coalesced", strategy: str = "direct", timeout_s: float = 60.0) -> dict[str, Any]:
     """Run the transfer and return every number ``kvgeom transfer`` prints (one JSON-able dict)."""
-    _nixl.use_local_defaults()
-    from kvgeom import plan_pair
-    from kvgeom.building import get_preset
-    from kvgeom.values import engine_line
-
-    from .errors import TransferFailed
-    from .local import LocalDeployment, allocate_caches, check_caches, fill_caches, summarize
-
+    use_local_defaults()
     t0 = time.perf_counter()
     pair, request = get_preset(preset_name).build(tokens, prefix, layers=layers)
     plan = plan_pair(pair, request, strategy=strategy)  # type: ignore[arg-type]

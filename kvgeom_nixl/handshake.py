@@ -12,7 +12,7 @@ everything before the payload is used: the version, every field's type, the geom
 :mod:`kvgeom.tools.serialize`), ``0 <= rank < tp``, one memory entry per region of the geometry and each
 exactly ``num_pages * page_bytes`` bytes, addresses that do not wrap around. Any failure raises
 :class:`HandshakeError` naming the field; a peer that advertises regions not fitting its own
-geometry is refused before any transfer.
+geometry is refused before any transfer (docs/design.md §6 and §8: peer input is hostile).
 
 Worked number: a TP1 engine with one region of 64 pages x 16384 B must advertise exactly one
 region of ``64 * 16384 = 1048576`` bytes; advertising 1048575 fails with

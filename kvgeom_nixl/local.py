@@ -27,7 +27,8 @@ import torch
 from kvgeom import Memory, Pair, Request, TransferPlan
 from kvgeom.checking import check_decode, fill_decode, fill_prefill
 
-from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, Link, Transfer, TransferResult, wait_all
+from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, Link
+from .transfer import Transfer, TransferResult, wait_all
 
 __all__ = ["allocate_caches", "fill_caches", "check_caches", "host_memory", "LocalDeployment"]
 
@@ -135,5 +136,5 @@ def summarize(results: Sequence[TransferResult]) -> dict[str, Any]:
         "nixl_descs": None if any(d is None for d in descs) else int(np.sum([d or 0 for d in descs])),
         "bytes_zeroed": int(sum(r.bytes_zeroed for r in receivers)),
         "rearranges": int(sum(r.rearranges for r in receivers)),
-        "notes": sorted({n for r in results for n in r.notes}),
+        "notes": sorted({n.text for r in results for n in r.notes}),  # texts: the summary is JSON
     }

@@ -1,13 +1,16 @@
-"""Lowering plan copies to NIXL requests, in one of two modes (no geometry here: offsets come from
-the plan, the tiling from :mod:`kvgeom.lowering.tiles`).
+"""Lowering plan copies to NIXL descriptors, in one of two modes (no geometry here: offsets come from
+the plan, the tiling from :mod:`kvgeom.lowering`; this module only adds registered base addresses).
 
     mode "coalesced": one descriptor per plan copy, built per request
         local  [(base[region] + offset, nbytes, dev), ...]   Nx3 uint64
-        remote [(base[region] + offset, nbytes, dev), ...]   -> initialize_xfer(op, local, remote, peer)
+        remote [(base[region] + offset, nbytes, dev), ...]   -> RankAgent.post_coalesced (initialize_xfer)
 
-    mode "prepped": one table per rank, prepared once; per request two index lists
-        table  [(base[region] + i * tile, tile, dev) for every tile of every region]
-        idx    kvgeom.lowering.tiles.tile_index_pairs(copies, tile, tables)  -> make_prepped_xfer(op, L, li, R, ri)
+    mode "prepped": one table per (agent, tile), prepared once; per request two index lists
+        table  [(base[region] + entry offset, tile, dev) for every entry of kvgeom.lowering.tile_table]
+        idx    kvgeom.lowering.tile_index_pairs(copies, tile, tables)  -> RankAgent.post_prepped (make_prepped_xfer)
+
+Tables are capped at :data:`MAX_TABLE_TILES` entries (NIXL indices are int32): past it, and for a
+plan off the tile grid, a link posts coalesced lists instead (docs/design.md §8).
 
 Worked number: 3 copies of 4096 B with a 1024-byte tile post 3 descriptors in mode "coalesced" and
 12 index pairs in mode "prepped" (NIXL merges consecutive pairs back into 3 descriptors).
@@ -15,15 +18,15 @@ Worked number: 3 copies of 4096 B with a 1024-byte tile post 3 descriptors in mo
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from kvgeom.lowering import TileTable
+from kvgeom import EngineGeometry, PlanError
+from kvgeom.lowering import TileTable, tile_table
 
-__all__ = ["MODES", "copy_descs", "table_descs", "post_coalesced", "post_prepped", "as_nixl_indices"]
+__all__ = ["MODES", "MAX_TABLE_TILES", "copy_descs", "table_descs", "capped_table"]
 
 MODES = ("coalesced", "prepped")
+MAX_TABLE_TILES = 1 << 24  # ~400 MB of Nx3 descriptors; NIXL indices are int32 anyway
 
 
 def copy_descs(bases: np.ndarray, devices: np.ndarray, region: np.ndarray, offset: np.ndarray,
@@ -46,20 +49,11 @@ def table_descs(bases: np.ndarray, devices: np.ndarray, table: TileTable) -> np.
     return out
 
 
-def as_nixl_indices(idx: np.ndarray) -> np.ndarray:
-    """NIXL takes int32 index arrays; tables are capped so the conversion is exact."""
-    return np.ascontiguousarray(idx, dtype=np.int32)
-
-
-def post_coalesced(agent: Any, op: str, local: np.ndarray, local_mem: str, remote: np.ndarray, remote_mem: str,
-                   peer: str, notif: bytes) -> Any:
-    """A one-shot NIXL request over two descriptor arrays (``initialize_xfer``: NIXL does not merge)."""
-    return agent.initialize_xfer(op, agent.get_xfer_descs(local, local_mem), agent.get_xfer_descs(remote, remote_mem),
-                                 peer, notif)
-
-
-def post_prepped(agent: Any, op: str, local_handle: Any, local_idx: np.ndarray, remote_handle: Any,
-                 remote_idx: np.ndarray, notif: bytes) -> Any:
-    """A NIXL request from index lists into two prepared tables (NIXL merges +1 runs)."""
-    return agent.make_prepped_xfer(op, local_handle, as_nixl_indices(local_idx), remote_handle,
-                                   as_nixl_indices(remote_idx), notif)
+def capped_table(engine: EngineGeometry, tile: int) -> TileTable:
+    """One rank's tile table (:func:`kvgeom.lowering.tile_table`), refused past :data:`MAX_TABLE_TILES`."""
+    table = tile_table(engine, tile)
+    if table.num_tiles > MAX_TABLE_TILES:
+        raise PlanError("tile table", f"{table.num_tiles} tiles of {tile} B for one rank",
+                        actual=table.num_tiles, expected=f"<= {MAX_TABLE_TILES}",
+                        fix="use mode 'coalesced' for this pair")
+    return table

@@ -7,7 +7,8 @@ Each region of the rank's geometry is one caller allocation, registered whole, n
                           must be contiguous and exactly num_pages * page_bytes bytes
 
 The caller's objects are kept (not replaced, permuted or made contiguous) and referenced for as
-long as the memory is registered; receive steps work on flat ``uint8`` *views* of them.
+long as the memory is registered; receive steps work on flat ``uint8`` *views* of them
+(docs/design.md §8: attention backends need the very tensors they allocated).
 
 Worked number: a region of 64 pages x 16384 B needs a 1 MiB buffer, e.g.
 ``torch.empty(64, 2, 2, 16, 128, dtype=torch.bfloat16)`` (64 * 2 * 2 * 16 * 128 * 2 B = 1048576 B).

@@ -19,33 +19,34 @@ violation count and the bytes checked). Everything that crosses the pipe is byte
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
 import attrs
 
-from kvgeom import InternalError
+from kvgeom import InternalError, plan_pair
+from kvgeom.tools import parse_pair_file
 
-from . import _nixl
+from .agent import use_local_defaults
+from .endpoint import Endpoint
+from .errors import TransferFailed
+from .local import LocalDeployment, allocate_caches, check_caches, fill_caches
+from .transfer import wait_all
 
 __all__ = ["engine_process", "result_dict", "requested_device", "run_local"]
 
 
 def result_dict(r: Any) -> dict[str, Any]:
-    return attrs.asdict(r)
+    """A :class:`TransferResult` as plain data (notes as ``{"kind", "text"}`` strings)."""
+    out = attrs.asdict(r, recurse=False)
+    out["notes"] = [{"kind": n.kind.value, "text": n.text} for n in r.notes]
+    return out
 
 
 def engine_process(conn: Any, pair_file_text: str, side: str, device: str = "cpu") -> None:
     """Child entry point: host every rank of ``side`` ("prefill" or "decode") of the pair."""
-    _nixl.use_local_defaults()
-    import json
-
-    from kvgeom.tools import parse_pair_file
-
-    from .endpoint import wait_all
-    from .errors import TransferFailed
-    from .local import Endpoint, allocate_caches, check_caches, fill_caches
-
+    use_local_defaults()
     pair, request = parse_pair_file(json.loads(pair_file_text))
     if not (request is not None):
         raise InternalError("the parent always sends a request")
@@ -110,11 +111,7 @@ def requested_device(name: str | None = None) -> str:
 def run_local(pair: Any, request: Any, *, push: bool = False, mode: str = "coalesced", device: str = "cpu",
               telemetry: bool = False, plan: Any = None, timeout_s: float = 20.0) -> dict[str, Any]:
     """Fill, plan, transfer in-process, check: everything a test asserts on, in one dict."""
-    from .local import LocalDeployment, allocate_caches, check_caches, fill_caches
-
     if plan is None:
-        from kvgeom import plan_pair
-
         plan = plan_pair(pair, request)
     p_caches = allocate_caches(pair.prefill, device)
     d_caches = allocate_caches(pair.decode, device)

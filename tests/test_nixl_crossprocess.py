@@ -165,7 +165,7 @@ def test_prefill_process_killed_mid_transfer(stopper: list[Any]) -> None:
     assert e.reason == "peer_disconnected", str(e)
     assert elapsed < 5.0, elapsed  # detected by UCX, long before the 30 s deadline
     assert e.invalid_blocks == {0: request.groups[0].decode.block_ids}  # type: ignore[union-attr]
-    assert all(h._released for h in handles) and not eps[0]._inflight
+    assert all(h._released for h in handles) and not eps[0].in_flight
     # a new request to the dead peer fails while posting, also typed
     with pytest.raises(TransferFailed) as ei2:
         links[0].pull("after", request, plan=plan, timeout_s=5).wait(peers=eps)

@@ -65,7 +65,7 @@ def test_timeout_when_the_peer_never_progresses(mode: str) -> None:
         assert e.reason == "timeout" and e.request_id == "slow" and e.kind == "pull" and e.role == "decode"
         assert e.invalid_blocks == {0: (4, 5, 6, 7)}
         assert elapsed < 0.3 + 1.0
-        assert _released(handles) and t.handles == [] and not dep.d[0]._inflight
+        assert _released(handles) and t.handles == [] and not dep.d[0].in_flight
         # the same link works afterwards once both sides are polled
         dep.run("ok", REQUEST, PLAN, mode=mode, timeout_s=10)
 
@@ -173,4 +173,4 @@ def test_link_without_a_needed_peer_rank_refuses_the_request() -> None:
             link.pull("x", REQUEST, plan=PLAN)
         with pytest.raises(ExecutorError, match="needs peer rank 1"):
             link.accept_push("x", REQUEST, plan=PLAN)
-        assert not d0._inflight
+        assert not d0.in_flight

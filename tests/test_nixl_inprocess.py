@@ -24,6 +24,7 @@ from kvgeom import (  # noqa: E402
     AttentionSpec,
     EngineGeometry,
     ModelSpec,
+    NoteKind,
     Pair,
     Request,
     TransferPlan,
@@ -183,14 +184,14 @@ def test_two_requests_back_to_back_reuse_tables_and_links() -> None:
         fill_caches(pair, r1, p_caches, d_caches)  # the registered memory is refilled in place
         dep.run("r1", r1, plan_pair(pair, r1), mode="prepped")
         assert check_caches(pair, r1, d_caches)[0] == []
-        tables = dict(dep.d[0]._tables)
-        remote = dict(dep.d_links[0]._remote_tables)
+        tables = dep.d[0].rank_agent.prepared_tables()
         fill_caches(pair, r2, p_caches, d_caches)
         dep.run("r2", r2, plan_pair(pair, r2), mode="prepped")
         assert check_caches(pair, r2, d_caches)[0] == []
-        # prepared once per (agent, tile) and per (peer, tile), then reused
-        assert dep.d[0]._tables == tables and len(tables) == 1
-        assert dep.d_links[0]._remote_tables == remote and len(remote) == pair.prefill.tp
+        # prepared once per (agent, tile): D's own table and one per P rank, then reused (same handles)
+        tile = dep.d_links[0].tile_bytes
+        assert sorted(tables) == sorted([("", tile)] + [(p.name, tile) for p in dep.p])
+        assert dep.d[0].rank_agent.prepared_tables() == tables
         assert all(not ep.pending_notifications() for ep in dep.endpoints)
 
 
@@ -311,7 +312,7 @@ def test_hand_built_plans_match_the_simulators_apply_plan(seed: int, mode: str) 
         for t, w in zip(regs, want, strict=True):
             assert np.array_equal(t.cpu().numpy(), w)
     pulls = [r for r in results if r.kind == "pull"]
-    fell_back = [r for r in pulls if any("posted coalesced" in n for n in r.notes)]
+    fell_back = [r for r in pulls if any(n.kind is NoteKind.PREPPED_FALLBACK for n in r.notes)]
     if mode == "prepped" and grain == 1:
         assert fell_back and all(r.mode == "coalesced" for r in fell_back)
     else:

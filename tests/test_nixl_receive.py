@@ -11,7 +11,8 @@ import torch  # noqa: E402
 
 from kvgeom import AttentionSpec, Copies, EngineGeometry, Memory, ModelSpec, PlanError, Rearrange, TransferPlan, Zeros  # noqa: E402
 from kvgeom.checking import apply_plan  # noqa: E402
-from kvgeom_nixl.receive import apply_receive_steps, zero_index  # noqa: E402
+from kvgeom.lowering import zero_rows  # noqa: E402
+from kvgeom_nixl.receive import apply_receive_steps  # noqa: E402
 
 
 def _device(name: str) -> torch.device:
@@ -112,18 +113,19 @@ def test_torch_receive_steps_match_the_simulator_on_cuda(monkeypatch: pytest.Mon
         _one_case(seed, dev)
 
 
-def test_zero_index_worked_number() -> None:
-    # rows (1024, 512) and (4096, 256) of an 8192-byte region: g = 256, rows [4, 5] and [16]
-    start, count, total = zero_index(np.array([1024, 4096]), np.array([512, 256]), 256)
-    idx = np.repeat(start, count) + np.arange(total)
-    assert idx.tolist() == [4, 5, 16]
+def test_zero_rows_worked_number() -> None:
+    # rows (1024, 512) and (4096, 256) of an 8192-byte region: g = gcd(1024, 4096, 512, 256, 8192) = 256,
+    # 256-byte rows 1024/256 = 4, 5 (512 B = 2 rows) and 4096/256 = 16 (1 row)
+    zeros = Zeros([0, 0], [0, 0], [1024, 4096], [512, 256])
+    rows = zero_rows(zeros, 0, 8192)
+    assert rows.grain == 256 and rows.index().tolist() == [4, 5, 16]
     import kvgeom_nixl.receive as receive
 
     for limit in (64, 0):  # per-row slices, then the batched index
         receive.MAX_SLICED_ROWS, saved = limit, receive.MAX_SLICED_ROWS
         try:
             view = torch.full((8192,), 7, dtype=torch.uint8)
-            apply_receive_steps([view], (), Zeros([0, 0], [0, 0], [1024, 4096], [512, 256]))
+            apply_receive_steps([view], (), zeros)
         finally:
             receive.MAX_SLICED_ROWS = saved
         assert view[1024:1536].eq(0).all() and view[4096:4352].eq(0).all()

@@ -1,8 +1,18 @@
-"""Lowering a plan to fixed-granularity descriptor tables (the arithmetic an executor's prepared lists use).
+"""Lowering a plan to what an executor posts and runs: fixed-granularity descriptor tables (the
+arithmetic of prepared lists, :mod:`.tiles`) and receive steps as index rows or strided views
+(:mod:`.steps`).
 """
 
 from __future__ import annotations
 
+from .steps import (
+    RearrangeRows,
+    StridedRun,
+    ZeroRows,
+    rearrange_rows,
+    strided_runs,
+    zero_rows,
+)
 from .tiles import (
     TileTable,
     check_in_regions,
@@ -14,6 +24,12 @@ from .tiles import (
 )
 
 __all__ = [
+    "ZeroRows",
+    "zero_rows",
+    "RearrangeRows",
+    "rearrange_rows",
+    "StridedRun",
+    "strided_runs",
     "tile_rows",
     "tile_bytes",
     "tile_quantities",

@@ -1,0 +1,264 @@
+"""One rank's NIXL agent: the only module that imports NIXL.
+
+A :class:`RankAgent` owns one ``nixl_agent`` (UCX backend) and everything that lives in it: the
+registration of the rank's regions, the peer agents it loaded, its prepared descriptor tables,
+and the notifications it received::
+
+    RankAgent(name, region descs, mem_type)     nixl_agent + register_memory (once, whole regions)
+      .metadata()                        -> bytes for the handshake
+      .add_peer(metadata) -> name        .remove_peer(name)  (also releases that peer's tables)
+      .prepared(peer, tile) / .prepare(peer, tile, descs, mem_type)   one table per (agent, tile)
+      .post_coalesced(op, local, remote, ...)   initialize_xfer + transfer   -> handle (PROC)
+      .post_prepped(op, table, idx, table, idx) make_prepped_xfer + transfer -> handle (PROC)
+      .state(handle) -> "PROC" | "DONE" | ...   .descriptor_count(handle) (telemetry)   .release(handle)
+      .drain()                           get_new_notifs -> inbox[(kind, request id)] = {sender agents}
+      .senders(kind, id) / .drop(kind, id) / .pending()
+      .close()                           release tables, deregister
+
+Notifications carry ``kvgeom1|<kind>|<request id>`` (kinds ``pulled`` and ``pushed``); anything
+else a peer sends is ignored. A notification no transfer has claimed yet stays in the inbox.
+
+NIXL's exception classes (``nixl._bindings``) share no base class, so :func:`nixl_errors` lists
+them and :func:`classify` maps one to a failure reason (``nixlRemoteDisconnectError`` ->
+``"peer_disconnected"``, any other -> ``"nixl_error"``). Agents run without NIXL's progress
+thread by default (it busy-spins one core per agent): the executor's wait loops poll instead
+(docs/design.md §8).
+
+Worked number: a D rank that pulled request ``r1`` from P ranks 0 and 1 sends
+``b"kvgeom1|pulled|r1"`` to each; once both arrived, each P rank's inbox holds
+``{("pulled", "r1"): {"<its D agent>"}}`` until its ``serve_pull`` transfer drops it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from .errors import ExecutorError
+
+__all__ = ["RankAgent", "notification", "nixl_available", "make_agent", "nixl_errors", "classify",
+           "use_local_defaults"]
+
+_TAG = "kvgeom1"
+_ERROR_NAMES = (
+    "nixlNotFoundError", "nixlInvalidParamError", "nixlBackendError", "nixlRemoteDisconnectError",
+    "nixlRepostActiveError", "nixlNoTelemetryError", "nixlNotAllowedError", "nixlNotPostedError",
+    "nixlNotSupportedError", "nixlMismatchError", "nixlCancelledError", "nixlUnknownError",
+)
+
+
+def use_local_defaults() -> None:
+    """Quiet NIXL's INFO lines on stdout and keep UCX on loopback, unless the user chose otherwise.
+
+    For the CLI and the tests (one machine); call it before the first agent is made.
+    """
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+def nixl_available() -> bool:
+    try:
+        import nixl._api  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_agent(name: str, *, telemetry: bool = False, progress_thread: bool = False) -> Any:
+    """A bare NIXL agent with the UCX backend."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    cfg = nixl_agent_config(backends=["UCX"], enable_prog_thread=progress_thread, capture_telemetry=telemetry)
+    return nixl_agent(name, cfg)
+
+
+_errors: tuple[type[BaseException], ...] | None = None
+
+
+def nixl_errors() -> tuple[type[BaseException], ...]:
+    """Every NIXL exception class (they derive directly from ``Exception``)."""
+    global _errors
+    if _errors is None:
+        from nixl import _bindings
+
+        _errors = tuple(getattr(_bindings, n) for n in _ERROR_NAMES if hasattr(_bindings, n))
+    return _errors
+
+
+def classify(exc: BaseException) -> str:
+    """The failure reason for an exception raised by a NIXL call."""
+    if type(exc).__name__ == "nixlRemoteDisconnectError":
+        return "peer_disconnected"
+    return "nixl_error"
+
+
+def notification(kind: str, request_id: str) -> bytes:
+    """The message a transfer of ``kind`` (``pulled`` | ``pushed``) sends with its NIXL requests."""
+    return f"{_TAG}|{kind}|{request_id}".encode()
+
+
+def _parse(msg: bytes) -> tuple[str, str] | None:
+    try:
+        tag, kind, rid = msg.decode("utf-8").split("|", 2)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return (kind, rid) if tag == _TAG else None
+
+
+def _name(agent_result: Any) -> str:
+    return agent_result.decode() if isinstance(agent_result, (bytes, bytearray)) else str(agent_result)
+
+
+def _release(handle: Any) -> None:
+    try:
+        handle.release()
+    except Exception:  # noqa: BLE001,S110 - best effort at teardown
+        pass
+
+
+class RankAgent:
+    """One rank's NIXL agent, its registered regions, prepared tables and notification inbox.
+
+    ``regions`` is the Nx3 ``(addr, nbytes, device)`` array of the rank's regions
+    (:meth:`RankMemory.descs`), registered whole, once. ``nixl`` is the bare agent (``None`` once
+    closed).
+    """
+
+    def __init__(self, name: str, regions: np.ndarray, mem_type: str, *, telemetry: bool = False,
+                 progress_thread: bool = False) -> None:
+        self.name = name
+        self.mem_type = mem_type
+        self.telemetry = telemetry
+        self._tables: dict[tuple[str, int], Any] = {}  # (agent, tile) -> prepared descriptor list
+        self._inbox: dict[tuple[str, str], set[str]] = {}  # (kind, request id) -> sender agents
+        nixl = make_agent(name, telemetry=telemetry, progress_thread=progress_thread)
+        try:
+            self._reg = nixl.register_memory(regions, mem_type)
+        except nixl_errors() as e:
+            raise ExecutorError("regions", f"NIXL refused to register the regions: {type(e).__name__}: {e}",
+                                fix="check the memory type (a host pointer cannot be VRAM)") from e
+        self.nixl: Any = nixl
+
+    @property
+    def closed(self) -> bool:
+        return self.nixl is None
+
+    # ---- peers -----------------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        """This agent's NIXL metadata, for a peer's :meth:`add_peer`."""
+        return bytes(self.nixl.get_agent_metadata())
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer agent's metadata; returns the name NIXL loaded it under (raises NIXL errors)."""
+        return _name(self.nixl.add_remote_agent(metadata))
+
+    def remove_peer(self, name: str) -> None:
+        """Release the peer's prepared tables and forget the peer (best effort: it may be gone)."""
+        for key in [k for k in self._tables if k[0] == name]:
+            _release(self._tables.pop(key))
+        if self.nixl is None:
+            return
+        try:
+            self.nixl.remove_remote_agent(name)
+        except Exception:  # noqa: BLE001,S110 - the peer may already be gone
+            pass
+
+    # ---- prepared tables -------------------------------------------------------------------
+    def prepared(self, peer: str, tile: int) -> Any | None:
+        """The table prepared for ``peer`` (``""``: this agent's own regions) and ``tile``, if any."""
+        return self._tables.get((peer, tile))
+
+    def prepare(self, peer: str, tile: int, descs: np.ndarray, mem_type: str) -> Any:
+        """Prepare (once) the descriptor table ``descs`` of ``peer``'s memory (``""``: this agent's)."""
+        handle = self.nixl.prep_xfer_dlist(peer, descs, mem_type)
+        self._tables[(peer, tile)] = handle
+        return handle
+
+    def prepared_tables(self) -> dict[tuple[str, int], Any]:
+        """Every prepared table by ``(agent, tile)`` (``""`` for this agent's own)."""
+        return dict(self._tables)
+
+    # ---- requests --------------------------------------------------------------------------
+    def post_coalesced(self, op: str, local: np.ndarray, remote: np.ndarray, remote_mem: str, peer: str,
+                       notif: bytes) -> Any:
+        """Post ``op`` (READ | WRITE) over two Nx3 descriptor arrays (``initialize_xfer``: NIXL does not merge)."""
+        handle = self.nixl.initialize_xfer(op, self.nixl.get_xfer_descs(local, self.mem_type),
+                                           self.nixl.get_xfer_descs(remote, remote_mem), peer, notif)
+        return self._start(handle)
+
+    def post_prepped(self, op: str, local_table: Any, local_idx: np.ndarray, remote_table: Any,
+                     remote_idx: np.ndarray, notif: bytes) -> Any:
+        """Post ``op`` from index lists into two prepared tables (NIXL merges +1 runs; int32 indices,
+        exact because tables are capped)."""
+        handle = self.nixl.make_prepped_xfer(op, local_table, np.ascontiguousarray(local_idx, dtype=np.int32),
+                                             remote_table, np.ascontiguousarray(remote_idx, dtype=np.int32), notif)
+        return self._start(handle)
+
+    def _start(self, handle: Any) -> Any:
+        """Start a request; on any failure release its handle before raising."""
+        try:
+            state = self.nixl.transfer(handle)
+        except BaseException:
+            _release(handle)
+            raise
+        if state == "ERR":
+            _release(handle)
+            raise RuntimeError("NIXL refused to post the request")
+        return handle
+
+    def release(self, handle: Any) -> None:
+        """Release a request's handle (idempotent; raises what NIXL raises)."""
+        handle.release()
+
+    def state(self, handle: Any) -> str:
+        """``"PROC"``, ``"DONE"`` or NIXL's error state for a posted request."""
+        return str(self.nixl.check_xfer_state(handle))
+
+    def descriptor_count(self, handle: Any) -> int:
+        """Descriptors NIXL used for a finished request, after its merges (needs ``telemetry``)."""
+        return int(self.nixl.get_xfer_telemetry(handle).descCount)
+
+    # ---- notifications ---------------------------------------------------------------------
+    def drain(self) -> None:
+        """Move every new notification into the inbox (a NIXL error reads as none)."""
+        if self.nixl is None:
+            return
+        try:
+            notifs = self.nixl.get_new_notifs()
+        except nixl_errors():
+            notifs = {}
+        for sender, msgs in notifs.items():
+            for m in msgs:
+                parsed = _parse(bytes(m))
+                if parsed is not None:
+                    self._inbox.setdefault(parsed, set()).add(_name(sender))
+
+    def senders(self, kind: str, request_id: str) -> set[str]:
+        """The agents whose ``kind`` notification for ``request_id`` has arrived."""
+        return set(self._inbox.get((kind, request_id), ()))
+
+    def drop(self, kind: str, request_id: str) -> None:
+        """Forget the ``kind`` notifications of ``request_id`` (claimed, or of a failed attempt)."""
+        self._inbox.pop((kind, request_id), None)
+
+    def pending(self) -> dict[tuple[str, str], set[str]]:
+        """Notifications no transfer has claimed yet."""
+        return {k: set(v) for k, v in self._inbox.items()}
+
+    # ---- teardown --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release every prepared table, deregister the regions, drop the agent."""
+        if self.nixl is None:
+            return
+        for handle in self._tables.values():
+            _release(handle)
+        self._tables.clear()
+        try:
+            self.nixl.deregister_memory(self._reg)
+        except Exception:  # noqa: BLE001,S110 - best effort at teardown
+            pass
+        self._reg = None
+        self.nixl = None
+        self._inbox.clear()
