@@ -57,10 +57,7 @@ __all__ = [
     "FuzzFailure",
     "check_transfer",
     "fuzz",
-    "add_fuzz_arguments",
     "run_fuzz",
-    "add_arguments",
-    "run",
     "reason_key",
 ]
 
@@ -348,30 +345,13 @@ def fuzz(
 # ---- the subcommand ------------------------------------------------------------------------------------
 
 
-def add_fuzz_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``kvgeom fuzz`` options."""
-    parser.add_argument("--examples", type=int, default=1000, metavar="N",
-                        help="hypothesis examples to run (default 1000; 100000 takes under an hour on 2 cores)")
-    parser.add_argument("--seed", type=int, default=None, metavar="S",
-                        help="random seed (default: a fresh one, printed so the run can be repeated)")
-    parser.add_argument("--strategy", choices=(*STRATEGIES, "all"), default="all",
-                        help="planner strategy to check on every example (default all three)")
-    parser.add_argument("--max-tokens", type=int, default=64, metavar="M",
-                        help="longest request drawn, in computed tokens (default 64)")
-    parser.add_argument("--mismatch-probability", type=float, default=0.1, metavar="P",
-                        help="share of pairs whose decode model differs (must be rejected; default 0.1)")
-    parser.add_argument("--out", metavar="FILE", default=None,
-                        help="also write each failure's pair file to FILE (FILE-2, FILE-3... for more)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
-
-
 def _out_path(base: str, i: int) -> Path:
     p = Path(base)
     return p if i == 0 else p.with_name(f"{p.stem}-{i + 1}{p.suffix}")
 
 
 def run_fuzz(args: argparse.Namespace) -> int:
-    """Run ``kvgeom fuzz``; 0 when every example passed, 1 when a failure was found, 2 on bad arguments."""
+    """Run ``kvgeom fuzz`` (its arguments are declared in :mod:`kvgeom.tools.cli`); 0 when every example passed, 1 when a failure was found, 2 on bad arguments."""
     if args.examples < 1:
         print(f"kvgeom fuzz: error: --examples {args.examples}: must be >= 1", file=sys.stderr)
         return 2
@@ -403,6 +383,3 @@ def run_fuzz(args: argparse.Namespace) -> int:
         return 1
     return 0
 
-
-add_arguments = add_fuzz_arguments
-run = run_fuzz
