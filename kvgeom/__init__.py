@@ -19,12 +19,26 @@ from .errors import (
     IncompatibleGeometry,
     InternalError,
     KvGeomError,
+    PlanBudgetExceeded,
     PlanError,
     RequestError,
     SchemaError,
+    value_text,
 )
 from .lowering import tile_bytes
-from .planning import STRATEGIES, CostModel, Pair, coalesce, coalesce_zeros, plan_pair, plan_transfer
+from .planning import (
+    DEFAULT_BUDGET,
+    STRATEGIES,
+    CostModel,
+    Pair,
+    PlanBudget,
+    PlanEstimate,
+    coalesce,
+    coalesce_zeros,
+    estimate_plan,
+    plan_pair,
+    plan_transfer,
+)
 from .show import draw
 from .tools import SCHEMA_VERSION, dump_pair_file, load_pair_file
 from .values import (
@@ -45,6 +59,7 @@ from .values import (
     Rearrange,
     Region,
     Request,
+    RequestShape,
     SectionPlacement,
     StateGroupGeometry,
     StateLayout,
@@ -61,6 +76,7 @@ from .values import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_BUDGET",
     "SCHEMA_VERSION",
     "STRATEGIES",
     "AttentionGroupGeometry",
@@ -84,12 +100,16 @@ __all__ = [
     "NoteKind",
     "PageLayout",
     "Pair",
+    "PlanBudget",
+    "PlanBudgetExceeded",
+    "PlanEstimate",
     "PlanError",
     "Rearrange",
     "Region",
     "Report",
     "Request",
     "RequestError",
+    "RequestShape",
     "SchemaError",
     "SectionPlacement",
     "Slice",
@@ -107,6 +127,7 @@ __all__ = [
     "coalesce_zeros",
     "draw",
     "dump_pair_file",
+    "estimate_plan",
     "fresh_request",
     "incompatibilities",
     "load_pair_file",
@@ -117,5 +138,6 @@ __all__ = [
     "simulate",
     "sources",
     "tile_bytes",
+    "value_text",
     "verify",
 ]

@@ -6,13 +6,25 @@ change). ``str(err)`` puts all four in one line so a log line alone says what to
 
     GeometryError: decode.tp: 3 does not divide num_kv_heads=8 and is not a multiple of it
     (expected: a divisor or multiple of 8; fix: use tp in {1, 2, 4, 8, 16, ...})
+
+An error with several reasons (two engines that differ in more than one model fact) keeps each
+reason whole after the first, its own expected and fix included: ``"<first> [+1 more: <second>]"``.
+Values are written with :func:`value_text`, which never formats an integer of more than 64 digits
+(Python refuses ``str()`` of an int beyond 4300 digits, and a hostile value may be that long).
+
+:class:`PlanBudgetExceeded` refuses a request whose plan would be too large to build
+(docs/design.md §10): it names the estimate, the budget and how to raise the budget.
+
+Worked number: ``value_text(10**5000) == '<an integer of 16610 bits>'``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "value_text",
     "KvGeomError",
     "GeometryError",
     "RequestError",
@@ -20,11 +32,38 @@ __all__ = [
     "SchemaError",
     "PlanError",
     "InternalError",
+    "PlanBudgetExceeded",
 ]
+
+MAX_VALUE_BITS = 212  # 64 decimal digits: a longer integer is written by its size
+
+
+def value_text(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` cut to ``limit`` characters; never formats a huge int (nor fails on one inside a list).
+
+    >>> value_text(2**48), value_text(10**5000), value_text("draft"), value_text("x" * 300, limit=8)
+    ('281474976710656', '<an integer of 16610 bits>', "'draft'", "'xxxx...")
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > MAX_VALUE_BITS:
+        return f"<an integer of {value.bit_length()} bits>"
+    try:
+        text = repr(value[: limit + 1]) if isinstance(value, str) else repr(value)
+    except Exception:  # noqa: BLE001 - e.g. a list holding a huge int: described by its type
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: max(0, limit - 3)] + "..."
+
+
+def _part(value: Any) -> str:
+    if isinstance(value, str):  # expected/fix phrases are written as they are
+        return value if len(value) <= 400 else value[:397] + "..."
+    return value_text(value, limit=400)
 
 
 class KvGeomError(ValueError):
-    """Root of every error kvgeom raises on bad input. A ``ValueError``, never an ``assert``."""
+    """Root of every error kvgeom raises on bad input. A ``ValueError``, never an ``assert``.
+
+    ``more`` lists further reasons for the same refusal; each keeps its own expected and fix.
+    """
 
     def __init__(
         self,
@@ -34,30 +73,40 @@ class KvGeomError(ValueError):
         actual: Any = None,
         expected: Any = None,
         fix: str = "",
+        more: Sequence[KvGeomError] = (),
     ) -> None:
         self.path = path
         self.message = message
         self.actual = actual
         self.expected = expected
         self.fix = fix
+        self.more: tuple[KvGeomError, ...] = tuple(more)
         text = f"{path}: {message}"
         extras = []
         if expected is not None:
-            extras.append(f"expected: {expected}")
+            extras.append(f"expected: {_part(expected)}")
         if fix:
             extras.append(f"fix: {fix}")
         if extras:
             text += " (" + "; ".join(extras) + ")"
+        if self.more:
+            text += f" [+{len(self.more)} more: " + "; ".join(str(m) for m in self.more) + "]"
         super().__init__(text)
 
+    @property
+    def reasons(self) -> tuple[KvGeomError, ...]:
+        """This error and every further reason, in order."""
+        return (self, *self.more)
+
     def __reduce__(self) -> tuple[Any, ...]:  # keep the fields through pickling (multiprocessing)
-        return (_rebuild, (type(self), self.path, self.message, self.actual, self.expected, self.fix))
+        return (_rebuild, (type(self), self.path, self.message, self.actual, self.expected, self.fix, self.more))
 
 
 def _rebuild(
-    cls: type[KvGeomError], path: str, message: str, actual: Any, expected: Any, fix: str
+    cls: type[KvGeomError], path: str, message: str, actual: Any, expected: Any, fix: str,
+    more: tuple[KvGeomError, ...] = (),
 ) -> KvGeomError:
-    return cls(path, message, actual=actual, expected=expected, fix=fix)
+    return cls(path, message, actual=actual, expected=expected, fix=fix, more=more)
 
 
 class GeometryError(KvGeomError):
@@ -78,6 +127,14 @@ class SchemaError(GeometryError):
 
 class PlanError(KvGeomError):
     """A plan container was built with malformed columns (lengths, dtypes, negative sizes)."""
+
+
+class PlanBudgetExceeded(KvGeomError):
+    """A request whose plan (rows, bytes or planning steps) would exceed the planner's budget.
+
+    Raised before any row is built, from an estimate in O(groups x ranks) arithmetic
+    (docs/design.md §10). ``actual`` is the estimate and ``expected`` the budget.
+    """
 
 
 class InternalError(KvGeomError):

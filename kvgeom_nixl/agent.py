@@ -6,17 +6,29 @@ and the notifications it received::
 
     RankAgent(name, region descs, mem_type)     nixl_agent + register_memory (once, whole regions)
       .metadata()                        -> bytes for the handshake
-      .add_peer(metadata) -> name        .remove_peer(name)  (also releases that peer's tables)
+      .add_peer(metadata) -> name        loaded into a scratch agent first: a blob NIXL refuses
+                                         never reaches this agent (see below)
+      .remove_peer(name)                 (also releases that peer's tables)
       .prepared(peer, tile) / .prepare(peer, tile, descs, mem_type)   one table per (agent, tile)
       .post_coalesced(op, local, remote, ...)   initialize_xfer + transfer   -> handle (PROC)
       .post_prepped(op, table, idx, table, idx) make_prepped_xfer + transfer -> handle (PROC)
       .state(handle) -> "PROC" | "DONE" | ...   .descriptor_count(handle) (telemetry)   .release(handle)
       .drain()                           get_new_notifs -> inbox[(kind, request id)] = {sender agents}
-      .senders(kind, id) / .drop(kind, id) / .pending()
+      .claim(kind, id) / .senders(kind, id) / .drop(kind, id) / .pending()
       .close()                           release tables, deregister
 
 Notifications carry ``kvgeom1|<kind>|<request id>`` (kinds ``pulled`` and ``pushed``); anything
-else a peer sends is ignored. A notification no transfer has claimed yet stays in the inbox.
+else a peer sends is ignored. A notification no transfer has claimed yet stays in the inbox, for
+at most ``inbox_ttl_s`` (default 300 s) and among at most ``inbox_max`` (default 4096) unclaimed
+entries, the oldest evicted first (logged at WARNING): a pull that P never serves cannot hold
+memory forever. Entries a transfer has claimed (it waits for them) are never evicted.
+
+**Loading a peer's metadata.** NIXL 1.5 loads a metadata blob in two steps, the UCX connection
+first and the memory sections second; when the second fails (a truncated or corrupted blob), the
+connection stays behind under the peer's agent name and no call removes it, so every later load
+of that peer, even an honest one, fails with ``NIXL_ERR_INVALID_PARAM``. :meth:`add_peer`
+therefore loads the blob into a scratch agent (UCX backend, no memory, about 15 ms) first and
+only then into this one; a refused blob leaves this agent untouched.
 
 NIXL's exception classes (``nixl._bindings``) share no base class, so :func:`nixl_errors` lists
 them and :func:`classify` maps one to a failure reason (``nixlRemoteDisconnectError`` ->
@@ -31,15 +43,23 @@ Worked number: a D rank that pulled request ``r1`` from P ranks 0 and 1 sends
 
 from __future__ import annotations
 
+import logging
 import os
+import time
+import uuid
 from typing import Any
 
 import numpy as np
 
 from .errors import ExecutorError
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["RankAgent", "notification", "nixl_available", "make_agent", "nixl_errors", "classify",
-           "use_local_defaults"]
+           "use_local_defaults", "INBOX_TTL_S", "INBOX_MAX"]
+
+INBOX_TTL_S = 300.0  # an unclaimed notification older than this is evicted
+INBOX_MAX = 4096  # unclaimed notifications kept at most (the oldest are evicted first)
 
 _TAG = "kvgeom1"
 _ERROR_NAMES = (
@@ -127,12 +147,17 @@ class RankAgent:
     """
 
     def __init__(self, name: str, regions: np.ndarray, mem_type: str, *, telemetry: bool = False,
-                 progress_thread: bool = False) -> None:
+                 progress_thread: bool = False, inbox_ttl_s: float = INBOX_TTL_S, inbox_max: int = INBOX_MAX) -> None:
         self.name = name
         self.mem_type = mem_type
         self.telemetry = telemetry
+        self.inbox_ttl_s = inbox_ttl_s
+        self.inbox_max = inbox_max
         self._tables: dict[tuple[str, int], Any] = {}  # (agent, tile) -> prepared descriptor list
         self._inbox: dict[tuple[str, str], set[str]] = {}  # (kind, request id) -> sender agents
+        self._arrived: dict[tuple[str, str], float] = {}  # (kind, request id) -> first arrival (monotonic)
+        self._claimed: set[tuple[str, str]] = set()  # keys a transfer waits for: never evicted
+        self.evicted = 0  # unclaimed notifications evicted so far
         nixl = make_agent(name, telemetry=telemetry, progress_thread=progress_thread)
         try:
             self._reg = nixl.register_memory(regions, mem_type)
@@ -151,7 +176,17 @@ class RankAgent:
         return bytes(self.nixl.get_agent_metadata())
 
     def add_peer(self, metadata: bytes) -> str:
-        """Load a peer agent's metadata; returns the name NIXL loaded it under (raises NIXL errors)."""
+        """Load a peer agent's metadata; returns the name NIXL loaded it under (raises NIXL errors).
+
+        The blob is loaded into a scratch agent first (see the module docstring): if NIXL refuses it
+        there, this agent never sees it and stays able to load the honest peer later.
+        """
+        probe = make_agent(f"{self.name}-probe-{uuid.uuid4().hex[:8]}")
+        try:
+            name = _name(probe.add_remote_agent(metadata))
+            probe.remove_remote_agent(name)
+        finally:
+            del probe  # the scratch agent and whatever a refused blob left in it go away
         return _name(self.nixl.add_remote_agent(metadata))
 
     def remove_peer(self, name: str) -> None:
@@ -229,11 +264,35 @@ class RankAgent:
             notifs = self.nixl.get_new_notifs()
         except nixl_errors():
             notifs = {}
+        now = time.monotonic()
         for sender, msgs in notifs.items():
             for m in msgs:
                 parsed = _parse(bytes(m))
                 if parsed is not None:
                     self._inbox.setdefault(parsed, set()).add(_name(sender))
+                    self._arrived.setdefault(parsed, now)
+        self._evict(now)
+
+    def _evict(self, now: float) -> None:
+        """Drop unclaimed notifications older than ``inbox_ttl_s``, then the oldest beyond ``inbox_max``."""
+        unclaimed = [k for k in self._arrived if k not in self._claimed]
+        old = [k for k in unclaimed if now - self._arrived[k] > self.inbox_ttl_s]
+        excess = len(unclaimed) - len(old) - self.inbox_max
+        if excess > 0:
+            young = sorted((k for k in unclaimed if now - self._arrived[k] <= self.inbox_ttl_s),
+                           key=lambda k: self._arrived[k])
+            old += young[:excess]
+        if old:
+            for k in old:
+                self._inbox.pop(k, None)
+                self._arrived.pop(k, None)
+            self.evicted += len(old)
+            logger.warning("%s: evicted %d unclaimed notification(s) (older than %.0f s or beyond %d entries), "
+                           "e.g. %s %r", self.name, len(old), self.inbox_ttl_s, self.inbox_max, old[0][0], old[0][1])
+
+    def claim(self, kind: str, request_id: str) -> None:
+        """A transfer waits for ``kind`` notifications of ``request_id``: keep them until :meth:`drop`."""
+        self._claimed.add((kind, request_id))
 
     def senders(self, kind: str, request_id: str) -> set[str]:
         """The agents whose ``kind`` notification for ``request_id`` has arrived."""
@@ -242,6 +301,8 @@ class RankAgent:
     def drop(self, kind: str, request_id: str) -> None:
         """Forget the ``kind`` notifications of ``request_id`` (claimed, or of a failed attempt)."""
         self._inbox.pop((kind, request_id), None)
+        self._arrived.pop((kind, request_id), None)
+        self._claimed.discard((kind, request_id))
 
     def pending(self) -> dict[tuple[str, str], set[str]]:
         """Notifications no transfer has claimed yet."""
@@ -262,3 +323,5 @@ class RankAgent:
         self._reg = None
         self.nixl = None
         self._inbox.clear()
+        self._arrived.clear()
+        self._claimed.clear()

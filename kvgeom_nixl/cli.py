@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvgeom import plan_pair
+from kvgeom import DEFAULT_BUDGET, PlanBudget, plan_pair
 from kvgeom.building import get_preset
 from kvgeom.values import engine_line
 
@@ -29,12 +29,17 @@ __all__ = ["transfer_report"]
 
 
 def transfer_report(preset_name: str, tokens: int, prefix: int, *, layers: int | None = None, push: bool = False,
-                    mode: str = "coalesced", strategy: str = "direct", timeout_s: float = 60.0) -> dict[str, Any]:
-    """Run the transfer and return every number ``kvgeom transfer`` prints (one JSON-able dict)."""
+                    mode: str = "coalesced", strategy: str = "direct", timeout_s: float = 60.0,
+                    budget: PlanBudget | None = None) -> dict[str, Any]:
+    """Run the transfer and return every number ``kvgeom transfer`` prints (one JSON-able dict).
+
+    ``budget`` (default :data:`kvgeom.DEFAULT_BUDGET`) bounds the planning (the CLI has checked the
+    caches' size against it before calling)."""
     use_local_defaults()
+    budget = DEFAULT_BUDGET if budget is None else budget
     t0 = time.perf_counter()
-    pair, request = get_preset(preset_name).build(tokens, prefix, layers=layers)
-    plan = plan_pair(pair, request, strategy=strategy)  # type: ignore[arg-type]
+    pair, request = get_preset(preset_name).build(tokens, prefix, layers=layers, budget=budget, strategy=strategy)
+    plan = plan_pair(pair, request, strategy=strategy, budget=budget)  # type: ignore[arg-type]
     out: dict[str, Any] = {
         "command": "transfer", "preset": preset_name, "tokens": tokens, "prefix": prefix, "layers": layers,
         "strategy": strategy, "direction": "push" if push else "pull", "mode": mode,

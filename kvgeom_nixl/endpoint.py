@@ -19,11 +19,18 @@ Notifications carry the request id (``kvgeom1|pulled|<id>`` from a D rank to eac
 ``kvgeom1|pushed|<id>`` from a P rank to each D rank it wrote); a P rank counts its consumers
 (``plan.consumers()``) and a D rank waits for every P rank it reads from (``plan.sources_of``).
 Give every attempt its own request id (a retry after a failure too): a notification that arrives
-late from a failed attempt is kept until some transfer claims its id. Nothing polls in the
-background: every wait loop calls ``progress()`` on its own endpoint and on the in-process peers
-it is given. The contract (registration, handshake, failure and invalid blocks) is
-docs/design.md §8; every copy is checked to stay in its regions before posting
-(docs/design.md §4.2 (invariant 1)).
+late from a failed attempt is kept until some transfer claims its id, or until it expires from the
+bounded inbox (:mod:`kvgeom_nixl.agent`). Nothing polls in the background: every wait loop calls
+``progress()`` on its own endpoint and on the in-process peers it is given. The contract
+(registration, handshake, failure and invalid blocks) is docs/design.md §8; every copy is checked
+to stay in its regions before posting (docs/design.md §4.2 (invariant 1)).
+
+Hostile peers (docs/design.md §10): ``connect`` refuses payloads beyond the endpoint's
+:class:`~kvgeom_nixl.handshake.HandshakeLimits`; every planning call of a link (``plan``, ``pull``,
+``push``, ``serve_pull``, ``accept_push``) takes a ``strategy`` and a ``budget``
+(:class:`kvgeom.PlanBudget`, the endpoint's by default) and refuses a request whose plan would
+exceed it (:class:`kvgeom.PlanBudgetExceeded`) before building it; ``timeout_s`` must be finite and
+positive, and the deadline starts before planning, so it covers the planning too.
 
 Worked number: P TP2 -> D TP1 on 4 fresh blocks, HND, pull: D rank 0 posts 2 NIXL requests (one
 per P rank); each P rank counts 1 consumer (``plan.consumers() == [1, 1]``).
@@ -31,6 +38,7 @@ per P rank); each P rank counts 1 consumer (``plan.consumers() == [1, 1]``).
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -38,9 +46,11 @@ from typing import Any
 import numpy as np
 
 from kvgeom import (
+    DEFAULT_BUDGET,
     Copies,
     EngineGeometry,
     Pair,
+    PlanBudget,
     PlanError,
     Rearrange,
     Request,
@@ -48,20 +58,28 @@ from kvgeom import (
     Zeros,
     plan_pair,
     tile_bytes,
+    value_text,
 )
 from kvgeom.lowering import check_in_regions, tile_index_pairs, tile_rows
+from kvgeom.values import check_instance, check_seconds
 
-from .agent import RankAgent, classify, nixl_errors, notification
+from .agent import INBOX_MAX, INBOX_TTL_S, RankAgent, classify, nixl_errors, notification
 from .errors import ExecutorError, HandshakeError
-from .handshake import ROLES, RankInfo, decode_rank, encode_rank
+from .handshake import DEFAULT_LIMITS, ROLES, HandshakeLimits, RankInfo, decode_rank, encode_rank
 from .lowering import MAX_TABLE_TILES, MODES, capped_table, copy_descs, table_descs
 from .memory import RankMemory
 from .receive import apply_receive_steps
 from .transfer import Transfer, TransferResult, wait_all
 
-__all__ = ["Endpoint", "Link", "Transfer", "TransferResult", "wait_all", "MAX_TABLE_TILES", "DEFAULT_TIMEOUT_S"]
+__all__ = ["Endpoint", "Link", "Transfer", "TransferResult", "wait_all", "MAX_TABLE_TILES", "DEFAULT_TIMEOUT_S",
+           "check_timeout"]
 
 DEFAULT_TIMEOUT_S = 30.0
+
+
+def check_timeout(path: str, timeout_s: Any) -> float:
+    """A timeout in seconds: finite and > 0 (``nan`` would disable the deadline), else :class:`ExecutorError`."""
+    return check_seconds(path, timeout_s, error=ExecutorError)
 
 
 class Endpoint:
@@ -75,15 +93,23 @@ class Endpoint:
 
     def __init__(self, engine: EngineGeometry, role: str, rank: int, regions: Sequence[Any], *,
                  agent_name: str | None = None, mem_type: str | None = None, device: int | None = None,
-                 telemetry: bool = False, progress_thread: bool = False) -> None:
-        if role not in ROLES:
-            raise ExecutorError("role", f"unknown role {role!r}", actual=role, expected=list(ROLES))
-        if not 0 <= rank < engine.tp:
+                 telemetry: bool = False, progress_thread: bool = False,
+                 limits: HandshakeLimits = DEFAULT_LIMITS, budget: PlanBudget = DEFAULT_BUDGET,
+                 inbox_ttl_s: float = INBOX_TTL_S, inbox_max: int = INBOX_MAX) -> None:
+        check_instance("engine", engine, EngineGeometry, error=ExecutorError)
+        check_instance("limits", limits, HandshakeLimits, error=ExecutorError)
+        check_instance("budget", budget, PlanBudget, error=ExecutorError)
+        inbox_ttl_s = check_seconds("inbox_ttl_s", inbox_ttl_s, error=ExecutorError)
+        if not isinstance(role, str) or role not in ROLES:
+            raise ExecutorError("role", f"unknown role {value_text(role, 60)}", actual=role, expected=list(ROLES))
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < engine.tp:
             raise ExecutorError("rank", f"rank {rank} outside tp={engine.tp}", actual=rank,
                                 expected=f"0 <= rank < {engine.tp}")
         self.engine = engine
         self.role = role
-        self.rank = rank
+        self.rank = int(rank)
+        self.limits = limits
+        self.budget = budget
         self.memory = RankMemory(engine, regions, mem_type=mem_type, device=device)
         self.telemetry = telemetry
         self.name = agent_name or f"kvgeom-{role}-{rank}-{uuid.uuid4().hex[:12]}"
@@ -92,7 +118,7 @@ class Endpoint:
         self._inflight: list[Transfer] = []
         self._stream: Any = None
         self.rank_agent = RankAgent(self.name, self.memory.descs(), self.memory.mem_type, telemetry=telemetry,
-                                    progress_thread=progress_thread)
+                                    progress_thread=progress_thread, inbox_ttl_s=inbox_ttl_s, inbox_max=inbox_max)
 
     @property
     def agent(self) -> Any:
@@ -115,7 +141,11 @@ class Endpoint:
         metadata and build the :class:`Pair` once. Raises :class:`HandshakeError` or
         :class:`~kvgeom.errors.IncompatibleGeometry` before anything is loaded."""
         self._open()
-        infos = [p if isinstance(p, RankInfo) else decode_rank(p) for p in payloads]
+        payloads = list(payloads)
+        if len(payloads) > self.limits.max_tp:
+            raise HandshakeError("payloads", f"{len(payloads)} peer payloads, beyond the configured maximum TP of "
+                                 f"{self.limits.max_tp}", actual=len(payloads), expected=f"<= {self.limits.max_tp}")
+        infos = [p if isinstance(p, RankInfo) else decode_rank(p, limits=self.limits) for p in payloads]
         if not infos:
             raise HandshakeError("payloads", "no peer payloads given", expected="one per peer rank")
         other = "prefill" if self.role == "decode" else "decode"
@@ -246,9 +276,12 @@ class Link:
         return self.endpoint.role == "decode"
 
     # ---- planning --------------------------------------------------------------------------
-    def plan(self, request: Request, *, strategy: str = "direct") -> TransferPlan:
-        """The plan for ``request`` on this pair (:func:`kvgeom.planning.plan_pair`)."""
-        return plan_pair(self.pair, request, strategy=strategy)  # type: ignore[arg-type]
+    def plan(self, request: Request, *, strategy: str = "direct", budget: PlanBudget | None = None) -> TransferPlan:
+        """The plan for ``request`` on this pair (:func:`kvgeom.planning.plan_pair`) under ``budget``
+        (default: the endpoint's); raises :class:`kvgeom.PlanBudgetExceeded` before building a plan
+        beyond it."""
+        return plan_pair(self.pair, request, strategy=strategy,  # type: ignore[arg-type]
+                         budget=self.endpoint.budget if budget is None else budget)
 
     @property
     def tile_bytes(self) -> int:
@@ -258,41 +291,64 @@ class Link:
 
     # ---- initiators ------------------------------------------------------------------------
     def pull(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
-             mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S) -> Transfer:
-        """D rank: post READs of this rank's rows from every P rank it needs; returns at once."""
-        self._require("decode", "pull")
-        plan = self._plan(request, plan)
-        t = self._transfer("pull", request_id, request, plan, self._mode(mode), timeout_s)
-        self._post(t, plan.for_decode_rank(self.endpoint.rank).copies, "READ", notification("pulled", request_id))
+             mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct",
+             budget: PlanBudget | None = None) -> Transfer:
+        """D rank: post READs of this rank's rows from every P rank it needs; returns at once.
+
+        Without ``plan`` the request is planned with ``strategy`` under ``budget`` (the endpoint's by
+        default); ``timeout_s`` counts from this call, planning included."""
+        started = time.perf_counter()
+        timeout_s = self._begin("decode", "pull", request_id, timeout_s)
+        plan = self._plan(request, plan, strategy, budget)
+        t = self._transfer("pull", request_id, request, plan, self._mode(mode), timeout_s, started)
+        if t.expired():
+            t.fail("timeout", f"planning took longer than the {timeout_s:.3g} s timeout; nothing was posted")
+        else:
+            self._post(t, plan.for_decode_rank(self.endpoint.rank).copies, "READ",
+                       notification("pulled", request_id))
         return self.endpoint.track(t)
 
     def push(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
-             mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S) -> Transfer:
-        """P rank: post WRITEs of this rank's rows to every D rank that needs them; returns at once."""
-        self._require("prefill", "push")
-        plan = self._plan(request, plan)
-        t = self._transfer("push", request_id, request, plan, self._mode(mode), timeout_s)
-        self._post(t, plan.for_prefill_rank(self.endpoint.rank), "WRITE", notification("pushed", request_id))
+             mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct",
+             budget: PlanBudget | None = None) -> Transfer:
+        """P rank: post WRITEs of this rank's rows to every D rank that needs them; returns at once
+        (``strategy``, ``budget`` and ``timeout_s`` as in :meth:`pull`)."""
+        started = time.perf_counter()
+        timeout_s = self._begin("prefill", "push", request_id, timeout_s)
+        plan = self._plan(request, plan, strategy, budget)
+        t = self._transfer("push", request_id, request, plan, self._mode(mode), timeout_s, started)
+        if t.expired():
+            t.fail("timeout", f"planning took longer than the {timeout_s:.3g} s timeout; nothing was posted")
+        else:
+            self._post(t, plan.for_prefill_rank(self.endpoint.rank), "WRITE", notification("pushed", request_id))
         return self.endpoint.track(t)
 
     # ---- passive sides ---------------------------------------------------------------------
     def accept_push(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
-                    timeout_s: float = DEFAULT_TIMEOUT_S) -> Transfer:
+                    timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct",
+                    budget: PlanBudget | None = None) -> Transfer:
         """D rank: wait for the WRITE notification of every P rank this rank reads from, then run
-        the receive steps."""
-        self._require("decode", "accept_push")
-        plan = self._plan(request, plan)
+        the receive steps (``strategy``, ``budget`` and ``timeout_s`` as in :meth:`pull`)."""
+        started = time.perf_counter()
+        timeout_s = self._begin("decode", "accept_push", request_id, timeout_s)
+        plan = self._plan(request, plan, strategy, budget)
         rank = self.endpoint.rank
         expect = {self._peer(p).agent for p in plan.sources_of(rank)}
-        t = self._transfer("accept_push", request_id, request, plan, "-", timeout_s, notif_kind="pushed",
+        t = self._transfer("accept_push", request_id, request, plan, "-", timeout_s, started, notif_kind="pushed",
                            expect=expect, bytes_moved=plan.for_decode_rank(rank).bytes_copied)
         return self.endpoint.track(t)
 
     def serve_pull(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> Transfer:
-        """P rank: done when every D rank that reads from this rank (``plan.consumers()``) has said so."""
-        self._require("prefill", "serve_pull")
-        plan = self._plan(request, plan)
+                   timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct",
+                   budget: PlanBudget | None = None) -> Transfer:
+        """P rank: done when every D rank that reads from this rank (``plan.consumers()``) has said so.
+
+        The plan is built from the peer's self-description under ``budget`` (the endpoint's by
+        default), and ``timeout_s`` counts from this call, so a hostile geometry can neither make
+        the planning unbounded nor hide it from the deadline."""
+        started = time.perf_counter()
+        timeout_s = self._begin("prefill", "serve_pull", request_id, timeout_s)
+        plan = self._plan(request, plan, strategy, budget)
         p = self.endpoint.rank
         mine = plan.for_prefill_rank(p)
         consumers = {int(d) for d in np.unique(mine.d_rank)}
@@ -300,18 +356,29 @@ class Link:
             raise ExecutorError("plan.consumers", "the consumer count disagrees with the plan's rows",
                                 actual=int(plan.consumers()[p]), expected=len(consumers))
         expect = {self._peer(d).agent for d in consumers}
-        t = self._transfer("serve_pull", request_id, request, plan, "-", timeout_s, notif_kind="pulled",
+        t = self._transfer("serve_pull", request_id, request, plan, "-", timeout_s, started, notif_kind="pulled",
                            expect=expect, bytes_moved=mine.total_bytes)
         return self.endpoint.track(t)
 
     # ---- one request -----------------------------------------------------------------------
+    def _begin(self, role: str, what: str, request_id: Any, timeout_s: Any) -> float:
+        """The checks every transfer call makes before any work: role, open link, id, timeout."""
+        self._require(role, what)
+        if not isinstance(request_id, str) or not request_id or "|" in request_id or len(request_id) > 256:
+            raise ExecutorError("request_id", f"{what} needs a non-empty string id without '|' (at most 256 "
+                                f"characters), got {type(request_id).__name__}", actual=request_id,
+                                expected="a string", fix="use the scheduler's request id as a string")
+        return check_timeout("timeout_s", timeout_s)
+
     def _transfer(self, kind: str, request_id: str, request: Request | None, plan: TransferPlan, mode: str,
-                  timeout_s: float, *, notif_kind: str = "", expect: Iterable[str] = (),
+                  timeout_s: float, started: float, *, notif_kind: str = "", expect: Iterable[str] = (),
                   bytes_moved: int = 0) -> Transfer:
         ep = self.endpoint
+        invalid = self.pair.writable_blocks(request) if request is not None and self.local_is_decode else {}
         return Transfer(ep, ep.rank_agent, kind, request_id, request, plan, mode, timeout_s, role=ep.role,
                         rank=ep.rank, notif_kind=notif_kind, expect=expect, bytes_moved=bytes_moved,
-                        receive=ep.receive if self.local_is_decode else None)
+                        receive=ep.receive if self.local_is_decode else None, started=started,
+                        invalid_blocks=invalid)
 
     def _post(self, t: Transfer, copies: Copies, op: str, notif: bytes) -> None:
         """Lower this rank's ``copies`` to one NIXL request per peer rank and post them.
@@ -404,15 +471,19 @@ class Link:
 
     def _mode(self, mode: str) -> str:
         if mode not in MODES:
-            raise ExecutorError("mode", f"unknown lowering mode {mode!r}", actual=mode, expected=list(MODES))
+            raise ExecutorError("mode", f"unknown lowering mode {value_text(mode, 60)}", actual=mode, expected=list(MODES))
         return mode
 
-    def _plan(self, request: Request | None, plan: TransferPlan | None) -> TransferPlan:
+    def _plan(self, request: Request | None, plan: TransferPlan | None, strategy: str = "direct",
+              budget: PlanBudget | None = None) -> TransferPlan:
+        if request is not None:
+            check_instance("request", request, Request, error=ExecutorError, fix="pass a kvgeom.Request")
         if plan is None:
             if request is None:
                 raise ExecutorError("request", "pass the request (to plan it) or a plan",
                                     fix="link.pull(request_id, request)")
-            plan = self.plan(request)
+            plan = self.plan(request, strategy=strategy, budget=budget)
+        check_instance("plan", plan, TransferPlan, error=ExecutorError, fix="pass the plan kvgeom made")
         if plan.prefill_tp != self.pair.prefill.tp or plan.decode_tp != self.pair.decode.tp:
             raise ExecutorError("plan", f"plan for TP{plan.prefill_tp}->TP{plan.decode_tp} on a "
                                 f"TP{self.pair.prefill.tp}->TP{self.pair.decode.tp} pair",

@@ -40,7 +40,9 @@ class TransferFailed(RuntimeError):
     """A request's transfer did not complete; its D blocks must not be presented as valid.
 
     ``invalid_blocks`` maps each group index (model order) to the D logical block ids (state
-    groups: slot ids) the request listed on D: the caller frees or recomputes them.
+    groups: slot ids) the transfer may have written: the request's listed D blocks minus the
+    prefix blocks D already held (wholly before S). A transfer never writes those, and they may
+    be shared prefix-cache blocks, so they stay valid; the caller frees or recomputes the listed ones.
     """
 
     def __init__(self, request_id: str, reason: str, detail: str = "", *,

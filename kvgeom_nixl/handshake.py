@@ -8,11 +8,13 @@
      "nixl_metadata": "<base64 of nixl_agent.get_agent_metadata()>"}
 
 No pickle: the NIXL metadata travels as base64 and everything else is plain JSON. Decoding checks
-everything before the payload is used: the version, every field's type, the geometry (through
-:mod:`kvgeom.tools.serialize`), ``0 <= rank < tp``, one memory entry per region of the geometry and each
-exactly ``num_pages * page_bytes`` bytes, addresses that do not wrap around. Any failure raises
-:class:`HandshakeError` naming the field; a peer that advertises regions not fitting its own
-geometry is refused before any transfer (docs/design.md §6 and §8: peer input is hostile).
+everything before the payload is used: its size and nesting (bounded JSON, :func:`kvgeom.tools.parse_json`),
+the version, every field's type, the geometry (through :mod:`kvgeom.tools.serialize`), the configured
+maxima of a remote's sizes (:class:`HandshakeLimits`: TP, regions, pages per region), ``0 <= rank < tp``,
+one memory entry per region of the geometry and each exactly ``num_pages * page_bytes`` bytes,
+addresses that do not wrap around. Any failure raises :class:`HandshakeError` naming the field; a
+peer that advertises regions not fitting its own geometry is refused before any transfer
+(docs/design.md §6, §8 and §10: peer input is hostile).
 
 Worked number: a TP1 engine with one region of 64 pages x 16384 B must advertise exactly one
 region of ``64 * 16384 = 1048576`` bytes; advertising 1048575 fails with
@@ -29,18 +31,42 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvgeom import EngineGeometry, SchemaError
-from kvgeom.tools import from_dict, to_dict
-from kvgeom.values import is_int
+from kvgeom import EngineGeometry, InternalError, SchemaError, value_text
+from kvgeom.tools import from_dict, parse_json, to_dict
+from kvgeom.values import check_int, is_int
 
 from .errors import HandshakeError
 from .memory import MEM_TYPES
 
-__all__ = ["HANDSHAKE_VERSION", "RankInfo", "encode_rank", "decode_rank", "ROLES"]
+__all__ = ["HANDSHAKE_VERSION", "RankInfo", "encode_rank", "decode_rank", "ROLES", "HandshakeLimits",
+           "DEFAULT_LIMITS"]
 
 HANDSHAKE_VERSION = 1
 ROLES = ("prefill", "decode")
 _KEYS = {"kvgeom_handshake", "role", "rank", "agent", "engine", "memory", "nixl_metadata"}
+
+
+@attrs.frozen
+class HandshakeLimits:
+    """The largest sizes a peer may advertise (configured maxima, docs/design.md §10).
+
+    ``max_bytes``: the payload (an 80-layer engine's is about 30 KiB); ``max_tp``: the peer's TP
+    size, and so the ranks a link may be given; ``max_regions``: its regions; ``max_pages``: the
+    pages of one of its regions. A payload beyond any of them is refused before its geometry is
+    built (:class:`HandshakeError`).
+    """
+
+    max_bytes: int = 1 << 20
+    max_tp: int = 1024
+    max_regions: int = 4096
+    max_pages: int = 1 << 32
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("max_bytes", "max_tp", "max_regions", "max_pages"):
+            check_int(f"HandshakeLimits.{name}", getattr(self, name), minimum=1, error=HandshakeError)
+
+
+DEFAULT_LIMITS = HandshakeLimits()
 
 
 @attrs.frozen
@@ -85,36 +111,34 @@ def _fail(path: str, message: str, **kw: Any) -> HandshakeError:
 
 def _int(path: str, v: Any, lo: int, hi: int | None = None) -> int:
     if not is_int(v):
-        raise _fail(path, f"expected an integer, got {type(v).__name__} {v!r}"[:120], actual=v, expected="integer")
+        raise _fail(path, f"expected an integer, got {type(v).__name__} {value_text(v, 60)}", actual=value_text(v, 60),
+                    expected="integer")
     if v < lo or (hi is not None and v >= hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
-        raise _fail(path, f"{v} is out of range", actual=v, expected=rng)
+        raise _fail(path, f"{value_text(int(v))} is out of range", actual=int(v), expected=rng)
     return int(v)
 
 
 def _str(path: str, v: Any) -> str:
     if not isinstance(v, str) or not v:
-        raise _fail(path, f"expected a non-empty string, got {type(v).__name__}", actual=v, expected="string")
+        raise _fail(path, f"expected a non-empty string, got {type(v).__name__}", actual=value_text(v, 60),
+                    expected="string")
     return v
 
 
-def decode_rank(payload: bytes | bytearray | str) -> RankInfo:
+def _within(path: str, value: int, limit: int, what: str) -> None:
+    if value > limit:
+        raise _fail(path, f"the peer advertises {value_text(value)} {what}, beyond the configured maximum of {limit}",
+                    actual=value, expected=f"<= {limit}",
+                    fix="a real engine does not have that many; raise HandshakeLimits only if it really does")
+
+
+def decode_rank(payload: bytes | bytearray | str, *, limits: HandshakeLimits = DEFAULT_LIMITS) -> RankInfo:
     """Validate a peer's payload; raises :class:`HandshakeError` naming the first bad field."""
-    if isinstance(payload, (bytes, bytearray)):
-        try:
-            text = bytes(payload).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise _fail("$", f"payload is not UTF-8 (byte {e.start})", fix="send the bytes encode_rank made") from e
-    elif isinstance(payload, str):
-        text = payload
-    else:
+    if not isinstance(payload, (bytes, bytearray, str)):
         raise _fail("$", f"expected bytes, got {type(payload).__name__}", actual=type(payload).__name__,
                     expected="bytes")
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise _fail("$", f"malformed or truncated payload at byte {e.pos} of {len(text)}: {e.msg}",
-                    fix="send the whole payload encode_rank made") from e
+    doc = parse_json(payload, max_bytes=limits.max_bytes, error=HandshakeError, what="payload")
     if not isinstance(doc, dict):
         raise _fail("$", f"expected a JSON object, got {type(doc).__name__}", expected="object")
     if "kvgeom_handshake" not in doc:
@@ -122,7 +146,7 @@ def decode_rank(payload: bytes | bytearray | str) -> RankInfo:
                     expected=HANDSHAKE_VERSION)
     ver = doc["kvgeom_handshake"]
     if not is_int(ver) or ver != HANDSHAKE_VERSION:
-        raise _fail("$.kvgeom_handshake", f"unsupported handshake version {ver!r}", actual=ver,
+        raise _fail("$.kvgeom_handshake", f"unsupported handshake version {value_text(ver, 60)}", actual=ver,
                     expected=HANDSHAKE_VERSION, fix="run the same kvgeom_nixl version on both engines")
     missing = sorted(_KEYS - set(doc))
     if missing:
@@ -132,14 +156,16 @@ def decode_rank(payload: bytes | bytearray | str) -> RankInfo:
         raise _fail(f"$.{extra[0]}", "unknown field", actual=extra, expected=sorted(_KEYS))
     role = _str("$.role", doc["role"])
     if role not in ROLES:
-        raise _fail("$.role", f"unknown role {role!r}", actual=role, expected=list(ROLES))
+        raise _fail("$.role", f"unknown role {value_text(role, 60)}", actual=role, expected=list(ROLES))
     agent = _str("$.agent", doc["agent"])
+    _peek_sizes(doc["engine"], limits)
     try:
         engine = from_dict(doc["engine"], expect=EngineGeometry)
-    except HandshakeError:
+    except (HandshakeError, InternalError):
         raise
     except SchemaError as e:
         raise _fail("$.engine" + e.path[1:], e.message, actual=e.actual, expected=e.expected, fix=e.fix) from e
+    _within("$.engine.tp", engine.tp, limits.max_tp, "ranks (tp)")
     rank = _int("$.rank", doc["rank"], 0, engine.tp)
     mem = doc["memory"]
     if not isinstance(mem, dict) or set(mem) != {"mem_type", "regions"}:
@@ -147,7 +173,7 @@ def decode_rank(payload: bytes | bytearray | str) -> RankInfo:
                     expected=["mem_type", "regions"])
     mem_type = mem["mem_type"]
     if mem_type not in MEM_TYPES:
-        raise _fail("$.memory.mem_type", f"unknown memory type {mem_type!r}", actual=mem_type, expected=list(MEM_TYPES))
+        raise _fail("$.memory.mem_type", f"unknown memory type {value_text(mem_type, 60)}", actual=mem_type, expected=list(MEM_TYPES))
     regs = mem["regions"]
     if not isinstance(regs, list):
         raise _fail("$.memory.regions", "expected an array", actual=type(regs).__name__, expected="array")
@@ -178,3 +204,20 @@ def decode_rank(payload: bytes | bytearray | str) -> RankInfo:
     except (binascii.Error, UnicodeEncodeError) as e:
         raise _fail("$.nixl_metadata", f"not valid base64: {e}", fix="send the payload unmodified") from e
     return RankInfo(engine, role, rank, agent, mem_type, tuple(regions), metadata)
+
+
+def _peek_sizes(engine_doc: Any, limits: HandshakeLimits) -> None:
+    """The configured maxima, read from the document before its geometry is built (a remote's ``tp``,
+    its region count and each region's pages)."""
+    if not isinstance(engine_doc, dict):
+        return  # from_dict refuses it with the path
+    tp: Any = engine_doc.get("tp")
+    if is_int(tp):
+        _within("$.engine.tp", int(tp), limits.max_tp, "ranks (tp)")
+    regions = engine_doc.get("regions")
+    if isinstance(regions, list):
+        _within("$.engine.regions", len(regions), limits.max_regions, "regions")
+        for i, r in enumerate(regions):
+            pages: Any = r.get("num_pages") if isinstance(r, dict) else None
+            if is_int(pages):
+                _within(f"$.engine.regions[{i}].num_pages", int(pages), limits.max_pages, "pages in one region")

@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvgeom import EngineGeometry
+from kvgeom import EngineGeometry, value_text
 
 from .errors import RegistrationError
 
@@ -87,7 +87,7 @@ def _region(path: str, buf: Any, want: int, mem_type: str | None, device: int | 
         raise RegistrationError(path, f"cannot register a {type(buf).__name__}", actual=type(buf).__name__,
                                 expected="torch.Tensor, numpy.ndarray or (pointer, nbytes)")
     if mt not in MEM_TYPES:
-        raise RegistrationError(path, f"unknown memory type {mt!r}", actual=mt, expected=list(MEM_TYPES))
+        raise RegistrationError(path, f"unknown memory type {value_text(mt, 60)}", actual=mt, expected=list(MEM_TYPES))
     if nbytes != want:
         raise RegistrationError(path, f"{nbytes} B for a region of {want} B", actual=nbytes, expected=want,
                                 fix="pass exactly the region's num_pages * page_bytes bytes")

@@ -13,7 +13,8 @@ called by its endpoint's ``progress()`` (which first drains the agent's notifica
 :meth:`Transfer.poll` and :func:`wait_all` call ``progress()`` on the endpoints they are given.
 The initiator (pull: D, push: P) holds the NIXL handles; the passive side (serve_pull: P,
 accept_push: D) holds only the set of peer agents whose notification it still awaits. On
-failure a D rank reports the request's D blocks as invalid (docs/design.md §8).
+failure a D rank reports as invalid the D blocks the transfer may have written (the request's
+writable blocks: its listed blocks minus the held prefix, docs/design.md §8).
 
 Worked number: a pull on a D rank that reads from P ranks 0 and 1 is ``posted`` with 2 handles;
 one DONE leaves 1; the second DONE makes it ``landed``; with no rearranges and no zeros it goes
@@ -24,15 +25,16 @@ a request still PROC at t = 5.001 s fails with reason ``timeout`` (waiting for N
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
 
-from kvgeom import BlockList, InternalError, KvGeomError, Note, NoteKind, Rearrange, Request, TransferPlan, Zeros
+from kvgeom import InternalError, KvGeomError, Note, NoteKind, Rearrange, Request, TransferPlan, Zeros
+from kvgeom.values import check_seconds
 
 from .agent import RankAgent, classify, nixl_errors
-from .errors import TransferFailed
+from .errors import ExecutorError, TransferFailed
 
 __all__ = ["Transfer", "TransferResult", "wait_all", "Driver", "ReceiveSteps"]
 
@@ -71,17 +73,6 @@ class TransferResult:
     notes: tuple[Note, ...] = ()
 
 
-def _invalid_blocks(request: Request | None) -> dict[int, tuple[int, ...]]:
-    """Per group, the D block ids (state groups: slot ids) the request listed."""
-    if request is None:
-        return {}
-    out: dict[int, tuple[int, ...]] = {}
-    for gi, g in enumerate(request.groups):
-        side = g.decode
-        out[gi] = tuple(side.block_ids) if isinstance(side, BlockList) else tuple(side.slot_ids)
-    return out
-
-
 class Transfer:
     """One request on one rank: poll it (non-blocking) or wait for it (bounded).
 
@@ -92,7 +83,8 @@ class Transfer:
 
     def __init__(self, endpoint: Driver, agent: RankAgent, kind: str, request_id: str, request: Request | None,
                  plan: TransferPlan, mode: str, timeout_s: float, *, role: str, rank: int, notif_kind: str = "",
-                 expect: Iterable[str] = (), receive: ReceiveSteps | None = None, bytes_moved: int = 0) -> None:
+                 expect: Iterable[str] = (), receive: ReceiveSteps | None = None, bytes_moved: int = 0,
+                 started: float | None = None, invalid_blocks: Mapping[int, tuple[int, ...]] | None = None) -> None:
         self.endpoint = endpoint
         self.agent = agent
         self.kind = kind
@@ -102,13 +94,16 @@ class Transfer:
         self.mode = mode
         self.role = role
         self.rank = rank
-        self.started = time.perf_counter()
+        self.started = time.perf_counter() if started is None else started  # before planning, when the link planned
         self.deadline = self.started + timeout_s
+        self.invalid_blocks = dict(invalid_blocks or {})  # D blocks this transfer may write (docs/design.md §8)
         self.timeout_s = timeout_s
         self.state = "posted"
         self.handles: list[Any] = []  # NIXL requests still to complete
         self.notif_kind = notif_kind  # passive sides: the notification kind they wait for
         self.expect: set[str] = set(expect)  # peer agents whose notification is still awaited
+        if notif_kind:
+            agent.claim(notif_kind, request_id)  # kept in the inbox (never evicted) until this transfer drops it
         self.receive = receive
         self.event: Any = None
         self.failure: TransferFailed | None = None
@@ -138,6 +133,7 @@ class Transfer:
     def wait(self, timeout_s: float | None = None, *, peers: Iterable[Driver] = ()) -> TransferResult:
         """Poll until done (also progressing in-process ``peers``); raises :class:`TransferFailed`."""
         if timeout_s is not None:
+            timeout_s = check_seconds("timeout_s", timeout_s, error=ExecutorError)
             self.deadline = min(self.deadline, time.perf_counter() + timeout_s)
         wait_all([self], peers=peers)
         if self.result is None:
@@ -167,11 +163,15 @@ class Transfer:
             return
         self._release()
         self.state = "failed"
-        blocks = _invalid_blocks(self.request) if self.role == "decode" else {}
+        blocks = self.invalid_blocks if self.role == "decode" else {}
         self.failure = TransferFailed(self.request_id, reason, detail, invalid_blocks=blocks, kind=self.kind,
                                       role=self.role, rank=self.rank)
         if self.notif_kind:  # a late notification of this attempt must not complete a retry: use a new id
             self.agent.drop(self.notif_kind, self.request_id)
+
+    def expired(self) -> bool:
+        """The deadline has passed (it counts from before planning when the link planned)."""
+        return time.perf_counter() > self.deadline
 
     def advance(self) -> None:
         """One non-blocking step; never raises (failures are recorded)."""

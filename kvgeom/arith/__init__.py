@@ -6,8 +6,10 @@ Pure functions of ints and int64 arrays; no value classes (those are :mod:`kvgeo
 from __future__ import annotations
 
 from .ints import (
+    INT64_MAX,
     MAX_INT,
     ceil_div,
+    checked_product,
 )
 from .runs import (
     Mode,
@@ -25,6 +27,7 @@ from .shard import (
     local_count,
     owned_slice,
     sources,
+    tp_suggestions,
 )
 from .tokens import (
     Segments,
@@ -35,7 +38,9 @@ from .tokens import (
 
 __all__ = [
     "MAX_INT",
+    "INT64_MAX",
     "ceil_div",
+    "checked_product",
     "Mode",
     "fold_modes",
     "strided_rows",
@@ -47,6 +52,7 @@ __all__ = [
     "local_count",
     "divisible",
     "check_divisible",
+    "tp_suggestions",
     "sources",
     "SourceSlice",
     "SideTokens",

@@ -16,11 +16,15 @@ replicated items over their holders by D rank.
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from ..errors import GeometryError
+from .ints import ceil_div
 
-__all__ = ["Slice", "owned_slice", "local_count", "divisible", "check_divisible", "sources", "SourceSlice"]
+__all__ = ["Slice", "owned_slice", "local_count", "divisible", "check_divisible", "tp_suggestions", "sources",
+           "SourceSlice"]
 
 
 @attrs.frozen
@@ -53,18 +57,33 @@ def divisible(n: int, tp: int, *, replicated: bool = False) -> bool:
     return replicated or n % tp == 0 or tp % n == 0
 
 
+def tp_suggestions(n: int, tp: int, count: int = 6) -> list[int]:
+    """A few TP sizes that fit an axis of ``n`` items, nearest ``tp`` first, in bounded work.
+
+    The largest divisor of ``n`` not above ``tp`` (``gcd(n, tp)`` is one: not always the largest,
+    but always found in O(log)), the smallest multiple of ``n`` not below ``tp``, and the divisors and
+    multiples among the small powers of two. Never enumerates a range whose length comes from
+    ``n`` or ``tp`` (they may be a hostile 2**47).
+
+    >>> tp_suggestions(8, 3), tp_suggestions(2**47 + 1, 2)
+    ([1, 2, 4, 8, 16, 32], [1, 140737488355329])
+    """
+    picks = {math.gcd(n, tp), ceil_div(tp, n) * n}
+    picks.update(t for t in (1 << k for k in range(11)) if n % t == 0 or t % n == 0)
+    return sorted(sorted(picks, key=lambda t: (abs(t - tp), t))[:count])
+
+
 def check_divisible(path: str, n: int, tp: int, *, replicated: bool = False) -> None:
     """Raise :class:`GeometryError` when an axis of ``n`` items cannot be split over ``tp`` ranks
-    (:func:`divisible`)."""
+    (:func:`divisible`). The fix names a few TP sizes that fit (:func:`tp_suggestions`)."""
     if divisible(n, tp, replicated=replicated):
         return
-    divisors = [t for t in range(1, 2 * n + 1) if n % t == 0 or t % n == 0]
     raise GeometryError(
         path,
         f"{n} items cannot be sharded over tp={tp}: {tp} neither divides {n} nor is a multiple of it",
         actual=(n, tp),
         expected=f"tp dividing {n} or a multiple of {n}",
-        fix=f"use tp in {divisors[:6]}... or make the axis replicated",
+        fix=f"use tp in {tp_suggestions(n, tp)}... or make the axis replicated",
     )
 
 

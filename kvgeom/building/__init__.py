@@ -13,6 +13,7 @@ from .presets import (
 )
 from .requests import (
     fresh_request,
+    fresh_shape,
 )
 from .verify import (
     verify,
@@ -26,5 +27,6 @@ __all__ = [
     "get_preset",
     "hybrid_blocks_per_logical",
     "fresh_request",
+    "fresh_shape",
     "verify",
 ]

@@ -55,13 +55,14 @@ from typing import Any
 import attrs
 
 from ..arith.shard import local_count
-from ..errors import GeometryError, KvGeomError, RequestError
+from ..errors import GeometryError, KvGeomError, RequestError, value_text
+from ..planning.budget import DEFAULT_BUDGET, PlanBudget, estimate_plan
 from ..planning.transfer import Pair
 from ..values.engine import EngineGeometry
 from ..values.fields import check_int
 from ..values.model import AttentionSpec, GroupSpec, ModelSpec, StateSection, StateSpec
 from ..values.request import Request
-from .requests import fresh_request
+from .requests import fresh_request, fresh_shape
 
 __all__ = [
     "Preset",
@@ -118,16 +119,22 @@ class Preset:
         return self.factory(p_blocks, d_blocks, layers)
 
     def build(
-        self, tokens: int | None = None, prefix: int = 0, *, layers: int | None = None
+        self, tokens: int | None = None, prefix: int = 0, *, layers: int | None = None,
+        budget: PlanBudget | None = DEFAULT_BUDGET, strategy: str = "auto",
     ) -> tuple[Pair, Request]:
         """The pair and a request on fresh blocks: P computed ``tokens``, D holds ``[0, prefix)``.
 
-        Raises :class:`~kvgeom.errors.IncompatibleGeometry` for the unpairable demo and
-        :class:`~kvgeom.errors.RequestError` when ``prefix`` is not on a D block boundary.
+        Raises :class:`~kvgeom.errors.IncompatibleGeometry` for the unpairable demo,
+        :class:`~kvgeom.errors.RequestError` when ``prefix`` is not on a D block boundary, and
+        :class:`~kvgeom.errors.PlanBudgetExceeded` when planning the request under ``strategy``
+        would exceed ``budget`` (checked before the request's block lists are built).
         """
         tokens, prefix, layers = self._arguments(tokens, prefix, layers)
         prefill, decode = self.geometries(tokens, prefix, layers=layers)
         pair = Pair(prefill, decode)
+        if budget is not None:
+            shape = fresh_shape(pair, tokens, decode_tokens=self.decode_tokens(tokens), prefix_hit_tokens=prefix)
+            budget.check(estimate_plan(pair, shape, strategy, budget=budget))
         request = fresh_request(
             pair,
             tokens,
@@ -379,5 +386,5 @@ def get_preset(name: str) -> Preset:
         return PRESETS[name]
     except (KeyError, TypeError):
         names = sorted(PRESETS)
-        raise UnknownPreset("preset", f"no preset named {name!r}", actual=name, expected=names,
+        raise UnknownPreset("preset", f"no preset named {value_text(name, 60)}", actual=name, expected=names,
                             fix="run `kvgeom presets` to list them") from None

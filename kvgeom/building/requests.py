@@ -13,11 +13,45 @@ Worked number: the example above lists ``ceil_div(40, 16) = 3`` P blocks and
 from __future__ import annotations
 
 from ..arith.ints import ceil_div
+from ..errors import RequestError
+from ..values.fields import check_int
 from ..values.model import StateSpec
 from ..values.pair import EnginePair
-from ..values.request import BlockList, GroupRequest, Request, SideBlocks, StateSlots
+from ..values.request import BlockList, GroupRequest, ListingShape, Request, RequestShape, SideBlocks, StateSlots
 
-__all__ = ["fresh_request"]
+__all__ = ["fresh_request", "fresh_shape"]
+
+
+def _listings(pair: EnginePair, computed_tokens: int, decode_tokens: int | None,
+              prefix_hit_tokens: int) -> list[tuple[ListingShape, ListingShape] | None]:
+    """Per group, (P, D) listing shapes of a fresh request; ``None`` for a state group (one running slot)."""
+    M = check_int("computed_tokens", computed_tokens, minimum=0, error=RequestError)
+    S = check_int("prefix_hit_tokens", prefix_hit_tokens, minimum=0, error=RequestError)
+    N = M if decode_tokens is None else check_int("decode_tokens", decode_tokens, minimum=0, error=RequestError)
+    out: list[tuple[ListingShape, ListingShape] | None] = []
+    for spec in pair.model.groups:
+        if isinstance(spec, StateSpec):
+            out.append(None)
+            continue
+        sides = []
+        for side_name, lo, hi in (("prefill", 0, M), ("decode", S, N)):
+            B = pair.side(side_name).logical_block_tokens
+            first = lo // B * B
+            if spec.window_tokens is not None:
+                first = max(first, max(0, hi - spec.window_tokens) // B * B)
+            sides.append(ListingShape(first, ceil_div(hi - first, B) if hi > first else 0))
+        out.append((sides[0], sides[1]))
+    return out
+
+
+def fresh_shape(pair: EnginePair, computed_tokens: int, *, decode_tokens: int | None = None,
+                prefix_hit_tokens: int = 0) -> RequestShape:
+    """The shape of :func:`fresh_request` (token ranges and block counts, no ids), in O(groups): what
+    the work budget checks before a request of ``computed_tokens`` is built (docs/design.md §10)."""
+    listings = _listings(pair, computed_tokens, decode_tokens, prefix_hit_tokens)
+    groups = tuple(lst if lst is not None else (ListingShape(0, 1), ListingShape(0, 1)) for lst in listings)
+    pairs = tuple(1 if lst is None else None for lst in listings)
+    return RequestShape(int(computed_tokens), int(prefix_hit_tokens), groups, pairs)
 
 
 def fresh_request(
@@ -37,24 +71,22 @@ def fresh_request(
     tokens. Ids are handed out group after group from the ``*_first_block`` counters, so groups
     that share a region never share a block.
     """
-    M, S = computed_tokens, prefix_hit_tokens
-    N = M if decode_tokens is None else decode_tokens
-    counters = {"prefill": prefill_first_block, "decode": decode_first_block}
+    listings = _listings(pair, computed_tokens, decode_tokens, prefix_hit_tokens)
+    M, S = int(computed_tokens), int(prefix_hit_tokens)
+    counters = {
+        "prefill": check_int("prefill_first_block", prefill_first_block, minimum=0, error=RequestError),
+        "decode": check_int("decode_first_block", decode_first_block, minimum=0, error=RequestError),
+    }
     groups: list[GroupRequest] = []
-    for spec in pair.model.groups:
+    for lst in listings:
         sides: dict[str, SideBlocks] = {}
-        for side_name, lo, hi in (("prefill", 0, M), ("decode", S, N)):
-            eng = pair.side(side_name)
-            B = eng.logical_block_tokens
-            if isinstance(spec, StateSpec):
+        for k, side_name in enumerate(("prefill", "decode")):
+            if lst is None:
                 sides[side_name] = StateSlots.running(counters[side_name], M)
                 counters[side_name] += 1
                 continue
-            first = lo // B * B
-            if spec.window_tokens is not None:
-                first = max(first, max(0, hi - spec.window_tokens) // B * B)
-            count = max(0, ceil_div(hi - first, B)) if hi > first else 0
-            sides[side_name] = BlockList.consecutive(counters[side_name], count, first)
-            counters[side_name] += count
+            shape = lst[k]
+            sides[side_name] = BlockList.consecutive(counters[side_name], shape.count, shape.first_token)
+            counters[side_name] += shape.count
         groups.append(GroupRequest(sides["prefill"], sides["decode"]))
     return Request(M, tuple(groups), S)

@@ -10,6 +10,16 @@ from .attention import (
     plan_attention_group,
     zero_intervals,
 )
+from .budget import (
+    DEFAULT_BUDGET,
+    PAGE_ENTRY_BYTES,
+    ROW_BYTES,
+    SEGMENT_BYTES,
+    STEP_WORK,
+    PlanBudget,
+    PlanEstimate,
+    estimate_plan,
+)
 from .choose import (
     DEFAULT_COST_MODEL,
     STRATEGIES,
@@ -34,7 +44,9 @@ from .staged import (
     Arrival,
     ArrivedView,
     arrival,
+    is_identity,
     plan_staged_group,
+    rearrange_modes,
 )
 from .state import (
     paired_slots,
@@ -47,6 +59,14 @@ from .transfer import (
 )
 
 __all__ = [
+    "PlanBudget",
+    "PlanEstimate",
+    "DEFAULT_BUDGET",
+    "estimate_plan",
+    "ROW_BYTES",
+    "SEGMENT_BYTES",
+    "PAGE_ENTRY_BYTES",
+    "STEP_WORK",
     "needed_tokens",
     "zero_intervals",
     "plan_attention_group",
@@ -63,6 +83,8 @@ __all__ = [
     "Arrival",
     "ArrivedView",
     "arrival",
+    "rearrange_modes",
+    "is_identity",
     "plan_staged_group",
     "paired_slots",
     "plan_state_group",

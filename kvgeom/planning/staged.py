@@ -38,7 +38,7 @@ from .attention import needed_tokens, plan_attention_group
 from .group import GroupPlan
 from .sides import SideView
 
-__all__ = ["Arrival", "ArrivedView", "arrival", "plan_staged_group"]
+__all__ = ["Arrival", "ArrivedView", "arrival", "rearrange_modes", "is_identity", "plan_staged_group"]
 
 
 @attrs.frozen
@@ -125,6 +125,30 @@ class ArrivedView(SideView):
                           e.blocks_per_logical, False, cut_tokens=self.arr.sub_tokens)
 
 
+def rearrange_modes(D: EngineGeometry, group: int, arr: Arrival) -> tuple[list[int], list[int], list[int]]:
+    """One rearrange's (shape, src strides, dst strides) for every page of ``group``:
+    (sub-page, head group, [plane,] head, token), arrived layout -> D's layout."""
+    fl = SideView(D, group).layout
+    a = arr.layout
+    hd = D.local_heads(group)
+    shape = [arr.sub_pages, hd // arr.group_heads]
+    src = [arr.sub_bytes, arr.group_bytes]
+    dst = [arr.sub_tokens * fl.token_stride, arr.group_heads * fl.head_stride]
+    if arr.planes_in_page == 2:
+        shape.append(2)
+        src.append(a.kv_stride)
+        dst.append(fl.kv_stride)
+    shape += [arr.group_heads, arr.sub_tokens]
+    src += [a.head_stride, a.token_stride]
+    dst += [fl.head_stride, fl.token_stride]
+    return shape, src, dst
+
+
+def is_identity(shape: list[int], src: list[int], dst: list[int]) -> bool:
+    """The permutation moves nothing: every mode of more than one element has equal strides."""
+    return all(s == t for n, s, t in zip(shape, src, dst) if n > 1)
+
+
 def plan_staged_group(pair: EnginePair, request: Request, group: int, *,
                       materialize: bool = True) -> GroupPlan:
     """Staged copies, zeros (final layout), rearranges, notes and the copy rows before coalescing
@@ -139,22 +163,8 @@ def plan_staged_group(pair: EnginePair, request: Request, group: int, *,
         return plan_attention_group(pair, request, group, materialize=materialize).with_notes(
             Note(NoteKind.STAGED_NOT_APPLICABLE, f"{spec.name}: staged does not apply ({arr}); direct copies"))
     final = SideView(D, group)
-    fl = final.layout
-    a = arr.layout
-    # one rearrange shape for the whole page: (sub-page, head group, [plane,] head, token)
-    hd = D.local_heads(group)
-    shape = [arr.sub_pages, hd // arr.group_heads]
-    src = [arr.sub_bytes, arr.group_bytes]
-    dst = [arr.sub_tokens * fl.token_stride, arr.group_heads * fl.head_stride]
-    if arr.planes_in_page == 2:
-        shape.append(2)
-        src.append(a.kv_stride)
-        dst.append(fl.kv_stride)
-    shape += [arr.group_heads, arr.sub_tokens]
-    src += [a.head_stride, a.token_stride]
-    dst += [fl.head_stride, fl.token_stride]
-    identity = all(s == t for n, s, t in zip(shape, src, dst) if n > 1)
-    if identity:
+    shape, src, dst = rearrange_modes(D, group, arr)
+    if is_identity(shape, src, dst):
         return plan_attention_group(pair, request, group, materialize=materialize).with_notes(
             Note(NoteKind.STAGED_EQUALS_DIRECT, f"{spec.name}: arrived layout equals D's layout; staged = direct"))
     landed = plan_attention_group(pair, request, group, landing=ArrivedView(D, group, arr), materialize=materialize)

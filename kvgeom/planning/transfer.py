@@ -23,12 +23,14 @@ import functools
 
 import attrs
 
-from ..errors import KvGeomError
+from ..errors import IncompatibleGeometry, KvGeomError, value_text
 from ..values.engine import EngineGeometry
+from ..values.fields import check_instance
 from ..values.notes import Note, NoteKind
 from ..values.pair import EnginePair
 from ..values.plan import Copies, TransferPlan, Zeros
-from ..values.request import Request
+from ..values.request import Request, RequestShape
+from .budget import DEFAULT_BUDGET, PlanBudget, PlanEstimate, estimate_plan
 from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy, plan_group
 from .coalesce import coalesce, coalesce_zeros
 
@@ -41,9 +43,15 @@ class Pair(EnginePair):
     otherwise, naming the field), and the way to plan requests between them."""
 
     def plan(self, request: Request, *, strategy: Strategy = "direct",
-             cost_model: CostModel = DEFAULT_COST_MODEL) -> TransferPlan:
+             cost_model: CostModel = DEFAULT_COST_MODEL,
+             budget: PlanBudget | None = DEFAULT_BUDGET) -> TransferPlan:
         """Plan ``request`` for this pair (:func:`plan_pair`)."""
-        return plan_pair(self, request, strategy=strategy, cost_model=cost_model)
+        return plan_pair(self, request, strategy=strategy, cost_model=cost_model, budget=budget)
+
+    def estimate(self, request: Request, *, strategy: Strategy = "direct") -> PlanEstimate:
+        """Upper bounds of what planning ``request`` builds (:func:`~kvgeom.planning.budget.estimate_plan`)."""
+        self.check_request(request)
+        return estimate_plan(self, RequestShape.of(request), _strategy(strategy))
 
 
 @functools.lru_cache(maxsize=64)
@@ -58,23 +66,45 @@ def plan_transfer(
     *,
     strategy: Strategy = "direct",
     cost_model: CostModel = DEFAULT_COST_MODEL,
+    budget: PlanBudget | None = DEFAULT_BUDGET,
 ) -> TransferPlan:
     """Plan ``request``'s transfer from ``prefill`` to ``decode``.
 
     The pair is checked once (and cached) before any request; raises
-    :class:`~kvgeom.errors.IncompatibleGeometry` if the engines cannot be paired and
-    :class:`~kvgeom.errors.RequestError` if the request does not fit them.
+    :class:`~kvgeom.errors.IncompatibleGeometry` if the engines cannot be paired,
+    :class:`~kvgeom.errors.RequestError` if the request does not fit them and
+    :class:`~kvgeom.errors.PlanBudgetExceeded` if its plan would exceed ``budget``
+    (docs/design.md §10; ``budget=None`` plans whatever the size).
     """
-    return plan_pair(_pair(prefill, decode), request, strategy=strategy, cost_model=cost_model)
+    for side, engine in (("prefill", prefill), ("decode", decode)):
+        check_instance(f"plan_transfer.{side}", engine, EngineGeometry, error=IncompatibleGeometry,
+                       fix="build engines with EngineGeometry(...) or EngineGeometry.build(...)")
+    return plan_pair(_pair(prefill, decode), request, strategy=strategy, cost_model=cost_model, budget=budget)
+
+
+def _strategy(strategy: object) -> str:
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise KvGeomError("strategy", f"unknown strategy {value_text(strategy, 60)}", actual=value_text(strategy, 60),
+                          expected=list(STRATEGIES), fix=f"use one of {', '.join(STRATEGIES)}")
+    return strategy
 
 
 def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direct",
-              cost_model: CostModel = DEFAULT_COST_MODEL) -> TransferPlan:
-    """:func:`plan_transfer` for an already built pair."""
-    if strategy not in STRATEGIES:
-        raise KvGeomError("strategy", f"unknown strategy {strategy!r}", actual=strategy,
-                          expected=list(STRATEGIES), fix=f"use one of {', '.join(STRATEGIES)}")
+              cost_model: CostModel = DEFAULT_COST_MODEL,
+              budget: PlanBudget | None = DEFAULT_BUDGET) -> TransferPlan:
+    """:func:`plan_transfer` for an already built pair.
+
+    Before any row is built, the plan's size is estimated (:func:`estimate_plan`) and checked
+    against ``budget`` (:class:`~kvgeom.errors.PlanBudgetExceeded` when over it).
+    """
+    strategy = _strategy(strategy)  # type: ignore[assignment]
+    check_instance("cost_model", cost_model, CostModel, fix="pass a kvgeom.CostModel(...)")
+    if budget is not None:
+        check_instance("budget", budget, PlanBudget, fix="pass a kvgeom.PlanBudget(...) or None")
+    check_instance("pair", pair, EnginePair, error=IncompatibleGeometry, fix="build the pair with kvgeom.Pair(P, D)")
     pair.check_request(request)
+    if budget is not None:
+        budget.check(estimate_plan(pair, RequestShape.of(request), strategy, budget=budget))
     groups = [plan_group(pair, request, gi, strategy, cost_model) for gi in range(len(pair.model.groups))]
     copies = [g.copies for g in groups]
     zeros = [g.zeros for g in groups if len(g.zeros)] or [Zeros.empty()]

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..arith.shard import owned_slice
 from ..arith.tokens import locate
-from ..errors import KvGeomError
+from ..errors import KvGeomError, value_text
 from ..values.engine import EngineGeometry
 from ..values.model import AttentionSpec, StateSpec
 from ..values.notes import NoteKind
@@ -335,14 +335,14 @@ def transfer_cells(
 ) -> CellMap:
     """The cells :func:`draw` renders (see the module docstring), for tests and custom plots."""
     if side not in ("decode", "prefill"):
-        raise DrawError("side", f"unknown side {side!r}", actual=side, expected=["decode", "prefill"])
+        raise DrawError("side", f"unknown side {value_text(side, 60)}", actual=side, expected=["decode", "prefill"])
     P, D = pair.prefill, pair.decode
     engine = D if side == "decode" else P
     if rank is not None and not (isinstance(rank, int) and 0 <= rank < engine.tp):
-        raise DrawError("rank", f"rank {rank!r} is outside the {side} engine's tp={engine.tp}", actual=rank,
+        raise DrawError("rank", f"rank {value_text(rank, 60)} is outside the {side} engine's tp={engine.tp}", actual=rank,
                         expected=f"0 <= rank < {engine.tp} or None (all ranks)")
     if not isinstance(max_cells, int) or max_cells < 1:
-        raise DrawError("max_cells", f"must be a positive int, got {max_cells!r}", actual=max_cells, expected=">= 1")
+        raise DrawError("max_cells", f"must be a positive int, got {value_text(max_cells, 60)}", actual=max_cells, expected=">= 1")
     res = _Resolver(plan, P, D)
     ranks = range(engine.tp) if rank is None else (rank,)
     model = engine.model
@@ -486,7 +486,7 @@ def draw(
 
     cm = transfer_cells(plan, pair, request, side=side, rank=rank, max_cells=max_cells)
     if not isinstance(max_rows, int) or max_rows < 1:
-        raise DrawError("max_rows", f"must be a positive int, got {max_rows!r}", actual=max_rows, expected=">= 1")
+        raise DrawError("max_rows", f"must be a positive int, got {value_text(max_rows, 60)}", actual=max_rows, expected=">= 1")
     rows = list(cm.rows[:max_rows])
     hidden = len(cm.rows) - len(rows)
     x0 = float(cm.token_lo)

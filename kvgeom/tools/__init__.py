@@ -8,6 +8,9 @@ import the strategies module by name (``from kvgeom.tools import strategies as k
 from __future__ import annotations
 
 from .serialize import (
+    MAX_DEPTH,
+    MAX_DOCUMENT_BYTES,
+    MAX_NUMBER_DIGITS,
     SCHEMA_VERSION,
     dump_pair_file,
     dumps,
@@ -15,11 +18,16 @@ from .serialize import (
     load_pair_file,
     loads,
     pair_file_dict,
+    parse_json,
     parse_pair_file,
+    read_bounded,
     to_dict,
 )
 
 __all__ = [
+    "MAX_DEPTH",
+    "MAX_DOCUMENT_BYTES",
+    "MAX_NUMBER_DIGITS",
     "SCHEMA_VERSION",
     "dump_pair_file",
     "dumps",
@@ -27,6 +35,8 @@ __all__ = [
     "load_pair_file",
     "loads",
     "pair_file_dict",
+    "parse_json",
     "parse_pair_file",
+    "read_bounded",
     "to_dict",
 ]

@@ -1,9 +1,10 @@
 """The ``kvgeom`` command line: plan and verify a transfer, list presets, run one with NIXL.
 
     kvgeom plan [--preset NAME] [--tokens M] [--prefix S] [--strategy direct|staged|auto]
-                [--layers L] [--json] [--pair FILE] [--svg FILE | --png FILE]
+                [--layers L] [--json] [--pair FILE] [--svg FILE | --png FILE] [--budget-mb MB]
     kvgeom presets
     kvgeom transfer [--preset NAME] [--tokens M] [--prefix S] [--push] [--mode coalesced|prepped] [--json]
+                    [--timeout SEC] [--budget-mb MB]
 
     argv --> COMMANDS[name] --> add_arguments(parser) --> run(args) --> exit status
                                                           0 ok, 1 verification failed or internal error,
@@ -11,6 +12,12 @@
 
 Worked number: ``kvgeom plan`` (preset ``gqa-tp2-tp4``, M=100, S=16) moves tokens [16, 100):
 84 tokens x 4 layers x 2 planes x 8 heads x 256 B = 1,376,256 B over the four D ranks.
+
+Bounded work (docs/design.md §10): every input is checked before the work it sizes. Output paths
+(``--svg``, ``--png``) are opened before planning; pair files are read to at most 4 MiB; the plan
+is estimated from the request's shape before any block list is built, and refused over the budget
+(``--budget-mb``, default 4096) with exit 2, and so is a simulation (``plan``) or cache
+allocation (``transfer``) larger than the budget; ``--timeout`` must be finite and positive.
 
 Adding a subcommand: write ``add_arguments(parser)`` and ``run(args) -> int`` and add one
 ``Command`` to :data:`COMMANDS`. Arguments never need an optional extra, so ``--help`` always
@@ -24,9 +31,11 @@ never imports torch, nixl, matplotlib or hypothesis.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
+import stat
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -36,14 +45,16 @@ from typing import Any
 import attrs
 
 from ..building.presets import DEFAULT_PRESET, PRESETS, Preset, get_preset
-from ..building.requests import fresh_request
+from ..building.requests import fresh_request, fresh_shape
 from ..checking.report import Report
 from ..checking.simulator import simulate
-from ..errors import IncompatibleGeometry, KvGeomError
+from ..errors import IncompatibleGeometry, KvGeomError, PlanBudgetExceeded
+from ..planning.budget import DEFAULT_BUDGET, PlanBudget, estimate_plan
 from ..planning.choose import STRATEGIES
 from ..planning.transfer import Pair, plan_pair
 from ..show.drawing import draw
 from ..values.engine import EngineGeometry, engine_line
+from ..values.fields import check_seconds
 from ..values.model import StateSpec
 from ..values.pair import pairable
 from ..values.plan import TransferPlan, plan_rank_rows
@@ -51,7 +62,8 @@ from ..values.request import Request
 from ..values.text import format_bytes, text_table
 from .serialize import load_pair_file
 
-__all__ = ["main", "build_parser", "resolve_preset", "Command", "COMMANDS", "TRANSFER_ENTRY_POINTS"]
+__all__ = ["main", "build_parser", "resolve_preset", "Command", "COMMANDS", "TRANSFER_ENTRY_POINTS", "OutputFile",
+           "simulation_bytes"]
 NIXL_HINT = 'pip install torch==2.13.0 && pip install -e ".[nixl]"'
 MAX_LISTED = 10  # violations and notes shown in the human summary (--json lists all)
 
@@ -79,6 +91,43 @@ def _json_out(obj: dict[str, Any]) -> None:
     print(json.dumps(obj, indent=1, sort_keys=True, default=str))
 
 
+def _budget_mb(text: str) -> int:
+    """``--budget-mb``: a whole number of MiB >= 1 (argparse reports anything else as a usage error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of MiB") from None
+    if not 1 <= value <= 1 << 30:
+        raise argparse.ArgumentTypeError(f"{value} MiB is outside 1 .. {1 << 30}")
+    return value
+
+
+def _budget(args: argparse.Namespace) -> PlanBudget:
+    return attrs.evolve(DEFAULT_BUDGET, max_bytes=args.budget_mb << 20)
+
+
+def _check_memory(what: str, nbytes: int, budget: PlanBudget, fix: str) -> None:
+    """Refuse (PlanBudgetExceeded, exit 2) to allocate ``nbytes`` beyond the budget's memory."""
+    if nbytes > budget.max_bytes:
+        raise PlanBudgetExceeded(what, f"the {what} would allocate {nbytes:,} B ({nbytes / 2**30:.2f} GiB), beyond "
+                                 f"the budget of {budget.max_bytes:,} B", actual=nbytes,
+                                 expected=f"<= {budget.max_bytes}",
+                                 fix=f"{fix}, or raise the budget with --budget-mb {_mib_above(nbytes)}")
+
+
+def _mib_above(nbytes: int) -> int:
+    return max(1, -(-nbytes // 2**20))
+
+
+def _engine_bytes(engine: EngineGeometry) -> int:
+    return engine.tp * sum(r.nbytes for r in engine.regions)
+
+
+def simulation_bytes(pair: Pair) -> int:
+    """What ``simulate`` allocates for a pair: P's memory, D's memory and D's expected bytes (plus masks)."""
+    return _engine_bytes(pair.prefill) + 3 * _engine_bytes(pair.decode)
+
+
 def _preset_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=DEFAULT_PRESET, metavar="NAME",
                    help=f"a named P/D pair (default {DEFAULT_PRESET}; `kvgeom presets` lists them)")
@@ -92,6 +141,9 @@ def _preset_arguments(p: argparse.ArgumentParser) -> None:
                    help="direct: every copy lands in place; staged: copy pages whole, then rearrange; "
                         "auto: choose by cost (default direct)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
+    p.add_argument("--budget-mb", type=_budget_mb, default=DEFAULT_BUDGET.max_bytes >> 20, metavar="MB",
+                   help=f"refuse (exit 2) a request whose plan, simulation or caches would need more memory "
+                        f"(default {DEFAULT_BUDGET.max_bytes >> 20})")
 
 
 def resolve_preset(args: argparse.Namespace) -> tuple[Preset, int, int]:
@@ -126,7 +178,11 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _load_pair(args: argparse.Namespace) -> tuple[dict[str, Any], Pair | None, Any, tuple[EngineGeometry, ...]]:
-    """(header, pair or None when unpairable, request, (prefill, decode) when known)."""
+    """(header, pair or None when unpairable, request, (prefill, decode) when known).
+
+    The budget is checked before any request is built: a fresh request by its shape, a pair
+    file's request (bounded by the file's size) by itself."""
+    budget = _budget(args)
     if args.pair is not None:
         try:
             pair, request = load_pair_file(args.pair)
@@ -135,12 +191,15 @@ def _load_pair(args: argparse.Namespace) -> tuple[dict[str, Any], Pair | None, A
                 raise e.__cause__ from None
             raise
         header = {"pair_file": args.pair, "preset": None}
+        _check_memory("simulation", simulation_bytes(pair), budget, "describe engines with fewer or smaller pages")
         if request is None:
             tokens = args.tokens if args.tokens is not None else 256
             prefix = args.prefix or 0
             hybrid = any(isinstance(g, StateSpec) for g in pair.model.groups)
-            request = fresh_request(pair, tokens, decode_tokens=tokens + 1 if hybrid else tokens,
-                                    prefix_hit_tokens=prefix)
+            decode_tokens = tokens + 1 if hybrid else tokens
+            shape = fresh_shape(pair, tokens, decode_tokens=decode_tokens, prefix_hit_tokens=prefix)
+            budget.check(estimate_plan(pair, shape, args.strategy, budget=budget))
+            request = fresh_request(pair, tokens, decode_tokens=decode_tokens, prefix_hit_tokens=prefix)
             pair.check_request(request)
         header.update(tokens=request.computed_tokens, prefix=request.prefix_hit_tokens, layers=None)
         return header, pair, request, (pair.prefill, pair.decode)
@@ -150,7 +209,8 @@ def _load_pair(args: argparse.Namespace) -> tuple[dict[str, Any], Pair | None, A
     prefill, decode = preset.geometries(tokens, prefix, layers=args.layers)
     if not pairable(prefill, decode):
         return header, None, None, (prefill, decode)
-    pair, request = preset.build(tokens, prefix, layers=args.layers)
+    _check_memory("simulation", simulation_bytes(Pair(prefill, decode)), budget, "plan fewer --tokens or --layers")
+    pair, request = preset.build(tokens, prefix, layers=args.layers, budget=budget, strategy=args.strategy)
     return header, pair, request, (pair.prefill, pair.decode)
 
 
@@ -159,33 +219,70 @@ def _label(header: dict[str, Any]) -> str:
     return f"{src}: M={header['tokens']} tokens, prefix S={header['prefix']}"
 
 
-def _check_drawing_target(args: argparse.Namespace) -> None:
-    """Refuse an unwritable --svg/--png path before any planning (bad input: exit 2)."""
-    target = args.svg or args.png
-    if not target:
-        return
-    folder = os.path.dirname(os.path.abspath(target))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        flag = "--svg" if args.svg else "--png"
-        raise KvGeomError(flag, f"cannot write {target!r}: folder {folder!r} does not exist or is not writable",
-                          actual=target, fix="pass a path in an existing, writable folder")
+class OutputFile:
+    """An output path opened (and proven writable) before any work: ``--svg``/``--png``.
+
+    ``os.access`` is not enough (root passes it for any path, and it says nothing of a full
+    device), so the file is opened for writing and, unless it is a regular file, one byte is
+    written and flushed (``/dev/full`` fails there). A file this command created is removed again
+    if the command fails before writing it.
+    """
+
+    def __init__(self, flag: str, path: str) -> None:
+        self.flag = flag
+        self.path = path
+        existed = os.path.lexists(path)
+        try:
+            self.file: Any = open(path, "wb")  # noqa: SIM115 - kept open until the drawing is written
+            if not stat.S_ISREG(os.fstat(self.file.fileno()).st_mode):
+                self.file.write(b"\n")
+                self.file.flush()
+        except OSError as e:
+            with contextlib.suppress(Exception):
+                self.file.close()
+            raise KvGeomError(flag, f"cannot write {path!r}: {e.strerror or e}", actual=path,
+                              expected="a writable file path", fix="pass a file path in an existing, writable folder") \
+                from None
+        self.created = not existed
+        self.written = False
+
+    def done(self) -> None:
+        self.written = True
+        self.file.close()
+
+    def abandon(self) -> None:
+        """The command failed before writing: close, and remove the file if this command made it."""
+        with contextlib.suppress(Exception):
+            self.file.close()
+        if self.created and not self.written:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    _check_drawing_target(args)
+    out = OutputFile("--svg" if args.svg else "--png", args.svg or args.png) if (args.svg or args.png) else None
+    try:
+        return _plan_and_report(args, out)
+    finally:
+        if out is not None and not out.written:
+            out.abandon()
+
+
+def _plan_and_report(args: argparse.Namespace, out: OutputFile | None) -> int:
     try:
         header, pair, request, engines = _load_pair(args)
     except IncompatibleGeometry as e:  # a pair file whose engines cannot be paired
-        return _report_unpairable({"pair_file": args.pair, "preset": None}, [e], None, args)
+        return _report_unpairable({"pair_file": args.pair, "preset": None}, list(e.reasons), None, args)
     header["strategy"] = args.strategy
     if pair is None:
         compat = pairable(*engines)
         return _report_unpairable(header, list(compat.reasons), engines, args)
-    plan = plan_pair(pair, request, strategy=args.strategy)
+    budget = _budget(args)
+    plan = plan_pair(pair, request, strategy=args.strategy, budget=budget)
     # planning twice lets the simulator check determinism (docs/design.md §4.2 (invariant 6))
-    report = simulate(pair, request, plan, replan=plan_pair(pair, request, strategy=args.strategy))
-    if args.svg or args.png:
-        _draw(plan, pair, request, args.svg or args.png, "svg" if args.svg else "png")
+    report = simulate(pair, request, plan, replan=plan_pair(pair, request, strategy=args.strategy, budget=budget))
+    if out is not None:
+        _draw(plan, pair, request, out, "svg" if args.svg else "png")
     verified = report.ok
     if args.json:
         _json_out(_plan_json(header, pair, plan, report, verified))
@@ -280,7 +377,7 @@ def _print_plan(header: dict[str, Any], pair: Pair, plan: TransferPlan, report: 
         _print(f"  ... {len(violations) - MAX_LISTED} more listed (--json lists them)")
 
 
-def _draw(plan: TransferPlan, pair: Pair, request: Request, path: str, fmt: str) -> None:
+def _draw(plan: TransferPlan, pair: Pair, request: Request, out: OutputFile, fmt: str) -> None:
     if importlib.util.find_spec("matplotlib") is None:
         raise _Unavailable(f"--{fmt}", "drawing needs matplotlib, which is not installed",
                            fix='pip install -e ".[notebook]"')
@@ -288,7 +385,13 @@ def _draw(plan: TransferPlan, pair: Pair, request: Request, path: str, fmt: str)
 
     matplotlib.use("Agg")
     fig = draw(plan, pair, request)
-    fig.savefig(path, format=fmt, bbox_inches="tight")
+    try:
+        fig.savefig(out.file, format=fmt, bbox_inches="tight")
+        out.file.flush()
+    except OSError as e:
+        raise KvGeomError(out.flag, f"cannot write {out.path!r}: {e.strerror or e}", actual=out.path,
+                          fix="pass a file on a device with room") from None
+    out.done()
 
 
 # ---- kvgeom presets -----------------------------------------------------------------------------------
@@ -349,10 +452,19 @@ def _executor() -> Callable[..., dict[str, Any]]:
 
 
 def _run_transfer(args: argparse.Namespace) -> int:
+    timeout_s = check_seconds("--timeout", args.timeout, error=KvGeomError)
     preset, tokens, prefix = resolve_preset(args)
+    budget = _budget(args)
+    prefill, decode = preset.geometries(tokens, prefix, layers=args.layers)
+    if pairable(prefill, decode):  # the executor reports an unpairable preset itself
+        pair = Pair(prefill, decode)
+        _check_memory("caches and check", _engine_bytes(prefill) + 2 * _engine_bytes(decode), budget,
+                      "transfer fewer --tokens or --layers")
+        shape = fresh_shape(pair, tokens, decode_tokens=preset.decode_tokens(tokens), prefix_hit_tokens=prefix)
+        budget.check(estimate_plan(pair, shape, args.strategy, budget=budget))
     transfer_report = _executor()
     report = transfer_report(preset.name, tokens, prefix, layers=args.layers, push=args.push, mode=args.mode,
-                             strategy=args.strategy, timeout_s=args.timeout)
+                             strategy=args.strategy, timeout_s=timeout_s, budget=budget)
     if args.json:
         print(json.dumps(report, sort_keys=True))
     else:

@@ -371,13 +371,13 @@ def run_fuzz(args: argparse.Namespace) -> int:
         print(f"\nFAILURE {i + 1} of {len(result.failures)} ({sig}): {failure.outcome.describe()}")
         strategy = failure.outcome.strategy or "direct"
         text = failure.reproducer()
-        if args.out:
+        if args.out:  # the file holds the reproducer; stdout only says where
             path = _out_path(args.out, i)
             path.write_text(text, encoding="utf-8")
             print(f"reproducer written to {path}: kvgeom plan --pair {path} --strategy {strategy}")
         else:
             print(f"reproducer (save as repro.json, then: kvgeom plan --pair repro.json --strategy {strategy}):")
-        print(text, end="")
+            print(text, end="")
     if result.failures:
         print(f"\nkvgeom fuzz: {len(result.failures)} failure(s); rerun with --seed {result.seed}")
         return 1

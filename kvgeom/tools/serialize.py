@@ -23,11 +23,14 @@ Worked number: ``Region(num_pages=4, page_bytes=8192)`` encodes as
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import KvGeomError, SchemaError
+import numpy as np
+
+from ..errors import InternalError, KvGeomError, SchemaError, value_text
 from ..planning.transfer import Pair
 from ..values.engine import EngineGeometry
 from ..values.fields import check_int, is_int
@@ -45,6 +48,11 @@ __all__ = [
     "dump_pair_file",
     "pair_file_dict",
     "parse_pair_file",
+    "parse_json",
+    "read_bounded",
+    "MAX_DOCUMENT_BYTES",
+    "MAX_DEPTH",
+    "MAX_NUMBER_DIGITS",
 ]
 
 SCHEMA_VERSION = 1
@@ -124,6 +132,8 @@ class _Obj:
         self.d = d
         self.cls = cls
         self.used = {"type", "schema"}
+        if "schema" in d:  # a nested document may carry its version; any other value is refused
+            _check_version(f"{path}.schema", d["schema"])
 
     def _get(self, key: str, expected: str) -> Any:
         self.used.add(key)
@@ -186,7 +196,7 @@ class _Obj:
                               fix="remove it or check its spelling")
         try:
             return make()
-        except SchemaError:
+        except (SchemaError, InternalError):
             raise
         except KvGeomError as e:
             raise SchemaError(self.path, f"inconsistent {self.cls.__name__}: {e.path}: {e.message}", actual=e.actual,
@@ -212,8 +222,7 @@ def _jtype(v: Any) -> str:
 
 
 def _short(v: Any) -> Any:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return value_text(v, 60)
 
 
 def _int(path: str, v: Any, minimum: int) -> int:
@@ -361,9 +370,12 @@ def _check_schema(d: Any, path: str = "$") -> None:
     if "schema" not in d:
         raise SchemaError(f"{path}.schema", "missing schema version", expected=SCHEMA_VERSION,
                           fix=f'add "schema": {SCHEMA_VERSION}')
-    v = d["schema"]
+    _check_version(f"{path}.schema", d["schema"])
+
+
+def _check_version(path: str, v: Any) -> None:
     if not is_int(v) or v != SCHEMA_VERSION:
-        raise SchemaError(f"{path}.schema", f"unsupported schema version {_short(v)}", actual=_short(v),
+        raise SchemaError(path, f"unsupported schema version {_short(v)}", actual=_short(v),
                           expected=SCHEMA_VERSION,
                           fix=f"write the document with kvgeom schema {SCHEMA_VERSION} (this kvgeom reads only that)")
 
@@ -382,26 +394,90 @@ def from_dict(d: Any, *, expect: type | tuple[type, ...] | None = None) -> Any:
     return _decode("$", d, classes)
 
 
-def _parse_json(text: str | bytes | bytearray) -> Any:
-    if isinstance(text, (bytes, bytearray)):
-        try:
-            text = bytes(text).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise SchemaError("$", f"not UTF-8 text (byte {e.start})", fix="send the JSON text as UTF-8") from e
-    if not isinstance(text, str):
-        raise SchemaError("$", f"expected JSON text, got {type(text).__name__}", actual=type(text).__name__,
-                          expected="str or bytes")
+MAX_DOCUMENT_BYTES = 4 << 20  # a pair file or a document: 4 MiB (an 80-layer pair file is about 60 KiB)
+MAX_DEPTH = 64  # nesting of arrays and objects (kvgeom's documents nest about 8 deep)
+MAX_NUMBER_DIGITS = 24  # an integer literal longer than this is refused before Python converts it
+_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # JSON strings, escapes included (linear time)
+_OPEN = np.zeros(256, np.int8)
+_OPEN[[ord("["), ord("{")]] = 1
+_OPEN[[ord("]"), ord("}")]] = -1
+
+
+class _Refused(Exception):
+    """Raised inside json.loads' hooks; becomes the caller's typed error."""
+
+
+def _int_literal(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_NUMBER_DIGITS:
+        raise _Refused(f"an integer of {len(text.lstrip('-'))} digits (at most {MAX_NUMBER_DIGITS})")
+    return int(text)
+
+
+def _float_literal(text: str) -> float:
+    if len(text) > 64:
+        raise _Refused(f"a number of {len(text)} characters")
+    return float(text)
+
+
+def _constant(text: str) -> Any:
+    raise _Refused(f"{text} is not JSON")
+
+
+def _depth(data: bytes) -> int:
+    """The deepest nesting of arrays and objects, strings skipped (vectorized; bounded by the size)."""
+    bare = _STRINGS.sub(b'""', data)
+    if not bare:
+        return 0
+    steps = _OPEN[np.frombuffer(bare, np.uint8)]
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
+
+
+def parse_json(text: str | bytes | bytearray, *, max_bytes: int = MAX_DOCUMENT_BYTES, max_depth: int = MAX_DEPTH,
+               error: type[KvGeomError] = SchemaError, what: str = "document") -> Any:
+    """JSON text (or UTF-8 bytes) to Python values, bounded: at most ``max_bytes`` bytes, ``max_depth``
+    levels of nesting and integers of at most 24 digits; no NaN or Infinity. Every failure is
+    ``error`` (a :class:`SchemaError` by default) at path ``$``, never a RecursionError or a
+    ValueError from Python's int conversion.
+
+    >>> parse_json('{"a": [1, 2]}')
+    {'a': [1, 2]}
+    """
+    if isinstance(text, str):
+        data = text.encode("utf-8", errors="surrogatepass")
+    elif isinstance(text, (bytes, bytearray)):
+        data = bytes(text)
+    else:
+        raise error("$", f"expected JSON text, got {type(text).__name__}", actual=type(text).__name__,
+                    expected="str or bytes")
+    if len(data) > max_bytes:
+        raise error("$", f"the {what} is {len(data):,} bytes, more than the {max_bytes:,} kvgeom reads",
+                    actual=len(data), expected=f"<= {max_bytes} bytes",
+                    fix="send the document kvgeom wrote (or raise the limit if it really is that large)")
     try:
-        return json.loads(text)
+        decoded = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error("$", f"not UTF-8 text (byte {e.start})", fix="send the JSON text as UTF-8") from None
+    depth = _depth(data)
+    if depth > max_depth:
+        raise error("$", f"nested {depth} levels deep (at most {max_depth})", actual=depth,
+                    expected=f"<= {max_depth} levels", fix="send the document kvgeom wrote")
+    try:
+        return json.loads(decoded, parse_int=_int_literal, parse_float=_float_literal, parse_constant=_constant)
+    except _Refused as e:
+        raise error("$", f"malformed {what}: {e}", fix="write plain JSON numbers within kvgeom's sizes") from None
     except json.JSONDecodeError as e:
-        what = "truncated" if e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated") else "malformed"
-        raise SchemaError("$", f"{what} JSON at line {e.lineno} column {e.colno}: {e.msg}",
-                          actual=len(text), fix="send the whole document produced by kvgeom.tools.serialize.dumps") from e
+        cut = e.pos >= len(decoded.rstrip()) or e.msg.startswith("Unterminated")
+        raise error("$", f"malformed or truncated {what} ({'truncated' if cut else 'malformed'} JSON at line "
+                    f"{e.lineno} column {e.colno}, byte {e.pos} of {len(data)}: {e.msg})",
+                    actual=len(decoded), fix="send the whole document produced by kvgeom.tools.serialize.dumps") \
+            from None
+    except (RecursionError, ValueError) as e:  # belt and braces: the checks above should make these unreachable
+        raise error("$", f"malformed {what}: {type(e).__name__}", fix="send the document kvgeom wrote") from None
 
 
 def loads(text: str | bytes | bytearray, *, expect: type | tuple[type, ...] | None = None) -> Any:
-    """Decode JSON text (or UTF-8 bytes) made by :func:`dumps`."""
-    return from_dict(_parse_json(text), expect=expect)
+    """Decode JSON text (or UTF-8 bytes) made by :func:`dumps` (bounded: :func:`parse_json`)."""
+    return from_dict(parse_json(text), expect=expect)
 
 
 # ---- pair files (``kvgeom plan --pair FILE``) ---------------------------------------------
@@ -461,10 +537,22 @@ def parse_pair_file(d: Any) -> tuple[Pair, Request | None]:
 
 def load_pair_file(path: str | Path) -> tuple[Pair, Request | None]:
     """Read a pair file written by :func:`dump_pair_file` (or by hand in the same format)."""
+    return parse_pair_file(parse_json(read_bounded(path, what="pair file"), what="pair file"))
+
+
+def read_bounded(path: str | Path, *, max_bytes: int = MAX_DOCUMENT_BYTES, what: str = "file") -> bytes:
+    """At most ``max_bytes`` bytes of a regular file (one more is read to tell it is longer: a device like
+    ``/dev/zero`` is refused, never read to exhaustion). Raises :class:`SchemaError` naming the path."""
+    name = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except IsADirectoryError:
+        raise SchemaError(name, f"cannot read {what}: it is a directory", fix="pass a JSON file") from None
     except OSError as e:
-        raise SchemaError(str(path), f"cannot read pair file: {e.strerror or e}", fix="check the path") from e
-    except UnicodeDecodeError as e:
-        raise SchemaError(str(path), f"not UTF-8 text (byte {e.start})") from e
-    return parse_pair_file(_parse_json(text))
+        raise SchemaError(name, f"cannot read {what}: {e.strerror or e}", fix="check the path") from None
+    if len(data) > max_bytes:
+        raise SchemaError(name, f"the {what} is longer than the {max_bytes:,} bytes kvgeom reads",
+                          actual=f"> {max_bytes} bytes", expected=f"<= {max_bytes} bytes",
+                          fix="pass the JSON file kvgeom wrote (not a device or a stream)")
+    return data

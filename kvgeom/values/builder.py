@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from ..arith.ints import ceil_div
 from ..arith.shard import check_divisible, local_count
-from ..errors import GeometryError, InternalError
+from ..errors import GeometryError, InternalError, value_text
 from .fields import check_int
 from .layout import (
     AttentionGroupGeometry,
@@ -64,13 +64,13 @@ def engine_fields(
     check_int(f"{name}.kernel_block_tokens", kernel_block_tokens, minimum=1)
     check_int(f"{name}.blocks_per_logical", blocks_per_logical, minimum=1)
     if layout not in ("HND", "NHD"):
-        raise GeometryError(f"{name}.layout", f"unknown attention layout {layout!r}",
+        raise GeometryError(f"{name}.layout", f"unknown attention layout {value_text(layout, 60)}",
                             actual=layout, expected=["HND", "NHD"], fix="use 'HND' or 'NHD'")
     if kv not in ("packed", "split", "inner"):
-        raise GeometryError(f"{name}.kv", f"unknown K/V arrangement {kv!r}", actual=kv,
+        raise GeometryError(f"{name}.kv", f"unknown K/V arrangement {value_text(kv, 60)}", actual=kv,
                             expected=["packed", "split", "inner"])
     if regions not in ("per_layer", "interleaved", "shared"):
-        raise GeometryError(f"{name}.regions", f"unknown region arrangement {regions!r}",
+        raise GeometryError(f"{name}.regions", f"unknown region arrangement {value_text(regions, 60)}",
                             actual=regions, expected=["per_layer", "interleaved", "shared"])
     if regions == "shared" and kv == "split":
         raise GeometryError(f"{name}.kv", "shared regions need K/V in one page", actual=kv,

@@ -26,10 +26,10 @@ import attrs
 import numpy as np
 
 from ..arith.shard import Slice, local_count, owned_slice
-from ..errors import GeometryError, InternalError
+from ..errors import GeometryError, InternalError, value_text
 from .builder import engine_fields
-from .engine_checks import validate_engine
-from .fields import is_int, pos_int
+from .engine_checks import MAX_REGIONS, validate_engine
+from .fields import as_int, as_tuple, check_instance, check_str, is_int, pos_int
 from .layout import (
     AttentionGroupGeometry,
     GroupGeometry,
@@ -46,11 +46,19 @@ __all__ = ["EngineGeometry", "engine_line", "engine_repr", "engine_html"]
 
 
 def _groups(value: Any) -> tuple[GroupGeometry, ...]:
-    return tuple(value)
+    return as_tuple(value, "EngineGeometry.groups")
 
 
 def _regions(value: Any) -> tuple[Region, ...]:
-    return tuple(value)
+    return as_tuple(value, "EngineGeometry.regions", max_len=MAX_REGIONS)
+
+
+def _model(instance: Any, attribute: Any, value: Any) -> None:
+    check_instance("EngineGeometry.model", value, ModelSpec, fix="describe the model with ModelSpec(...)")
+
+
+def _engine_name(instance: Any, attribute: Any, value: Any) -> None:
+    check_str("EngineGeometry.name", value)
 
 
 @attrs.frozen(repr=False)
@@ -61,13 +69,13 @@ class EngineGeometry:
     ppl (kernel pages per logical block). Logical block size is ``K * ppl`` tokens.
     """
 
-    model: ModelSpec
-    tp: int = attrs.field(validator=pos_int)
-    kernel_block_tokens: int = attrs.field(validator=pos_int)
-    blocks_per_logical: int = attrs.field(validator=pos_int)
+    model: ModelSpec = attrs.field(validator=_model)
+    tp: int = attrs.field(converter=as_int, validator=pos_int)
+    kernel_block_tokens: int = attrs.field(converter=as_int, validator=pos_int)
+    blocks_per_logical: int = attrs.field(converter=as_int, validator=pos_int)
     regions: tuple[Region, ...] = attrs.field(converter=_regions)
     groups: tuple[GroupGeometry, ...] = attrs.field(converter=_groups)
-    name: str = "engine"
+    name: str = attrs.field(default="engine", validator=_engine_name)
 
     def __attrs_post_init__(self) -> None:
         validate_engine(self)
@@ -139,7 +147,7 @@ class EngineGeometry:
 
     def _index(self, what: str, value: int, size: int) -> None:
         if not (is_int(value) and 0 <= value < size):
-            raise GeometryError(f"{self.name}.{what}", f"{value!r} is outside [0, {size})", actual=value,
+            raise GeometryError(f"{self.name}.{what}", f"{value_text(value, 60)} is outside [0, {size})", actual=value,
                                 expected=f"0 <= {what} < {size}", fix=f"pass an index below {size}")
 
     # ---- addressing (the model; vectorized) ------------------------------------------------

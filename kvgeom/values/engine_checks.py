@@ -4,12 +4,18 @@ Every rule raises :class:`~kvgeom.errors.GeometryError` naming the field path. B
 by arithmetic before anything is enumerated: a remote's self-description is untrusted, so a page
 layout's last head vector must end inside its page before any per-vector check runs::
 
+    K * ppl <= 2**48                          (a logical block's tokens: checked product)
     span = (planes-1)*kv_stride + (heads-1)*head_stride + (K-1)*token_stride + head_bytes
     view.offset + span <= page_bytes          (else GeometryError, nothing allocated)
-    then: every head vector of a page, all layers of a region: sorted starts >= head_bytes apart
+    then, no two head vectors of a page overlap:
+      nested layout (each stride >= the extent of the modes inside it) and layers' extents disjoint
+          -> proven by arithmetic, O(layers)
+      otherwise every head vector of a page, all layers of a region (at most 2**20, else refused):
+          sorted starts >= head_bytes apart
 
 Worked number: HND, 2 heads of 256 B, K = 16, packed (strides 8192/4096/256):
-``span = 8192 + 4096 + 15 * 256 + 256 = 16384``, exactly one 16384-byte page.
+``span = 8192 + 4096 + 15 * 256 + 256 = 16384``, exactly one 16384-byte page; the modes nest
+(token 256 >= 256, head 4096 >= 16 * 256, kv 8192 >= 4096 + 4096), so nothing is enumerated.
 """
 
 from __future__ import annotations
@@ -19,15 +25,17 @@ from typing import Any, Protocol
 import attrs
 import numpy as np
 
+from ..arith.ints import checked_product
 from ..arith.shard import check_divisible, local_count
 from ..errors import GeometryError
 from .fields import check_int
-from .layout import AttentionGroupGeometry, GroupGeometry, Region, StateGroupGeometry, section_placements
+from .layout import AttentionGroupGeometry, GroupGeometry, PageLayout, Region, StateGroupGeometry, section_placements
 from .model import AttentionSpec, ModelSpec, StateSpec
 
-__all__ = ["MAX_PAGE_VECTORS", "EngineFields", "validate_engine"]
+__all__ = ["MAX_PAGE_VECTORS", "MAX_REGIONS", "EngineFields", "validate_engine", "nested_extent"]
 
-MAX_PAGE_VECTORS = 1 << 24  # head vectors per page (all layers of a group) the overlap check enumerates
+MAX_PAGE_VECTORS = 1 << 20  # head vectors per page (all layers of a group) the fallback overlap check enumerates
+MAX_REGIONS = 1 << 16  # regions of one engine (real engines: one per layer, or fewer)
 
 
 class EngineFields(Protocol):
@@ -52,6 +60,9 @@ class EngineFields(Protocol):
 def validate_engine(e: EngineFields) -> None:
     """Every structural rule of one engine, with the field path in each error."""
     n = e.name
+    checked_product(f"{n}.blocks_per_logical", e.kernel_block_tokens, e.blocks_per_logical,
+                    what="logical block (kernel_block_tokens x blocks_per_logical tokens)",
+                    fix="use a logical block of at most 2**48 tokens")
     if len(e.groups) != len(e.model.groups):
         raise GeometryError(f"{n}.groups", f"{len(e.groups)} group geometries for a model with "
                             f"{len(e.model.groups)} groups", actual=len(e.groups),
@@ -110,29 +121,81 @@ def _validate_attention(e: EngineFields, gi: int, spec: AttentionSpec, geo: Atte
                                     f"{e.regions[ri].page_bytes} B page of region {ri}", actual=end,
                                     expected=f"<= {e.regions[ri].page_bytes}",
                                     fix="enlarge the region's page_bytes or fix the strides/offset")
+    for li, v in enumerate(geo.views):
+        if len(v.regions) != spec.planes:
+            raise GeometryError(f"{path}.views[{li}].regions", f"{len(v.regions)} regions for {spec.planes} planes",
+                                actual=v.regions, expected=f"{spec.planes} region indices (one per plane)",
+                                fix="name the region of each plane (the same index twice when packed)")
+    if _apart_by_arithmetic(geo, spec.planes, h, K, hb):
+        return
+    _apart_by_enumeration(e, spec, geo, h, K, hb, path)
+
+
+def nested_extent(modes: list[tuple[int, int]], unit: int) -> int | None:
+    """The extent in bytes of a strided pattern of ``unit``-byte elements whose modes ``(size, stride)``
+    nest, or ``None`` when they do not.
+
+    Nested: sorted by stride, every mode's stride is at least the extent of the modes inside it.
+    Then two elements differ by at least ``unit`` (the highest mode where their indices differ
+    contributes >= its stride, the modes inside it less than that minus ``unit``), so none overlap.
+
+    >>> nested_extent([(2, 8192), (2, 4096), (16, 256)], 256), nested_extent([(2, 8), (4, 16)], 16)
+    (16384, None)
+    """
+    extent = unit
+    for size, stride in sorted((m for m in modes if m[0] > 1), key=lambda m: m[1]):
+        if stride < extent:
+            return None
+        extent += (size - 1) * stride
+    return extent
+
+
+def _apart_by_arithmetic(geo: AttentionGroupGeometry, planes: int, heads: int, K: int, hb: int) -> bool:
+    """True when no two head vectors of one page overlap, proven without enumerating them: the layout's
+    modes nest and the layers' extents in each region are disjoint."""
+    lay: PageLayout = geo.layout
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for v in geo.views:
+        by_region: dict[int, list[int]] = {}
+        for p, r in enumerate(v.regions):
+            by_region.setdefault(r, []).append(p)
+        for r, ps in by_region.items():
+            modes = [(heads, lay.head_stride), (K, lay.token_stride)]
+            if len(ps) == 2:
+                modes.append((2, lay.kv_stride))
+            extent = nested_extent(modes, hb)
+            if extent is None:
+                return False
+            start = v.offset + ps[0] * lay.kv_stride
+            spans.setdefault(r, []).append((start, start + extent))
+    for sp in spans.values():
+        sp.sort()
+        if any(b0 < a1 for (_, a1), (b0, _) in zip(sp, sp[1:])):
+            return False
+    return True
+
+
+def _apart_by_enumeration(e: EngineFields, spec: AttentionSpec, geo: AttentionGroupGeometry, h: int, K: int,
+                          hb: int, path: str) -> None:
+    """Every head vector of a page, all layers of a region, sorted: starts at least ``hb`` apart
+    (bounded: at most MAX_PAGE_VECTORS vectors, refused before enumerating beyond that)."""
+    lay = geo.layout
     vectors = spec.planes * h * K
     if vectors * len(geo.views) > MAX_PAGE_VECTORS:
         raise GeometryError(f"{path}", f"{len(geo.views)} layers x {vectors} head vectors per page exceed the "
-                            f"{MAX_PAGE_VECTORS} kvgeom checks for overlap", actual=vectors * len(geo.views),
-                            expected=f"<= {MAX_PAGE_VECTORS}", fix="use realistic kernel pages (<= 4096 tokens)")
+                            f"{MAX_PAGE_VECTORS} kvgeom checks for overlap (the layout's strides do not nest)",
+                            actual=vectors * len(geo.views), expected=f"<= {MAX_PAGE_VECTORS}",
+                            fix="use a layout whose strides nest (HND, NHD, K/V packed, split or inner) or "
+                                "smaller kernel pages")
     # every head vector (plane, head, slot) of one page, per layer: start offsets inside the page
     pl, hh, ss = np.meshgrid(np.arange(spec.planes), np.arange(h), np.arange(K), indexing="ij")
     per_region: dict[int, list[np.ndarray]] = {}
     for li, v in enumerate(geo.views):
         vp = f"{path}.views[{li}]"
-        if len(v.regions) != spec.planes:
-            raise GeometryError(f"{vp}.regions", f"{len(v.regions)} regions for {spec.planes} planes",
-                                actual=v.regions, expected=f"{spec.planes} region indices (one per plane)",
-                                fix="name the region of each plane (the same index twice when packed)")
         for p, r in enumerate(v.regions):
             ri = _region_index(e, f"{vp}.regions[{p}]", r)
             starts = v.offset + (pl[p].ravel() * lay.kv_stride + hh[p].ravel() * lay.head_stride
                                  + ss[p].ravel() * lay.token_stride)
-            end = int(starts.max()) + hb
-            if end > e.regions[ri].page_bytes:
-                raise GeometryError(f"{vp}", f"plane {p} ends at byte {end} of a {e.regions[ri].page_bytes} B page "
-                                    f"of region {ri}", actual=end, expected=f"<= {e.regions[ri].page_bytes}",
-                                    fix="enlarge the region's page_bytes or fix the strides/offset")
             per_region.setdefault(ri, []).append(starts)
     for ri, chunks in per_region.items():
         starts = np.sort(np.concatenate(chunks))

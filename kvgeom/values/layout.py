@@ -25,10 +25,11 @@ from typing import Any, Literal, Union
 
 import attrs
 
+from ..arith.ints import checked_product
 from ..arith.shard import local_count
-from ..errors import GeometryError
-from .fields import int_tuple, nonneg_int, pos_int
-from .model import StateSpec
+from ..errors import GeometryError, value_text
+from .fields import as_int, as_tuple, check_instance, int_tuple, nonneg_int, pos_int
+from .model import MAX_LAYERS, StateSpec
 
 __all__ = [
     "Region",
@@ -47,10 +48,18 @@ __all__ = [
 
 @attrs.frozen
 class Region:
-    """A registered allocation of ``num_pages`` kernel pages, ``page_bytes`` apart."""
+    """A registered allocation of ``num_pages`` kernel pages, ``page_bytes`` apart.
 
-    num_pages: int = attrs.field(validator=pos_int)
-    page_bytes: int = attrs.field(validator=pos_int)
+    Its bytes, ``num_pages * page_bytes``, are at most 2**48 (:func:`~kvgeom.arith.checked_product`),
+    so every offset inside it, and every offset plus a length, stays far inside int64.
+    """
+
+    num_pages: int = attrs.field(converter=as_int, validator=pos_int)
+    page_bytes: int = attrs.field(converter=as_int, validator=pos_int)
+
+    def __attrs_post_init__(self) -> None:
+        checked_product("Region.nbytes", self.num_pages, self.page_bytes, what="region size (pages x page bytes)",
+                        fix="use fewer or smaller pages (a region is at most 2**48 B)")
 
     @property
     def nbytes(self) -> int:
@@ -65,10 +74,10 @@ class PageLayout:
     separate regions (each plane's view then names its own region).
     """
 
-    kv_stride: int = attrs.field(validator=nonneg_int)
-    head_stride: int = attrs.field(validator=nonneg_int)
-    token_stride: int = attrs.field(validator=nonneg_int)
-    byte_stride: int = attrs.field(default=1, validator=pos_int)
+    kv_stride: int = attrs.field(converter=as_int, validator=nonneg_int)
+    head_stride: int = attrs.field(converter=as_int, validator=nonneg_int)
+    token_stride: int = attrs.field(converter=as_int, validator=nonneg_int)
+    byte_stride: int = attrs.field(default=1, converter=as_int, validator=pos_int)
 
     def __attrs_post_init__(self) -> None:
         if self.byte_stride != 1:
@@ -106,7 +115,7 @@ class AttentionView:
     """Where one attention layer lives: the region of each plane and the offset inside a page."""
 
     regions: tuple[int, ...] = attrs.field(converter=int_tuple)
-    offset: int = attrs.field(default=0, validator=nonneg_int)
+    offset: int = attrs.field(default=0, converter=as_int, validator=nonneg_int)
 
 
 class StateLayout(str, enum.Enum):
@@ -128,8 +137,8 @@ class StateLayout(str, enum.Enum):
 def state_layout(value: Any) -> StateLayout:
     try:
         return StateLayout(value)
-    except ValueError:
-        raise GeometryError("StateGroupGeometry.layout", f"unknown state layout {value!r}",
+    except (ValueError, TypeError):
+        raise GeometryError("StateGroupGeometry.layout", f"unknown state layout {value_text(value, 60)}",
                             actual=value, expected=[v.value for v in StateLayout],
                             fix="use 'channel_major' or 'state_major'") from None
 
@@ -138,12 +147,23 @@ def state_layout(value: Any) -> StateLayout:
 class StateView:
     """Where one state layer lives: its region and the offset inside a logical page."""
 
-    region: int = attrs.field(validator=nonneg_int)
-    offset: int = attrs.field(default=0, validator=nonneg_int)
+    region: int = attrs.field(converter=as_int, validator=nonneg_int)
+    offset: int = attrs.field(default=0, converter=as_int, validator=nonneg_int)
 
 
-def _views(value: Any) -> tuple[Any, ...]:
-    return tuple(value)
+def _views(cls_name: str, view_cls: type, value: Any) -> tuple[Any, ...]:
+    views = as_tuple(value, f"{cls_name}.views", max_len=MAX_LAYERS)
+    for i, v in enumerate(views):
+        check_instance(f"{cls_name}.views[{i}]", v, view_cls, fix=f"build views with {view_cls.__name__}(...)")
+    return views
+
+
+def _attention_views(value: Any) -> tuple[AttentionView, ...]:
+    return _views("AttentionGroupGeometry", AttentionView, value)
+
+
+def _state_views(value: Any) -> tuple[StateView, ...]:
+    return _views("StateGroupGeometry", StateView, value)
 
 
 @attrs.frozen
@@ -151,7 +171,11 @@ class AttentionGroupGeometry:
     """An attention group on one engine: one page layout, one view per layer."""
 
     layout: PageLayout
-    views: tuple[AttentionView, ...] = attrs.field(converter=_views)
+    views: tuple[AttentionView, ...] = attrs.field(converter=_attention_views)
+
+    def __attrs_post_init__(self) -> None:
+        check_instance("AttentionGroupGeometry.layout", self.layout, PageLayout,
+                       fix="describe the page with PageLayout(...) (or PageLayout.hnd / .nhd)")
 
 
 @attrs.frozen
@@ -159,7 +183,7 @@ class StateGroupGeometry:
     """A state group on one engine: the section layout and one view per layer."""
 
     layout: StateLayout = attrs.field(converter=state_layout)
-    views: tuple[StateView, ...] = attrs.field(converter=_views)
+    views: tuple[StateView, ...] = attrs.field(converter=_state_views)
 
 
 GroupGeometry = Union[AttentionGroupGeometry, StateGroupGeometry]

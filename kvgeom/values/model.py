@@ -18,10 +18,13 @@ from typing import Any, Union
 
 import attrs
 
-from ..errors import GeometryError
-from .fields import as_tuple, check_int, pos_int
+from ..errors import GeometryError, value_text
+from .fields import as_int, as_tuple, check_int, check_str, pos_int
 
 __all__ = [
+    "MAX_LAYERS",
+    "MAX_GROUPS",
+    "MAX_SECTIONS",
     "GroupKind",
     "AttentionSpec",
     "StateSection",
@@ -29,6 +32,31 @@ __all__ = [
     "GroupSpec",
     "ModelSpec",
 ]
+
+
+MAX_LAYERS = 4096  # layers of one group (real models have at most a few hundred): views are built per layer
+MAX_GROUPS = 64  # KV-cache groups of one model
+MAX_SECTIONS = 64  # sections of one state group
+
+
+def _layers(path: str) -> Any:
+    """attrs validator: 1 <= num_layers <= MAX_LAYERS (an engine builds one view per layer)."""
+
+    def validate(instance: Any, attribute: Any, value: Any) -> None:
+        check_int(f"{path}.{attribute.name}", value, minimum=1)
+        if value > MAX_LAYERS:
+            raise GeometryError(f"{path}.{attribute.name}", f"{value_text(value)} layers exceed the {MAX_LAYERS} "
+                                "kvgeom accepts per group", actual=value, expected=f"1..{MAX_LAYERS}",
+                                fix="describe the model's real layer count (an engine holds one view per layer)")
+
+    return validate
+
+
+def _name(path: str) -> Any:
+    def validate(instance: Any, attribute: Any, value: Any) -> None:
+        check_str(f"{path}.{attribute.name}", value)
+
+    return validate
 
 
 class GroupKind(str, enum.Enum):
@@ -46,10 +74,10 @@ class GroupKind(str, enum.Enum):
 def _kind(value: Any) -> GroupKind:
     try:
         return GroupKind(value)
-    except ValueError:
+    except (ValueError, TypeError):
         raise GeometryError(
             "AttentionSpec.kind",
-            f"unknown group kind {value!r}",
+            f"unknown group kind {value_text(value, 60)}",
             actual=value,
             expected=[k.value for k in GroupKind if k is not GroupKind.STATE],
             fix="use 'full', 'sliding' or 'mla' (state groups use StateSpec)",
@@ -64,12 +92,12 @@ class AttentionSpec:
     of the whole latent (e.g. (512 + 64) * 2 B = 1152 B for DeepSeek-V3 in bf16).
     """
 
-    name: str
+    name: str = attrs.field(validator=_name("AttentionSpec"))
     kind: GroupKind = attrs.field(converter=_kind)
-    num_layers: int = attrs.field(validator=pos_int)
-    num_kv_heads: int = attrs.field(validator=pos_int)
-    head_bytes: int = attrs.field(validator=pos_int)
-    window_tokens: int | None = None
+    num_layers: int = attrs.field(converter=as_int, validator=_layers("AttentionSpec"))
+    num_kv_heads: int = attrs.field(converter=as_int, validator=pos_int)
+    head_bytes: int = attrs.field(converter=as_int, validator=pos_int)
+    window_tokens: int | None = attrs.field(default=None, converter=as_int)
 
     def __attrs_post_init__(self) -> None:
         path = f"AttentionSpec({self.name!r})"
@@ -125,16 +153,17 @@ class StateSection:
     ``StateSection("ssm", channels=128, unit_bytes=64 * 128 * 4)``.
     """
 
-    name: str
-    channels: int = attrs.field(validator=pos_int)
-    unit_bytes: int = attrs.field(validator=pos_int)
-    rows: int = attrs.field(default=1, validator=pos_int)
+    name: str = attrs.field(validator=_name("StateSection"))
+    channels: int = attrs.field(converter=as_int, validator=pos_int)
+    unit_bytes: int = attrs.field(converter=as_int, validator=pos_int)
+    rows: int = attrs.field(default=1, converter=as_int, validator=pos_int)
     replicated: bool = attrs.field(default=False)
 
     @replicated.validator
     def _replicated_is_bool(self, attribute: Any, value: Any) -> None:
         if not isinstance(value, bool):
-            raise GeometryError("StateSection.replicated", f"must be a bool, got {type(value).__name__} {value!r}",
+            raise GeometryError("StateSection.replicated", f"must be a bool, got {type(value).__name__} "
+                                f"{value_text(value, 60)}",
                                 actual=value, expected="True or False", fix="pass replicated=True or False")
 
     @property
@@ -143,15 +172,15 @@ class StateSection:
 
 
 def _sections(value: Any) -> tuple[StateSection, ...]:
-    return as_tuple(value, "StateSpec.sections")
+    return as_tuple(value, "StateSpec.sections", max_len=MAX_SECTIONS)
 
 
 @attrs.frozen
 class StateSpec:
     """A mamba / linear-attention group: one state per request per layer, made of sections."""
 
-    name: str
-    num_layers: int = attrs.field(validator=pos_int)
+    name: str = attrs.field(validator=_name("StateSpec"))
+    num_layers: int = attrs.field(converter=as_int, validator=_layers("StateSpec"))
     sections: tuple[StateSection, ...] = attrs.field(converter=_sections)
 
     def __attrs_post_init__(self) -> None:
@@ -177,16 +206,16 @@ GroupSpec = Union[AttentionSpec, StateSpec]
 
 
 def _groups(value: Any) -> tuple[GroupSpec, ...]:
-    return as_tuple(value, "ModelSpec.groups")
+    return as_tuple(value, "ModelSpec.groups", max_len=MAX_GROUPS)
 
 
 @attrs.frozen
 class ModelSpec:
     """The model facts both engines must agree on: its groups, in order, and the cache dtype."""
 
-    name: str
+    name: str = attrs.field(validator=_name("ModelSpec"))
     groups: tuple[GroupSpec, ...] = attrs.field(converter=_groups)
-    dtype: str = "bfloat16"
+    dtype: str = attrs.field(default="bfloat16", validator=_name("ModelSpec"))
 
     def __attrs_post_init__(self) -> None:
         if not self.groups:
@@ -205,6 +234,6 @@ class ModelSpec:
         for i, g in enumerate(self.groups):
             if g.name == name:
                 return i
-        raise GeometryError("group", f"no group named {name!r}", actual=name,
+        raise GeometryError("group", f"no group named {value_text(name, 60)}", actual=name,
                             expected=[g.name for g in self.groups])
 

@@ -18,8 +18,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..errors import IncompatibleGeometry, RequestError
+from ..errors import IncompatibleGeometry, RequestError, value_text
 from .engine import EngineGeometry
+from .fields import check_instance
 from .model import AttentionSpec, ModelSpec, StateSpec
 from .request import BlockList, Request, StateSlots
 
@@ -74,6 +75,12 @@ def incompatibilities(prefill: EngineGeometry, decode: EngineGeometry) -> tuple[
     return tuple(out)
 
 
+def _not_an_engine(side: str, value: Any) -> IncompatibleGeometry:
+    return IncompatibleGeometry(f"Pair.{side}", f"expected EngineGeometry, got {type(value).__name__}",
+                                actual=value_text(value, 60),
+                                fix="build engines with EngineGeometry(...) or EngineGeometry.build(...)")
+
+
 @attrs.frozen
 class Compatibility:
     """The answer to "can these two engines be paired": ``ok`` and every reason when not."""
@@ -91,7 +98,12 @@ class Compatibility:
 
 
 def pairable(prefill: EngineGeometry, decode: EngineGeometry) -> Compatibility:
-    """Whether ``Pair(prefill, decode)`` would succeed, and why not, without raising."""
+    """Whether ``Pair(prefill, decode)`` would succeed, and why not, without raising (a side that is
+    not an :class:`EngineGeometry` is a reason too)."""
+    wrong = tuple(_not_an_engine(side, value) for side, value in (("prefill", prefill), ("decode", decode))
+                  if not isinstance(value, EngineGeometry))
+    if wrong:
+        return Compatibility(False, wrong)
     reasons = incompatibilities(prefill, decode)
     return Compatibility(not reasons, reasons)
 
@@ -110,16 +122,12 @@ class EnginePair:
     def __attrs_post_init__(self) -> None:
         for side in ("prefill", "decode"):
             if not isinstance(getattr(self, side), EngineGeometry):
-                raise IncompatibleGeometry(f"Pair.{side}", f"expected EngineGeometry, got "
-                                           f"{type(getattr(self, side)).__name__}", actual=getattr(self, side),
-                                           fix="build engines with EngineGeometry(...) or EngineGeometry.build(...)")
+                raise _not_an_engine(side, getattr(self, side))
         reasons = incompatibilities(self.prefill, self.decode)
         if reasons:
-            first = reasons[0]
-            more = f" (+{len(reasons) - 1} more: " + "; ".join(str(r) for r in reasons[1:]) + ")" \
-                if len(reasons) > 1 else ""
-            raise IncompatibleGeometry(first.path, first.message + more, actual=first.actual,
-                                       expected=first.expected, fix=first.fix)
+            first = reasons[0]  # each further reason keeps its own expected and fix (err.more)
+            raise IncompatibleGeometry(first.path, first.message, actual=first.actual, expected=first.expected,
+                                       fix=first.fix, more=reasons[1:])
 
     @property
     def model(self) -> ModelSpec:
@@ -130,6 +138,8 @@ class EnginePair:
 
     def check_request(self, request: Request) -> None:
         """Raise :class:`RequestError` unless ``request`` fits both engines."""
+        check_instance("request", request, Request, error=RequestError,
+                       fix="build the request with Request(...) or kvgeom.fresh_request(pair, tokens)")
         groups = self.model.groups
         if len(request.groups) != len(groups):
             raise RequestError("Request.groups", f"{len(request.groups)} group listings for a model with "
@@ -175,6 +185,29 @@ class EnginePair:
 
         for side_name in ("prefill", "decode"):
             self._check_shared_blocks(request, side_name)
+
+    def writable_blocks(self, request: Request) -> dict[int, tuple[int, ...]]:
+        """Per group, the D block ids (state groups: slot ids) a transfer of ``request`` may write.
+
+        D's listed blocks minus the attention blocks wholly before S, which D already holds (its
+        prefix-cache hit: never written, docs/design.md §4.2 (invariant 1)); the same pages the
+        simulator calls writable (:func:`kvgeom.checking.writable_pages`). On a failed transfer these
+        are the blocks to invalidate, and only these: the held prefix blocks stay valid.
+
+        Worked number: D blocks of 16 tokens listed from token 0 as ids (4, 5, 6, 7) with S = 32:
+        blocks 4 and 5 hold tokens [0, 32) and stay valid; ``{0: (6, 7)}``.
+        """
+        self.check_request(request)
+        B, S = self.decode.logical_block_tokens, request.prefix_hit_tokens
+        out: dict[int, tuple[int, ...]] = {}
+        for gi, g in enumerate(request.groups):
+            side = g.decode
+            if isinstance(side, BlockList):
+                held = max(0, min(len(side.block_ids), (S - side.first_token) // B))
+                out[gi] = tuple(side.block_ids[held:])
+            else:
+                out[gi] = tuple(side.slot_ids)
+        return out
 
     def _check_shared_blocks(self, request: Request, side_name: str) -> None:
         """Groups that share a region (the hybrid overlay) must list distinct blocks."""

@@ -23,15 +23,17 @@ from typing import Any
 import attrs
 import numpy as np
 
+from ..arith.ints import MAX_INT, checked_product
 from ..arith.runs import element_offsets
 from ..errors import PlanError
-from .fields import check_int, int_tuple
+from .fields import as_int, as_tuple, check_int, int_tuple
 from .notes import Note, as_notes
 from .text import cut, format_bytes, format_ids, html_block, html_table, text_table
 
 __all__ = ["Copies", "Zeros", "Rearrange", "TransferPlan", "COPY_COLUMNS", "ZERO_COLUMNS", "plan_repr", "plan_html",
            "plan_rank_rows", "plan_pair_bytes"]
 
+MAX_PAGES = 1 << 26  # kernel pages one rearrange may list
 COPY_COLUMNS = ("p_rank", "p_region", "p_offset", "d_rank", "d_region", "d_offset", "nbytes")
 ZERO_COLUMNS = ("d_rank", "d_region", "d_offset", "nbytes")
 
@@ -64,6 +66,10 @@ class _Columns:
             if n and int(col.min()) < 0:
                 raise PlanError(f"{type(self).__name__}.{c}", f"holds a negative value {int(col.min())}",
                                 actual=int(col.min()), expected=">= 0")
+            if n and int(col.max()) > MAX_INT:  # so that offset + nbytes never wraps in int64
+                raise PlanError(f"{type(self).__name__}.{c}", f"holds {int(col.max())}, beyond the largest size "
+                                f"kvgeom accepts (2**48)", actual=int(col.max()), expected=f"<= {MAX_INT}",
+                                fix="plan rows address regions of at most 2**48 bytes")
         if n and int(self.nbytes.min()) <= 0:  # type: ignore[attr-defined]
             raise PlanError(f"{type(self).__name__}.nbytes", "every row must move at least one byte",
                             actual=int(self.nbytes.min()), expected=">= 1")  # type: ignore[attr-defined]
@@ -140,8 +146,26 @@ class Zeros(_Columns):
         self._check()
 
 
+def _ints(path: str, value: Any) -> tuple[Any, ...]:
+    return int_tuple(as_tuple(value, path, PlanError, max_len=64))
+
+
+def _shape(value: Any) -> tuple[Any, ...]:
+    return _ints("Rearrange.shape", value)
+
+
+def _src_strides(value: Any) -> tuple[Any, ...]:
+    return _ints("Rearrange.src_strides", value)
+
+
+def _dst_strides(value: Any) -> tuple[Any, ...]:
+    return _ints("Rearrange.dst_strides", value)
+
+
 def _pages(value: Any) -> tuple[int, ...]:
     """Kernel page ids as a tuple of ints, validated in one vectorized pass (plans list many)."""
+    if hasattr(value, "__len__") and not isinstance(value, np.ndarray):
+        value = as_tuple(value, "Rearrange.pages", PlanError, max_len=MAX_PAGES)
     arr = np.asarray(value if not isinstance(value, (int, np.integer)) else [value])
     if arr.size == 0:
         return ()
@@ -171,16 +195,16 @@ class Rearrange:
     ``src_strides=(8, 16)``, ``dst_strides=(32, 8)``, ``unit_bytes=8``.
     """
 
-    d_rank: int
-    d_region: int
+    d_rank: int = attrs.field(converter=as_int)
+    d_region: int = attrs.field(converter=as_int)
     pages: tuple[int, ...] = attrs.field(converter=_pages)
-    shape: tuple[int, ...] = attrs.field(converter=int_tuple)
-    src_strides: tuple[int, ...] = attrs.field(converter=int_tuple)
-    dst_strides: tuple[int, ...] = attrs.field(converter=int_tuple)
-    unit_bytes: int
-    src_offset: int = 0
-    dst_offset: int = 0
-    page_bytes: int = attrs.field(kw_only=True)
+    shape: tuple[int, ...] = attrs.field(converter=_shape)
+    src_strides: tuple[int, ...] = attrs.field(converter=_src_strides)
+    dst_strides: tuple[int, ...] = attrs.field(converter=_dst_strides)
+    unit_bytes: int = attrs.field(converter=as_int)
+    src_offset: int = attrs.field(default=0, converter=as_int)
+    dst_offset: int = attrs.field(default=0, converter=as_int)
+    page_bytes: int = attrs.field(kw_only=True, converter=as_int)
 
     def __attrs_post_init__(self) -> None:
         for name in ("d_rank", "d_region", "src_offset", "dst_offset"):
@@ -196,6 +220,10 @@ class Rearrange:
             raise PlanError("Rearrange.shape", "shape, src_strides and dst_strides differ in length",
                             actual=(self.shape, self.src_strides, self.dst_strides),
                             fix="give one src and one dst stride per mode of shape")
+        # a permutation moves at most a page's bytes: bounds the element arrays before they exist
+        checked_product("Rearrange.shape", *self.shape, self.unit_bytes, limit=self.page_bytes,
+                        what="bytes of one page's elements", error=PlanError,
+                        fix="a rearrange permutes the bytes of one page: its elements fit in page_bytes")
         for side, off, strides in (("src", self.src_offset, self.src_strides), ("dst", self.dst_offset, self.dst_strides)):
             end = off + sum((n - 1) * s for n, s in zip(self.shape, strides)) + self.unit_bytes
             if end > self.page_bytes:
@@ -217,7 +245,7 @@ class Rearrange:
 
 
 def _rearranges(value: Any) -> tuple[Rearrange, ...]:
-    out = tuple(value)
+    out = as_tuple(value, "TransferPlan.rearranges", PlanError)
     for i, r in enumerate(out):
         if not isinstance(r, Rearrange):
             raise PlanError(f"TransferPlan.rearranges[{i}]", f"expected Rearrange, got {type(r).__name__}", actual=r)
@@ -228,14 +256,14 @@ def _rearranges(value: Any) -> tuple[Rearrange, ...]:
 class TransferPlan:
     """Everything one request's transfer does; see the module docstring for the order."""
 
-    prefill_tp: int
-    decode_tp: int
+    prefill_tp: int = attrs.field(converter=as_int)
+    decode_tp: int = attrs.field(converter=as_int)
     copies: Copies
     zeros: Zeros
     rearranges: tuple[Rearrange, ...] = attrs.field(default=(), converter=_rearranges)
     notes: tuple[Note, ...] = attrs.field(default=(), converter=as_notes)
-    copies_before_coalescing: int = -1
-    zeros_before_coalescing: int = -1
+    copies_before_coalescing: int = attrs.field(default=-1, converter=as_int)
+    zeros_before_coalescing: int = attrs.field(default=-1, converter=as_int)
 
     def __attrs_post_init__(self) -> None:
         check_int("TransferPlan.prefill_tp", self.prefill_tp, minimum=1, error=PlanError)

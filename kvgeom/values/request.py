@@ -20,18 +20,26 @@ from __future__ import annotations
 from typing import Any, Union
 
 import attrs
+import numpy as np
 
-from ..errors import RequestError
-from .fields import as_tuple, check_int, int_tuple, is_int
+from ..errors import RequestError, value_text
+from .fields import MAX_INT, as_int, as_tuple, check_int, is_int
+from .model import MAX_GROUPS
 from .text import format_ids, html_block, html_table, text_table
 
-__all__ = ["BlockList", "StateSlots", "SideBlocks", "GroupRequest", "Request", "request_repr", "request_html"]
+__all__ = ["MAX_LISTED", "BlockList", "StateSlots", "SideBlocks", "GroupRequest", "Request", "request_repr",
+           "request_html", "ListingShape", "RequestShape"]
+
+MAX_LISTED = 1 << 24  # block ids (or slots) one listing may hold: 16M blocks is 268M tokens at 16 per block
 
 
-def _int_tuple(path: str, value: Any) -> tuple[int, ...]:
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    return int_tuple(as_tuple(value, path, RequestError))
+def _int_tuple(path: str, value: Any) -> tuple[Any, ...]:
+    """The listing as a tuple: Python ints where the entries are integers (numpy ones converted),
+    anything else kept for :func:`_check_ids` to refuse with its index."""
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu" and value.size <= MAX_LISTED:
+        return tuple(value.tolist())
+    items = as_tuple(value, path, RequestError, max_len=MAX_LISTED)
+    return tuple(int(v) if is_int(v) else v for v in items)
 
 
 def _block_ids(value: Any) -> tuple[int, ...]:
@@ -47,8 +55,9 @@ def _tokens(value: Any) -> tuple[int, ...]:
 
 
 def _check_ids(path: str, ids: tuple[Any, ...]) -> None:
-    for i, b in enumerate(ids):
-        check_int(f"{path}[{i}]", b, minimum=0, error=RequestError)
+    if not all(type(b) is int for b in ids) or (ids and (min(ids) < 0 or max(ids) > MAX_INT)):
+        for i, b in enumerate(ids):
+            check_int(f"{path}[{i}]", b, minimum=0, error=RequestError)
     if len(set(ids)) != len(ids):
         seen: set[int] = set()
         dup = next(b for b in ids if b in seen or seen.add(b))  # type: ignore[func-returns-value]
@@ -61,7 +70,7 @@ class BlockList:
     """An attention group's logical block ids on one side, in token order, from ``first_token``."""
 
     block_ids: tuple[int, ...] = attrs.field(converter=_block_ids)
-    first_token: int = 0
+    first_token: int = attrs.field(default=0, converter=as_int)
 
     def __attrs_post_init__(self) -> None:
         _check_ids("BlockList.block_ids", self.block_ids)
@@ -73,7 +82,13 @@ class BlockList:
 
     @classmethod
     def consecutive(cls, first_id: int, count: int, first_token: int = 0) -> BlockList:
-        """``count`` fresh consecutive ids starting at ``first_id``."""
+        """``count`` fresh consecutive ids starting at ``first_id`` (``count`` is checked before any id is made)."""
+        first_id = check_int("BlockList.consecutive.first_id", first_id, minimum=0, error=RequestError)
+        count = check_int("BlockList.consecutive.count", count, minimum=0, error=RequestError)
+        if count > MAX_LISTED:
+            raise RequestError("BlockList.block_ids", f"{count} blocks exceed the {MAX_LISTED} one listing may hold",
+                               actual=count, expected=f"<= {MAX_LISTED}",
+                               fix="request fewer tokens (or use larger logical blocks)")
         return cls(tuple(range(first_id, first_id + count)), first_token)
 
 
@@ -114,14 +129,14 @@ class GroupRequest:
 
     def __attrs_post_init__(self) -> None:
         if type(self.prefill) is not type(self.decode) or not isinstance(self.prefill, (BlockList, StateSlots)):
-            raise RequestError("GroupRequest", "both sides must list the same kind of blocks "
+            raise RequestError("GroupRequest", "both sides must list the same kind of blocks (a BlockList or StateSlots) "
                                f"(got {type(self.prefill).__name__} and {type(self.decode).__name__})",
                                actual=(type(self.prefill).__name__, type(self.decode).__name__),
                                expected="BlockList for attention groups, StateSlots for state groups")
 
 
 def _group_requests(value: Any) -> tuple[GroupRequest, ...]:
-    return as_tuple(value, "Request.groups", RequestError)
+    return as_tuple(value, "Request.groups", RequestError, max_len=MAX_GROUPS)
 
 
 @attrs.frozen(repr=False)
@@ -131,9 +146,9 @@ class Request:
     ``groups`` follows the model's group order.
     """
 
-    computed_tokens: int
+    computed_tokens: int = attrs.field(converter=as_int)
     groups: tuple[GroupRequest, ...] = attrs.field(converter=_group_requests)
-    prefix_hit_tokens: int = 0
+    prefix_hit_tokens: int = attrs.field(default=0, converter=as_int)
 
     def __attrs_post_init__(self) -> None:
         check_int("Request.computed_tokens", self.computed_tokens, minimum=0, error=RequestError)
@@ -145,7 +160,7 @@ class Request:
         for i, g in enumerate(self.groups):
             if not isinstance(g, GroupRequest):
                 raise RequestError(f"Request.groups[{i}]", f"expected GroupRequest, got {type(g).__name__}",
-                                   actual=g, fix="wrap each group's two listings in GroupRequest(p, d)")
+                                   actual=value_text(g, 60), fix="wrap each group's two listings in GroupRequest(p, d)")
 
     @property
     def M(self) -> int:  # noqa: N802 - the design's name
@@ -160,6 +175,53 @@ class Request:
 
     def _repr_html_(self) -> str:
         return request_html(self)
+
+
+# ---- shapes: what the work budget needs of a request --------------------------------------------------
+
+
+@attrs.frozen
+class ListingShape:
+    """One side's listing of one group by size only: from ``first_token``, ``count`` blocks (attention)
+    or slots (state). What the planner's work estimate needs (docs/design.md §10), without the ids."""
+
+    first_token: int
+    count: int
+
+
+@attrs.frozen
+class RequestShape:
+    """A request by size only: M, S and per group the (prefill, decode) :class:`ListingShape`.
+
+    :meth:`of` takes it from a request; :func:`kvgeom.building.requests.fresh_shape` computes the
+    shape of a fresh request without building its (possibly huge) block lists.
+
+    ``state_pairs`` gives, per group, how many D slots pair with a P slot (``None`` when unknown:
+    the estimate then assumes every D slot pairs).
+    """
+
+    computed_tokens: int
+    prefix_hit_tokens: int
+    groups: tuple[tuple[ListingShape, ListingShape], ...]
+    state_pairs: tuple[int | None, ...] = ()
+
+    @classmethod
+    def of(cls, request: Request) -> RequestShape:
+        groups = []
+        pairs: list[int | None] = []
+        for g in request.groups:
+            sides = []
+            for side in (g.prefill, g.decode):
+                if isinstance(side, BlockList):
+                    sides.append(ListingShape(side.first_token, len(side.block_ids)))
+                else:
+                    sides.append(ListingShape(0, len(side.slot_ids)))
+            groups.append((sides[0], sides[1]))
+            if isinstance(g.decode, StateSlots) and isinstance(g.prefill, StateSlots):
+                pairs.append(len(set(g.decode.tokens) & set(g.prefill.tokens)))
+            else:
+                pairs.append(None)
+        return cls(request.computed_tokens, request.prefix_hit_tokens, tuple(groups), tuple(pairs))
 
 
 # ---- text and HTML ----------------------------------------------------------------------------------

@@ -1,0 +1,414 @@
+"""The work budget: how large a request's plan will be, estimated before any row is built.
+
+A geometry can come from a remote peer and a request from a connector on every step, so the
+planner bounds its work before doing it (docs/design.md §10). :func:`estimate_plan` mirrors the
+planners in O(groups x ranks) arithmetic on the geometry and the request's *shape* (token ranges
+and block counts, never the ids); :meth:`PlanBudget.check` refuses an estimate over the budget
+with :class:`~kvgeom.errors.PlanBudgetExceeded`::
+
+    request --RequestShape.of--> (M, S, per group: first token + block count per side)
+        --estimate_plan(pair, shape, strategy)--> PlanEstimate(copy_rows, zero_rows, segments,
+                                                   rearrange_pages, steps, work, bytes)
+        --PlanBudget.check--> ok | PlanBudgetExceeded (estimate, budget, how to raise it)
+
+Upper bounds, per attention group and (D rank, source P rank, plane set), from the segment count
+and the modes of a segment (token, head[, plane]) folded as ``kvgeom.arith.runs.fold_modes`` does:
+
+    segments   <= 1 + cuts(P) + cuts(D) in (lo, hi)       cuts every K tokens (every block when linear)
+    rows       <= segments x R        when the token mode folds into the run (R: unfolded heads/planes)
+               <= (hi - lo) x R'      when it does not (one row per token per unfolded head/plane)
+    x layers; the whole-page collapse and coincidental folds only make the real count smaller
+
+State groups are counted exactly (paired slots x layers x the unfolded channel/row modes); staged
+adds its rearranges (D ranks x layers x planes, each listing the touched D pages); auto counts
+both strategies and builds one. ``tests/test_budget.py`` checks estimate >= the real plan on drawn
+pairs, and that the estimate is not loose where no page collapses.
+
+Worked number: P and D TP1, HND, K = 16, 80 layers, 8 heads of 256 B, M = 16,384 tokens: 1,024
+segments; the token mode folds (stride 256 = the head vector) and so does nothing else (head
+stride 4096 != 16 * 256... it does: 4096 = 16 * 256, and the plane), so R = 1 and the estimate is
+1,024 x 80 = 81,920 copy rows; the planner builds 80 (each layer's pages collapse into one run).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import attrs
+
+from ..arith.ints import ceil_div
+from ..arith.runs import Mode, fold_modes
+from ..arith.shard import sources
+from ..errors import InternalError, PlanBudgetExceeded
+from ..values.engine import EngineGeometry
+from ..values.fields import check_int
+from ..values.layout import PageLayout
+from ..values.model import AttentionSpec, StateSpec
+from ..values.pair import EnginePair
+from ..values.request import ListingShape, RequestShape
+from .sides import SideView
+from .staged import arrival, is_identity, rearrange_modes
+
+__all__ = ["PlanBudget", "PlanEstimate", "DEFAULT_BUDGET", "estimate_plan", "ROW_BYTES", "SEGMENT_BYTES",
+           "PAGE_ENTRY_BYTES", "STEP_WORK"]
+
+# Peak bytes of planner memory per unit, measured with tracemalloc on the presets and synthetic pairs
+# (benchmarks/hostile.py --calibrate); rounded up. A copy row is 7 int64 columns, built, repeated,
+# concatenated, sorted and coalesced; a zero row 4 columns; a token segment 6 int64 arrays plus
+# the cut points; a rearranged page one Python int in each rearrange's tuple and its array.
+ROW_BYTES = 200
+SEGMENT_BYTES = 160
+PAGE_ENTRY_BYTES = 48
+BASE_BYTES = 1 << 20  # a plan of a few rows still makes its arrays, notes and coalescing buffers
+STEP_WORK = 2000  # one Python-level planner iteration costs about as much as this many row operations
+
+
+@attrs.frozen
+class PlanEstimate:
+    """Upper bounds of what planning one request builds and does (docs/design.md §10).
+
+    ``copy_rows`` / ``zero_rows``: rows before coalescing; ``segments``: token segments cut;
+    ``rearrange_pages``: page entries of the staged rearranges; ``steps``: Python-level planner
+    iterations (per D rank, source, plane set, segment length); ``work``: row and segment
+    operations plus ``STEP_WORK`` per step (time); ``bytes``: peak planner memory (space).
+    """
+
+    copy_rows: int = 0
+    zero_rows: int = 0
+    segments: int = 0
+    rearrange_pages: int = 0
+    steps: int = 0
+    work: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return (BASE_BYTES + self.copy_rows * ROW_BYTES + self.zero_rows * ROW_BYTES + self.segments * SEGMENT_BYTES
+                + self.rearrange_pages * PAGE_ENTRY_BYTES)
+
+    def __add__(self, other: PlanEstimate) -> PlanEstimate:
+        return PlanEstimate(*(a + b for a, b in zip(attrs.astuple(self), attrs.astuple(other))))
+
+    def peak(self, other: PlanEstimate) -> PlanEstimate:
+        """Two alternatives of which one is built: the larger sizes, the summed time."""
+        return PlanEstimate(max(self.copy_rows, other.copy_rows), max(self.zero_rows, other.zero_rows),
+                            self.segments + other.segments, max(self.rearrange_pages, other.rearrange_pages),
+                            self.steps + other.steps, self.work + other.work)
+
+    def __str__(self) -> str:
+        return (f"{self.copy_rows:,} copy rows, {self.zero_rows:,} zero rows, {self.segments:,} token segments, "
+                f"{self.rearrange_pages:,} rearranged page entries, {self.steps:,} planner steps "
+                f"(~{_gib(self.bytes)} of planner memory)")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+@attrs.frozen
+class PlanBudget:
+    """What planning one request may cost; the planner refuses an estimate beyond it.
+
+    ``max_bytes``: peak planner memory (default 4 GiB, so a plan and its simulation fit a 24 GB
+    machine with room for the engines' own caches); ``max_work``: row and segment operations
+    (default 2**28: at the 2 to 30 million per second measured on this project's 2-core machine,
+    seconds to two minutes of planning); ``max_steps``: Python-level
+    iterations (default 2**18; a remote claiming ``tp = 2**40`` is refused here, in O(1)).
+    """
+
+    max_bytes: int = attrs.field(default=4 << 30)
+    max_work: int = attrs.field(default=1 << 28)
+    max_steps: int = attrs.field(default=1 << 18)
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("max_bytes", "max_work", "max_steps"):
+            check_int(f"PlanBudget.{name}", getattr(self, name), minimum=1, error=PlanBudgetExceeded)
+
+    def check(self, estimate: PlanEstimate, *, what: str = "plan") -> None:
+        """Raise :class:`PlanBudgetExceeded` when ``estimate`` exceeds any of the three limits."""
+        for name, have, limit, unit in (("max_bytes", estimate.bytes, self.max_bytes, "bytes of planner memory"),
+                                        ("max_work", estimate.work, self.max_work, "row operations"),
+                                        ("max_steps", estimate.steps, self.max_steps, "planner steps")):
+            if have > limit:
+                raise PlanBudgetExceeded(
+                    what, f"the {what} would need about {have:,} {unit} (estimate: {estimate}), beyond the budget "
+                          f"of {limit:,}", actual=estimate, expected=f"{name} <= {limit:,}",
+                    fix=f"plan fewer tokens or layers, or raise the budget: budget=PlanBudget({name}="
+                        f"{_raise(have)}) (kvgeom plan --budget-mb / Link(..., budget=...))")
+
+
+def _raise(n: int) -> int:
+    """A round number above ``n`` (a budget that would admit it)."""
+    return 1 << max(1, n.bit_length())
+
+
+DEFAULT_BUDGET = PlanBudget()
+
+
+# ---- the estimate ----------------------------------------------------------------------------------------
+
+def _cuts(lo: int, hi: int, first: int, step: int) -> int:
+    """How many of ``first + k*step`` lie strictly inside ``(lo, hi)``."""
+    if hi - lo < 2:
+        return 0
+    return max(0, (hi - 1 - first) // step - (lo - first) // step)
+
+
+def _union_cuts(lo: int, hi: int, a: tuple[int, int], b: tuple[int, int]) -> int:
+    """How many points of ``a[0] + k*a[1]`` or ``b[0] + k*b[1]`` lie strictly inside ``(lo, hi)``:
+    both counts minus the common points, a progression of step ``lcm`` found by the Chinese
+    remainder theorem (O(log) arithmetic).
+
+    >>> _union_cuts(0, 48, (0, 12), (0, 8))      # 12 24 36 and 8 16 24 32 40: 24 is shared
+    7
+    """
+    (f1, s1), (f2, s2) = a, b
+    total = _cuts(lo, hi, f1, s1) + _cuts(lo, hi, f2, s2)
+    g = math.gcd(s1, s2)
+    if (f2 - f1) % g:
+        return total
+    # x = f1 + s1*t with s1*t = f2 - f1 (mod s2): t = ((f2 - f1) / g) * inverse(s1 / g) mod (s2 / g)
+    m = s2 // g
+    t = ((f2 - f1) // g) * pow(s1 // g, -1, m) % m if m > 1 else 0
+    common = _cuts(lo, hi, f1 + s1 * t, s1 * m)
+    return total - common
+
+
+def _side_step(engine: EngineGeometry, view: SideView, cut_tokens: int = 0) -> tuple[int, bool]:
+    """(tokens between two possible cuts of a side, whether it cuts at every one of them): every kernel
+    page, or, when its pages are token-outermost, only the logical block boundaries where the ids jump."""
+    if cut_tokens:
+        return cut_tokens, True
+    if view.linear():
+        return engine.logical_block_tokens, False
+    return engine.kernel_block_tokens, True
+
+
+def _distinct_lengths(segs: int, tokens: int, cuts: list[tuple[int, int, bool]]) -> int:
+    """An upper bound of the distinct segment lengths (the planner makes one pass over the segments per
+    length): every cut lies on ``first + k*step`` of some side, so interior lengths are multiples of
+    ``g = gcd`` of the steps and the sides' offsets, and ``L`` distinct multiples of ``g`` sum to at
+    least ``g*L*(L+1)/2 <= tokens``; a side that cuts at every step bounds every length by its step."""
+    if segs <= 2:
+        return segs
+    g = 0
+    for _first, step, _ in cuts:
+        g = math.gcd(g, step)
+    if len(cuts) > 1:
+        g = math.gcd(g, abs(cuts[0][0] - cuts[1][0]))
+    g = max(g, 1)
+    bound = math.isqrt(2 * tokens // g) + 3
+    every = [step for _, step, always in cuts if always]
+    if every:
+        bound = min(bound, min(every) // g + 3)
+    return min(segs, bound)
+
+
+_T = TypeVar("_T")
+
+BIG = 1 << 60  # a token-mode size no stride can equal after folding (strides are <= 2**48)
+
+
+def _rows_per_segment(unit: int, token: tuple[int, ...], others: list[Mode]) -> tuple[bool, int]:
+    """(does the token mode fold, product of the other unfolded modes) for segments of >= 2 tokens."""
+    run, rest = fold_modes(unit, [(BIG, token), *others])
+    token_folds = all(size != BIG for size, _ in rest)
+    return token_folds, math.prod(size for size, _ in rest if size != BIG)
+
+
+def _span(listing: ListingShape, block_tokens: int) -> tuple[int, int]:
+    return listing.first_token, listing.first_token + listing.count * block_tokens
+
+
+@attrs.frozen
+class _AttentionFactors:
+    """What one attention group's estimate needs of the pair alone (cached per pair, group, strategy)."""
+
+    staged: bool  # staged applies (and differs from direct)
+    d_cut: int  # D's cut step when staged (the arrived sub-page), else 0
+    rearranges: int  # rearranges when staged: D ranks x layers x plane regions
+    step_p: tuple[int, bool]
+    step_d: tuple[int, bool]
+    step_z: tuple[int, bool]
+    fold_rows: int  # sum over (D rank, source) of plane sets x layers x rows per segment, token mode folded
+    token_rows: int  # the same where the token mode does not fold: rows per token
+    sources: int  # (D rank, source, plane set) combinations: Python iterations per segment length
+    zero_fold: bool
+    zero_rows: int  # rows per zero segment (or per zeroed token), all D ranks, planes and layers
+    zero_planes: int
+
+
+def _attention_factors(pair: EnginePair, gi: int, staged: bool) -> _AttentionFactors:
+    P, D = pair.prefill, pair.decode
+    spec = pair.model.groups[gi]
+    if not isinstance(spec, AttentionSpec):
+        raise InternalError("an attention group's factors")
+    ps, ds = SideView(P, gi), SideView(D, gi)
+    d_layout: PageLayout = ds.layout
+    d_cut = rearranges = 0
+    applies = False
+    arr = arrival(P, D, gi) if staged else "direct"
+    if not isinstance(arr, str) and not is_identity(*rearrange_modes(D, gi, arr)):
+        applies = True
+        d_layout, d_cut = arr.layout, arr.sub_tokens
+        rearranges = D.tp * spec.num_layers * (1 if arr.planes_in_page == 2 or spec.planes == 1 else 2)
+    d_planes_share = ds.planes_share_region()
+    planes_inner = spec.planes > 1 and ps.planes_share_region() and d_planes_share
+    plane_sets = 1 if spec.planes == 1 or planes_inner else 2
+    pl, dl = ps.layout, d_layout
+    fold_rows = token_rows = n_sources = 0
+    for d in range(D.tp):
+        for src in sources(spec.num_kv_heads, p_tp=P.tp, p_replicated=spec.replicated, d_tp=D.tp, d_rank=d,
+                           d_replicated=spec.replicated):
+            others: list[Mode] = [(src.items.size, (pl.head_stride, dl.head_stride))]
+            if planes_inner:
+                others.append((spec.planes, (pl.kv_stride, dl.kv_stride)))
+            folds, rest = _rows_per_segment(spec.head_bytes, (pl.token_stride, dl.token_stride), others)
+            if folds:
+                fold_rows += plane_sets * spec.num_layers * rest
+            else:
+                token_rows += plane_sets * spec.num_layers * rest
+            n_sources += plane_sets
+    fz = SideView(D, gi).layout
+    others_z: list[Mode] = [(D.local_heads(gi), (fz.head_stride,))]
+    if spec.planes > 1 and d_planes_share:
+        others_z.append((spec.planes, (fz.kv_stride,)))
+    z_folds, z_rest = _rows_per_segment(spec.head_bytes, (fz.token_stride,), others_z)
+    zero_planes = 1 if spec.planes == 1 or d_planes_share else 2
+    return _AttentionFactors(applies, d_cut, rearranges, _side_step(P, ps), _side_step(D, ds, d_cut),
+                             _side_step(D, SideView(D, gi)), fold_rows, token_rows, n_sources, z_folds,
+                             D.tp * zero_planes * spec.num_layers * z_rest, zero_planes)
+
+
+def _attention(pair: EnginePair, shape: RequestShape, gi: int, staged: bool) -> PlanEstimate:
+    """Copy and zero rows of one attention group, direct or staged (:mod:`kvgeom.planning.attention`)."""
+    P, D = pair.prefill, pair.decode
+    f = _factors(pair, ("attention", gi, staged), lambda: _attention_factors(pair, gi, staged))
+    p_list, d_list = shape.groups[gi]
+    p0, p1 = _span(p_list, P.logical_block_tokens)
+    d0, d1 = _span(d_list, D.logical_block_tokens)
+    M, S = shape.computed_tokens, shape.prefix_hit_tokens
+    lo, hi = max(S, d0, p0), min(M, d1, p1)
+    n = max(0, hi - lo)
+    (step_p, every_p), (step_d, every_d) = f.step_p, f.step_d
+    segs = 1 + _union_cuts(lo, hi, (p0, step_p), (d0, step_d)) if hi > lo else 0
+    lengths = _distinct_lengths(segs, n, [(p0, step_p, every_p), (d0, step_d, every_d)])
+    copy_rows = f.fold_rows * segs + f.token_rows * n
+    steps = f.sources * lengths
+    rearrange_pages = touched_segs = 0
+    if f.staged and hi > lo:
+        touched = ceil_div(hi - lo, D.kernel_block_tokens) + 1
+        rearrange_pages = f.rearranges * touched
+        touched_segs = touched + 1
+        steps += f.rearranges
+    # zeros: D's own layout, once per zero interval, repeated for every D rank
+    zero_rows = zsegs = scans = 0
+    zs = max(S, d0)
+    intervals = [(zs, d1)] if hi <= lo else [(zs, lo), (max(hi, zs), d1)]
+    step_z, every_z = f.step_z
+    for z0, z1 in intervals:
+        if z1 <= z0:
+            continue
+        k = 1 + _cuts(z0, z1, d0, step_z)
+        zsegs += k
+        z_lengths = _distinct_lengths(k, z1 - z0, [(d0, step_z, every_z)])
+        zero_rows += f.zero_rows * (k if f.zero_fold else z1 - z0)
+        steps += f.zero_planes * z_lengths * (1 + D.tp)
+        scans += k * z_lengths
+    segments = segs + zsegs + touched_segs
+    scans += segs * lengths + touched_segs
+    work = copy_rows + zero_rows + rearrange_pages + scans + steps * STEP_WORK
+    return PlanEstimate(copy_rows, zero_rows, segments, rearrange_pages, steps, work)
+
+
+def _state_factors(pair: EnginePair, gi: int) -> tuple[int, int]:
+    """(copy rows per paired slot, (section, D rank, source) iterations) of one state group."""
+    P, D = pair.prefill, pair.decode
+    spec = pair.model.groups[gi]
+    if not isinstance(spec, StateSpec):
+        raise InternalError("a state group's factors")
+    p_places, d_places = P.state_sections(gi), D.state_sections(gi)
+    rows = steps = 0
+    for si, sec in enumerate(spec.sections):
+        pp, dp = p_places[si], d_places[si]
+        for d in range(D.tp):
+            for src in sources(sec.channels, p_tp=P.tp, p_replicated=sec.replicated, d_tp=D.tp, d_rank=d,
+                               d_replicated=sec.replicated):
+                _, rest = fold_modes(sec.unit_bytes, [(src.items.size, (pp.channel_stride, dp.channel_stride)),
+                                                      (sec.rows, (pp.row_stride, dp.row_stride))])
+                rows += spec.num_layers * math.prod(size for size, _ in rest)
+                steps += 1
+    return rows, steps
+
+
+def _state(pair: EnginePair, shape: RequestShape, gi: int) -> PlanEstimate:
+    """Copy rows of one state group (:mod:`kvgeom.planning.state`): exact for the paired slots."""
+    spec = pair.model.groups[gi]
+    p_list, d_list = shape.groups[gi]
+    known = shape.state_pairs[gi] if gi < len(shape.state_pairs) else None
+    paired = min(p_list.count, d_list.count) if known is None else known
+    if paired == 0:
+        return PlanEstimate(steps=1, work=STEP_WORK)
+    per_slot, steps = _factors(pair, ("state", gi), lambda: _state_factors(pair, gi))
+    rows = paired * per_slot
+    return PlanEstimate(copy_rows=rows, segments=2 * paired * spec.num_layers, steps=steps,
+                        work=rows + steps * STEP_WORK)
+
+
+# Factors depend on the pair alone: cached per pair object (by identity: hashing a large geometry costs
+# more than the estimate), dropped when the pair is.
+_CACHE: dict[int, tuple[weakref.ref[EnginePair], dict[Any, Any]]] = {}
+
+
+def _factors(pair: EnginePair, key: Any, make: Callable[[], _T]) -> _T:
+    entry = _CACHE.get(id(pair))
+    if entry is None or entry[0]() is not pair:
+        pid = id(pair)
+        entry = (weakref.ref(pair, lambda _: _CACHE.pop(pid, None)), {})
+        _CACHE[pid] = entry
+    table = entry[1]
+    if key not in table:
+        table[key] = make()
+    out: _T = table[key]
+    return out
+
+
+def _coarse_steps(pair: EnginePair) -> int:
+    """A lower bound of the Python-level iterations (per D rank, per source) planning makes, in O(groups):
+    refused before :func:`estimate_plan` loops over the ranks of a remote claiming absurd TP sizes."""
+    P, D = pair.prefill, pair.decode
+    total = 0
+    for spec in pair.model.groups:
+        n_axes = 1 if isinstance(spec, AttentionSpec) else len(spec.sections)
+        total += n_axes * D.tp * (1 + min(P.tp, D.tp))
+    return total
+
+
+def estimate_plan(pair: EnginePair, shape: RequestShape, strategy: str = "direct", *,
+                  budget: PlanBudget | None = None) -> PlanEstimate:
+    """Upper bounds of the rows, segments, rearranged pages and steps of planning ``shape`` on ``pair``.
+
+    With ``budget``, refuses first (in O(groups)) when the ranks alone exceed its steps, so the
+    estimate itself never loops over a hostile TP.
+    """
+    if budget is not None:
+        coarse = _coarse_steps(pair)
+        if coarse > budget.max_steps:
+            budget.check(PlanEstimate(steps=coarse, work=coarse * STEP_WORK), what="plan")
+    total = PlanEstimate()
+    for gi, spec in enumerate(pair.model.groups):
+        if isinstance(spec, StateSpec):
+            total = total + _state(pair, shape, gi)
+        elif strategy == "direct":
+            total = total + _attention(pair, shape, gi, staged=False)
+        elif strategy == "staged":
+            total = total + _attention(pair, shape, gi, staged=True)
+        else:  # auto counts both (without rows), then builds one
+            direct = _attention(pair, shape, gi, staged=False)
+            staged = _attention(pair, shape, gi, staged=True)
+            total = total + direct.peak(staged) + PlanEstimate(segments=direct.segments + staged.segments)
+    # coalescing sorts and merges every copy and zero row once more
+    return attrs.evolve(total, work=total.work + total.copy_rows + total.zero_rows)
+
