@@ -6,8 +6,9 @@ and the notifications it received::
 
     RankAgent(name, region descs, mem_type)     nixl_agent + register_memory (once, whole regions)
       .metadata()                        -> bytes for the handshake
-      .add_peer(metadata) -> name        loaded into a scratch agent first: a blob NIXL refuses
-                                         never reaches this agent (see below)
+      .probe(metadata) -> name           loaded into a scratch agent and unloaded: a blob NIXL
+                                         refuses never reaches this agent (see below)
+      .add_peer(metadata) -> name        loaded into this agent (after a probe)
       .remove_peer(name)                 (also releases that peer's tables)
       .prepared(peer, tile) / .prepare(peer, tile, descs, mem_type)   one table per (agent, tile)
       .post_coalesced(op, local, remote, ...)   initialize_xfer + transfer   -> handle (PROC)
@@ -26,9 +27,10 @@ memory forever. Entries a transfer has claimed (it waits for them) are never evi
 **Loading a peer's metadata.** NIXL 1.5 loads a metadata blob in two steps, the UCX connection
 first and the memory sections second; when the second fails (a truncated or corrupted blob), the
 connection stays behind under the peer's agent name and no call removes it, so every later load
-of that peer, even an honest one, fails with ``NIXL_ERR_INVALID_PARAM``. :meth:`add_peer`
-therefore loads the blob into a scratch agent (UCX backend, no memory, about 15 ms) first and
-only then into this one; a refused blob leaves this agent untouched.
+of that peer, even an honest one, fails with ``NIXL_ERR_INVALID_PARAM``. The endpoint therefore
+:meth:`probe`s every blob in a scratch agent (UCX backend, no memory; about 15 ms to make, reused
+until a blob is refused) before :meth:`add_peer` loads it here; a refused blob, or one whose agent
+name is not the payload's, leaves this agent untouched.
 
 NIXL's exception classes (``nixl._bindings``) share no base class, so :func:`nixl_errors` lists
 them and :func:`classify` maps one to a failure reason (``nixlRemoteDisconnectError`` ->
@@ -157,6 +159,7 @@ class RankAgent:
         self._inbox: dict[tuple[str, str], set[str]] = {}  # (kind, request id) -> sender agents
         self._arrived: dict[tuple[str, str], float] = {}  # (kind, request id) -> first arrival (monotonic)
         self._claimed: set[tuple[str, str]] = set()  # keys a transfer waits for: never evicted
+        self._probe: Any = None  # the scratch agent peer metadata is loaded into first
         self.evicted = 0  # unclaimed notifications evicted so far
         nixl = make_agent(name, telemetry=telemetry, progress_thread=progress_thread)
         try:
@@ -175,18 +178,28 @@ class RankAgent:
         """This agent's NIXL metadata, for a peer's :meth:`add_peer`."""
         return bytes(self.nixl.get_agent_metadata())
 
+    def probe(self, metadata: bytes) -> str:
+        """Load ``metadata`` into a scratch agent and unload it: the name NIXL would load it under, or the
+        NIXL error it would raise, without touching this agent (see the module docstring).
+
+        One scratch agent serves every probe until a blob is refused (it may then hold that blob's
+        half-loaded connection) or this agent closes.
+        """
+        if self._probe is None:
+            self._probe = make_agent(f"{self.name}-probe-{uuid.uuid4().hex[:8]}")
+        try:
+            name = _name(self._probe.add_remote_agent(metadata))
+        except BaseException:
+            self._probe = None  # possibly poisoned for that peer's name: the next probe makes a fresh one
+            raise
+        self._probe.remove_remote_agent(name)
+        return name
+
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer agent's metadata; returns the name NIXL loaded it under (raises NIXL errors).
 
-        The blob is loaded into a scratch agent first (see the module docstring): if NIXL refuses it
-        there, this agent never sees it and stays able to load the honest peer later.
+        Call :meth:`probe` first: a blob NIXL refuses must not reach this agent.
         """
-        probe = make_agent(f"{self.name}-probe-{uuid.uuid4().hex[:8]}")
-        try:
-            name = _name(probe.add_remote_agent(metadata))
-            probe.remove_remote_agent(name)
-        finally:
-            del probe  # the scratch agent and whatever a refused blob left in it go away
         return _name(self.nixl.add_remote_agent(metadata))
 
     def remove_peer(self, name: str) -> None:
@@ -322,6 +335,7 @@ class RankAgent:
             pass
         self._reg = None
         self.nixl = None
+        self._probe = None
         self._inbox.clear()
         self._arrived.clear()
         self._claimed.clear()

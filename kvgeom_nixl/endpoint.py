@@ -169,15 +169,20 @@ class Endpoint:
         return link
 
     def _load(self, peers: dict[int, RankInfo]) -> None:
-        """Load every peer's NIXL metadata, or none of it (a refusal unloads what was loaded)."""
+        """Load every peer's NIXL metadata, or none of it (a refusal unloads what was loaded).
+
+        Every blob is probed in a scratch agent first (:meth:`RankAgent.probe`): a blob NIXL refuses, or
+        one naming another agent than its payload, never reaches this endpoint's agent, which stays
+        able to load the honest peer afterwards (docs/design.md §10)."""
         loaded: list[str] = []
         try:
             for info in peers.values():
-                name = self.rank_agent.add_peer(info.metadata)
-                loaded.append(name)
+                name = self.rank_agent.probe(info.metadata)
                 if name != info.agent:
-                    raise HandshakeError(f"payloads[rank {info.rank}].agent", f"the NIXL metadata is agent {name!r}, "
-                                         f"the payload says {info.agent!r}", actual=name, expected=info.agent)
+                    raise HandshakeError(f"payloads[rank {info.rank}].agent", f"the NIXL metadata is agent "
+                                         f"{value_text(name, 80)}, the payload says {value_text(info.agent, 80)}",
+                                         actual=name, expected=info.agent)
+                loaded.append(self.rank_agent.add_peer(info.metadata))
         except nixl_errors() as e:
             self._unload(loaded)
             raise HandshakeError("nixl_metadata", f"NIXL refused the metadata: {type(e).__name__}: {e}") from e

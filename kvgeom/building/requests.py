@@ -44,6 +44,18 @@ def _listings(pair: EnginePair, computed_tokens: int, decode_tokens: int | None,
     return out
 
 
+def _fits(pair: EnginePair, gi: int, side: str, first: int, count: int) -> None:
+    """Refuse, before any id is made, a fresh listing that runs past the side's block pool."""
+    eng = pair.side(side)
+    pool = min(eng.num_logical_blocks(r) for r in eng.group_regions(gi))
+    if first + count > pool:
+        name = pair.model.groups[gi].name
+        raise RequestError(f"fresh_request.groups[{gi}]({name}).{side}", f"ids {first}..{first + count - 1} for "
+                           f"{count} blocks run past the {pool} logical blocks of {side}'s regions",
+                           actual=first + count, expected=f"<= {pool} blocks",
+                           fix="request fewer tokens, or give the engine more blocks")
+
+
 def fresh_shape(pair: EnginePair, computed_tokens: int, *, decode_tokens: int | None = None,
                 prefix_hit_tokens: int = 0) -> RequestShape:
     """The shape of :func:`fresh_request` (token ranges and block counts, no ids), in O(groups): what
@@ -78,15 +90,15 @@ def fresh_request(
         "decode": check_int("decode_first_block", decode_first_block, minimum=0, error=RequestError),
     }
     groups: list[GroupRequest] = []
-    for lst in listings:
+    for gi, lst in enumerate(listings):
         sides: dict[str, SideBlocks] = {}
         for k, side_name in enumerate(("prefill", "decode")):
+            count = 1 if lst is None else lst[k].count
+            _fits(pair, gi, side_name, counters[side_name], count)
             if lst is None:
                 sides[side_name] = StateSlots.running(counters[side_name], M)
-                counters[side_name] += 1
-                continue
-            shape = lst[k]
-            sides[side_name] = BlockList.consecutive(counters[side_name], shape.count, shape.first_token)
-            counters[side_name] += shape.count
+            else:
+                sides[side_name] = BlockList.consecutive(counters[side_name], count, lst[k].first_token)
+            counters[side_name] += count
         groups.append(GroupRequest(sides["prefill"], sides["decode"]))
     return Request(M, tuple(groups), S)

@@ -223,9 +223,10 @@ class OutputFile:
     """An output path opened (and proven writable) before any work: ``--svg``/``--png``.
 
     ``os.access`` is not enough (root passes it for any path, and it says nothing of a full
-    device), so the file is opened for writing and, unless it is a regular file, one byte is
-    written and flushed (``/dev/full`` fails there). A file this command created is removed again
-    if the command fails before writing it.
+    device or of ``/proc``), so the file is opened for writing and one byte is written and flushed
+    (``/dev/full`` and ``/proc/version`` fail there), then a regular file is emptied again. A pipe
+    or socket is refused without opening it (an open for writing would wait for a reader). A file
+    this command created is removed again if the command fails before writing it.
     """
 
     def __init__(self, flag: str, path: str) -> None:
@@ -233,10 +234,14 @@ class OutputFile:
         self.path = path
         existed = os.path.lexists(path)
         try:
+            if existed and stat.S_ISFIFO(os.stat(path).st_mode) or existed and stat.S_ISSOCK(os.stat(path).st_mode):
+                raise OSError(0, "a pipe or socket, not a file")
             self.file: Any = open(path, "wb")  # noqa: SIM115 - kept open until the drawing is written
-            if not stat.S_ISREG(os.fstat(self.file.fileno()).st_mode):
-                self.file.write(b"\n")
-                self.file.flush()
+            self.file.write(b"\n")
+            self.file.flush()
+            if stat.S_ISREG(os.fstat(self.file.fileno()).st_mode):
+                self.file.seek(0)
+                self.file.truncate(0)
         except OSError as e:
             with contextlib.suppress(Exception):
                 self.file.close()

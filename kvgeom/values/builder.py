@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from ..arith.ints import ceil_div
+from ..arith.ints import ceil_div, checked_product
 from ..arith.shard import check_divisible, local_count
 from ..errors import GeometryError, InternalError, value_text
-from .fields import check_int
+from .fields import check_instance, check_int, check_str
 from .layout import (
     AttentionGroupGeometry,
     AttentionView,
@@ -59,10 +59,22 @@ def engine_fields(
       * ``shared``     region i holds layer i of every group (vLLM's hybrid overlay);
         K/V must be packed, and the page is as large as the largest layer page that uses it.
     """
-    check_int(f"{name}.num_blocks", num_blocks, minimum=1)
-    check_int(f"{name}.tp", tp, minimum=1)
-    check_int(f"{name}.kernel_block_tokens", kernel_block_tokens, minimum=1)
-    check_int(f"{name}.blocks_per_logical", blocks_per_logical, minimum=1)
+    check_instance("EngineGeometry.build.model", model, ModelSpec, fix="describe the model with ModelSpec(...)")
+    check_str(f"{name}.name" if isinstance(name, str) else "EngineGeometry.name", name)
+    num_blocks = check_int(f"{name}.num_blocks", num_blocks, minimum=1)
+    tp = check_int(f"{name}.tp", tp, minimum=1)
+    kernel_block_tokens = check_int(f"{name}.kernel_block_tokens", kernel_block_tokens, minimum=1)
+    blocks_per_logical = check_int(f"{name}.blocks_per_logical", blocks_per_logical, minimum=1)
+    # the products every region and logical block is made of, before any per-layer object exists
+    checked_product(f"{name}.blocks_per_logical", kernel_block_tokens, blocks_per_logical,
+                    what="logical block (kernel_block_tokens x blocks_per_logical tokens)")
+    checked_product(f"{name}.num_blocks", num_blocks, blocks_per_logical, what="pages per region (num_blocks x ppl)",
+                    fix="use fewer or smaller blocks (a region is at most 2**48 B)")
+    for arg, value, options in (("layout", layout, ("HND", "NHD")), ("kv", kv, ("packed", "split", "inner")),
+                                ("regions", regions, ("per_layer", "interleaved", "shared"))):
+        if not isinstance(value, str) or value not in options:
+            raise GeometryError(f"{name}.{arg}", f"unknown {arg} {value_text(value, 60)}", actual=value_text(value, 60),
+                                expected=list(options), fix=f"use one of {', '.join(repr(o) for o in options)}")
     if layout not in ("HND", "NHD"):
         raise GeometryError(f"{name}.layout", f"unknown attention layout {value_text(layout, 60)}",
                             actual=layout, expected=["HND", "NHD"], fix="use 'HND' or 'NHD'")
