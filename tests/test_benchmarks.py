@@ -141,3 +141,15 @@ def test_plan_profile_names_the_case_and_its_sizes() -> None:
     # 32 rows before coalescing, 32 copies after
     assert text.startswith("syn-tp1-tp1 M=256 strategy=direct: 32 copies, 0 zeros, 32 rows before coalescing")
     assert "ncalls" in text
+
+
+def test_hostile_campaigns_run_and_render() -> None:
+    """``python -m benchmarks.hostile`` in miniature: workers, the watchdog and the table (no timing asserted)."""
+    from benchmarks import hostile
+
+    tallies = [hostile.campaign("api", 12, jobs=1), hostile.campaign("files", 6, jobs=1)]
+    for t in tallies:
+        assert t.tried == sum(t.counts.values()) and t.counts["other"] == t.counts["hang"] == 0
+    text = hostile.render(tallies, title="mini")
+    assert "API values" in text and "pair files" in text and "max refusal ms" in text
+    assert hostile.main(["--only", "api", "--count", "api=3", "--jobs", "1"]) == 0

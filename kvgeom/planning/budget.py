@@ -38,11 +38,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import attrs
+import numpy as np
 
 from ..arith.ints import ceil_div
 from ..arith.runs import Mode, fold_modes
 from ..arith.shard import sources
-from ..errors import InternalError, PlanBudgetExceeded
+from ..errors import InternalError, KvGeomError, PlanBudgetExceeded
 from ..values.engine import EngineGeometry
 from ..values.fields import check_int
 from ..values.layout import PageLayout
@@ -124,7 +125,7 @@ class PlanBudget:
 
     def __attrs_post_init__(self) -> None:
         for name in ("max_bytes", "max_work", "max_steps"):
-            check_int(f"PlanBudget.{name}", getattr(self, name), minimum=1, error=PlanBudgetExceeded)
+            check_int(f"PlanBudget.{name}", getattr(self, name), minimum=1, error=KvGeomError)
 
     def check(self, estimate: PlanEstimate, *, what: str = "plan") -> None:
         """Raise :class:`PlanBudgetExceeded` when ``estimate`` exceeds any of the three limits."""
@@ -186,11 +187,70 @@ def _side_step(engine: EngineGeometry, view: SideView, cut_tokens: int = 0) -> t
     return engine.kernel_block_tokens, True
 
 
+MAX_PERIOD_POINTS = 1 << 14  # cut points per period enumerated for exact segment lengths
+
+
+def _points(lo: int, hi: int, progs: list[tuple[int, int]]) -> np.ndarray:
+    """Every point of the progressions strictly inside ``(lo, hi)``, sorted (the caller bounds the count)."""
+    parts = [np.arange(f + ((lo - f) // s + 1) * s, hi, s, dtype=np.int64) for f, s in progs]
+    return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+
+
+def _count(lo: int, hi: int, progs: list[tuple[int, int]]) -> int:
+    return _union_cuts(lo, hi, progs[0], progs[1]) if len(progs) == 2 else _cuts(lo, hi, *progs[0])
+
+
+def _length_counts(lo: int, hi: int, progs: list[tuple[int, int]]) -> dict[int, int] | None:
+    """Exactly how many segments of each length ``(lo, hi)`` falls into when it is cut at every point of the
+    progressions ``(first, step)``, or ``None`` when one period of the cut pattern has too many points.
+
+    The pattern repeats every ``lcm`` of the steps: the segments between the first and the last cut
+    point are whole repetitions of one period's gaps plus a prefix of them, counted in O(one period).
+
+    >>> sorted(_length_counts(0, 48, [(0, 12), (0, 8)]).items())   # cuts 8 12 16 24 32 36 40
+    [(4, 4), (8, 4)]
+    """
+    if hi <= lo:
+        return {}
+    period = math.lcm(*(s for _, s in progs))
+    n = _count(lo, hi, progs)
+    if n == 0:
+        return {hi - lo: 1}
+    per_period = sum(period // s for _, s in progs)
+    if per_period > MAX_PERIOD_POINTS:
+        return None
+    out: dict[int, int] = {}
+
+    def add(length: int, times: int) -> None:
+        if times:
+            out[length] = out.get(length, 0) + times
+
+    if n <= 2 * per_period + 2:
+        edges = np.concatenate(([lo], _points(lo, hi, progs), [hi]))
+        lengths, times = np.unique(np.diff(edges), return_counts=True)
+        for length, t in zip(lengths.tolist(), times.tolist()):
+            add(length, t)
+        return out
+    first = int(_points(lo, lo + period + 1, progs)[0])  # the first cut point (one lies within a period)
+    one = _points(first - 1, first + period, progs)  # one period of points from ``first``
+    gaps = np.diff(np.concatenate((one, [first + period])))
+    full, rest = divmod(n - 1, len(gaps))
+    lengths, times = np.unique(gaps, return_counts=True)
+    for length, t in zip(lengths.tolist(), times.tolist()):
+        add(length, full * t)
+    for length in gaps[:rest].tolist():
+        add(length, 1)
+    last = first + full * period + int(gaps[:rest].sum())
+    add(first - lo, 1)
+    add(hi - last, 1)
+    return out
+
+
 def _distinct_lengths(segs: int, tokens: int, cuts: list[tuple[int, int, bool]]) -> int:
-    """An upper bound of the distinct segment lengths (the planner makes one pass over the segments per
-    length): every cut lies on ``first + k*step`` of some side, so interior lengths are multiples of
-    ``g = gcd`` of the steps and the sides' offsets, and ``L`` distinct multiples of ``g`` sum to at
-    least ``g*L*(L+1)/2 <= tokens``; a side that cuts at every step bounds every length by its step."""
+    """An upper bound of the distinct segment lengths where they are not counted exactly (a side cuts only
+    where its block ids jump): interior lengths are multiples of ``g = gcd`` of the steps and the
+    sides' offsets, and ``L`` distinct multiples of ``g`` sum to at least ``g*L*(L+1)/2 <= tokens``; a
+    side that cuts at every step bounds every length by its step."""
     if segs <= 2:
         return segs
     g = 0
@@ -211,9 +271,17 @@ _T = TypeVar("_T")
 BIG = 1 << 60  # a token-mode size no stride can equal after folding (strides are <= 2**48)
 
 
-def _rows_per_segment(unit: int, token: tuple[int, ...], others: list[Mode]) -> tuple[bool, int]:
-    """(does the token mode fold, product of the other unfolded modes) for segments of >= 2 tokens."""
-    run, rest = fold_modes(unit, [(BIG, token), *others])
+def _rows_of(unit: int, token: tuple[int, ...], others: list[Mode], length: int) -> int:
+    """Rows one segment of ``length`` tokens makes (the planner's :func:`fold_modes`, exactly)."""
+    _, rest = fold_modes(unit, [(length, token), *others])
+    return math.prod(size for size, _ in rest)
+
+
+def _rows_bound(unit: int, token: tuple[int, ...], others: list[Mode]) -> tuple[bool, int]:
+    """For segments of unknown length: (does the token mode fold, rows per segment if it does, per token if
+    not). A token mode of size BIG folds where any length >= 2 would, and after it nothing else can
+    fold, so this bounds every length (a real length may fold one more mode, never fewer)."""
+    _, rest = fold_modes(unit, [(BIG, token), *others])
     token_folds = all(size != BIG for size, _ in rest)
     return token_folds, math.prod(size for size, _ in rest if size != BIG)
 
@@ -223,20 +291,33 @@ def _span(listing: ListingShape, block_tokens: int) -> tuple[int, int]:
 
 
 @attrs.frozen
+class _Modes:
+    """The strided block of one (D rank, source, plane set): unit, token strides, the other modes."""
+
+    unit: int
+    token: tuple[int, ...]
+    others: tuple[Mode, ...]
+
+    def rows(self, length: int) -> int:
+        return _rows_of(self.unit, self.token, list(self.others), length)
+
+    def bound(self) -> tuple[bool, int]:
+        return _rows_bound(self.unit, self.token, list(self.others))
+
+
+@attrs.frozen
 class _AttentionFactors:
     """What one attention group's estimate needs of the pair alone (cached per pair, group, strategy)."""
 
     staged: bool  # staged applies (and differs from direct)
-    d_cut: int  # D's cut step when staged (the arrived sub-page), else 0
     rearranges: int  # rearranges when staged: D ranks x layers x plane regions
-    step_p: tuple[int, bool]
+    step_p: tuple[int, bool]  # (cut step, cuts at every step)
     step_d: tuple[int, bool]
     step_z: tuple[int, bool]
-    fold_rows: int  # sum over (D rank, source) of plane sets x layers x rows per segment, token mode folded
-    token_rows: int  # the same where the token mode does not fold: rows per token
+    copies: tuple[tuple[_Modes, int], ...]  # distinct copy blocks and how many (D rank, source) x planes x layers
     sources: int  # (D rank, source, plane set) combinations: Python iterations per segment length
-    zero_fold: bool
-    zero_rows: int  # rows per zero segment (or per zeroed token), all D ranks, planes and layers
+    zeros: _Modes
+    zero_times: int  # D ranks x plane sets x layers
     zero_planes: int
 
 
@@ -258,28 +339,34 @@ def _attention_factors(pair: EnginePair, gi: int, staged: bool) -> _AttentionFac
     planes_inner = spec.planes > 1 and ps.planes_share_region() and d_planes_share
     plane_sets = 1 if spec.planes == 1 or planes_inner else 2
     pl, dl = ps.layout, d_layout
-    fold_rows = token_rows = n_sources = 0
+    blocks: dict[_Modes, int] = {}
+    n_sources = 0
     for d in range(D.tp):
         for src in sources(spec.num_kv_heads, p_tp=P.tp, p_replicated=spec.replicated, d_tp=D.tp, d_rank=d,
                            d_replicated=spec.replicated):
             others: list[Mode] = [(src.items.size, (pl.head_stride, dl.head_stride))]
             if planes_inner:
                 others.append((spec.planes, (pl.kv_stride, dl.kv_stride)))
-            folds, rest = _rows_per_segment(spec.head_bytes, (pl.token_stride, dl.token_stride), others)
-            if folds:
-                fold_rows += plane_sets * spec.num_layers * rest
-            else:
-                token_rows += plane_sets * spec.num_layers * rest
+            m = _Modes(spec.head_bytes, (pl.token_stride, dl.token_stride), tuple(others))
+            blocks[m] = blocks.get(m, 0) + plane_sets * spec.num_layers
             n_sources += plane_sets
     fz = SideView(D, gi).layout
     others_z: list[Mode] = [(D.local_heads(gi), (fz.head_stride,))]
     if spec.planes > 1 and d_planes_share:
         others_z.append((spec.planes, (fz.kv_stride,)))
-    z_folds, z_rest = _rows_per_segment(spec.head_bytes, (fz.token_stride,), others_z)
     zero_planes = 1 if spec.planes == 1 or d_planes_share else 2
-    return _AttentionFactors(applies, d_cut, rearranges, _side_step(P, ps), _side_step(D, ds, d_cut),
-                             _side_step(D, SideView(D, gi)), fold_rows, token_rows, n_sources, z_folds,
-                             D.tp * zero_planes * spec.num_layers * z_rest, zero_planes)
+    return _AttentionFactors(applies, rearranges, _side_step(P, ps), _side_step(D, ds, d_cut),
+                             _side_step(D, SideView(D, gi)), tuple(blocks.items()), n_sources,
+                             _Modes(spec.head_bytes, (fz.token_stride,), tuple(others_z)),
+                             D.tp * zero_planes * spec.num_layers, zero_planes)
+
+
+def _rows(modes: _Modes, counts: dict[int, int] | None, segs: int, tokens: int) -> int:
+    """Rows a block of modes makes over segments: exact from the length counts, else bounded."""
+    if counts is not None:
+        return sum(t * modes.rows(length) for length, t in counts.items())
+    folds, rest = modes.bound()
+    return rest * (segs if folds else tokens)
 
 
 def _attention(pair: EnginePair, shape: RequestShape, gi: int, staged: bool) -> PlanEstimate:
@@ -294,8 +381,10 @@ def _attention(pair: EnginePair, shape: RequestShape, gi: int, staged: bool) -> 
     n = max(0, hi - lo)
     (step_p, every_p), (step_d, every_d) = f.step_p, f.step_d
     segs = 1 + _union_cuts(lo, hi, (p0, step_p), (d0, step_d)) if hi > lo else 0
-    lengths = _distinct_lengths(segs, n, [(p0, step_p, every_p), (d0, step_d, every_d)])
-    copy_rows = f.fold_rows * segs + f.token_rows * n
+    counts = _length_counts(lo, hi, [(p0, step_p), (d0, step_d)]) if every_p and every_d else None
+    lengths = len(counts) if counts is not None else _distinct_lengths(
+        segs, n, [(p0, step_p, every_p), (d0, step_d, every_d)])
+    copy_rows = sum(times * _rows(m, counts, segs, n) for m, times in f.copies)
     steps = f.sources * lengths
     rearrange_pages = touched_segs = 0
     if f.staged and hi > lo:
@@ -313,8 +402,9 @@ def _attention(pair: EnginePair, shape: RequestShape, gi: int, staged: bool) -> 
             continue
         k = 1 + _cuts(z0, z1, d0, step_z)
         zsegs += k
-        z_lengths = _distinct_lengths(k, z1 - z0, [(d0, step_z, every_z)])
-        zero_rows += f.zero_rows * (k if f.zero_fold else z1 - z0)
+        z_counts = _length_counts(z0, z1, [(d0, step_z)]) if every_z else None
+        z_lengths = len(z_counts) if z_counts is not None else _distinct_lengths(k, z1 - z0, [(d0, step_z, every_z)])
+        zero_rows += f.zero_times * _rows(f.zeros, z_counts, k, z1 - z0)
         steps += f.zero_planes * z_lengths * (1 + D.tp)
         scans += k * z_lengths
     segments = segs + zsegs + touched_segs

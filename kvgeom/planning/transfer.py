@@ -98,9 +98,9 @@ def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direc
     against ``budget`` (:class:`~kvgeom.errors.PlanBudgetExceeded` when over it).
     """
     strategy = _strategy(strategy)  # type: ignore[assignment]
-    check_instance("cost_model", cost_model, CostModel, fix="pass a kvgeom.CostModel(...)")
+    check_instance("cost_model", cost_model, CostModel, error=KvGeomError, fix="pass a kvgeom.CostModel(...)")
     if budget is not None:
-        check_instance("budget", budget, PlanBudget, fix="pass a kvgeom.PlanBudget(...) or None")
+        check_instance("budget", budget, PlanBudget, error=KvGeomError, fix="pass a kvgeom.PlanBudget(...) or None")
     check_instance("pair", pair, EnginePair, error=IncompatibleGeometry, fix="build the pair with kvgeom.Pair(P, D)")
     pair.check_request(request)
     if budget is not None:

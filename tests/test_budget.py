@@ -1,0 +1,160 @@
+"""The work budget (docs/design.md §10): the estimate bounds the real plan, and a plan beyond the budget is
+refused before it is built.
+
+The property tests plan drawn pairs for real and compare: the estimate is never below the rows the
+planner built (copies and zeros before coalescing, rearranged page entries), and where no pages are
+consecutive on both sides (P's block ids reversed, so no whole-page run forms) it is at most
+2 x ppl times the real count: an upper bound that is not absurdly loose.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("hypothesis", reason="the property tests need the testing extra (hypothesis)")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kvgeom import (  # noqa: E402
+    DEFAULT_BUDGET,
+    AttentionSpec,
+    BlockList,
+    EngineGeometry,
+    GroupRequest,
+    KvGeomError,
+    ModelSpec,
+    Pair,
+    PlanBudget,
+    PlanBudgetExceeded,
+    Request,
+    RequestShape,
+    estimate_plan,
+    fresh_request,
+    plan_pair,
+    plan_transfer,
+)
+from kvgeom.building import fresh_shape, get_preset  # noqa: E402
+from kvgeom.tools import strategies as kst  # noqa: E402
+
+TRANSFERS = kst.transfers(pairs=kst.pairs(mismatch_probability=0.0, max_tokens=96), max_tokens=96)
+SETTINGS = settings(max_examples=250, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+def _reverse_prefill(request: Request) -> Request:
+    """The same request with every P listing in reverse id order: no two consecutive P blocks are
+    consecutive ids, so no run of whole pages collapses into one row."""
+    groups = []
+    for g in request.groups:
+        if isinstance(g.prefill, BlockList):
+            g = GroupRequest(BlockList(tuple(reversed(g.prefill.block_ids)), g.prefill.first_token), g.decode)
+        groups.append(g)
+    return Request(request.computed_tokens, groups, request.prefix_hit_tokens)
+
+
+@SETTINGS
+@given(TRANSFERS, st.sampled_from(("direct", "staged", "auto")))
+def test_the_estimate_is_an_upper_bound_of_the_real_plan(t: Any, strategy: str) -> None:
+    pair = Pair(*t.pair)
+    plan = plan_pair(pair, t.request, strategy=strategy, budget=None)
+    est = estimate_plan(pair, RequestShape.of(t.request), strategy)
+    assert est.copy_rows >= plan.copies_before_coalescing
+    assert est.zero_rows >= plan.zeros_before_coalescing
+    assert est.rearrange_pages >= sum(len(r.pages) for r in plan.rearranges)
+    assert est.bytes > 0 and est.work >= est.copy_rows + est.zero_rows
+
+
+@SETTINGS
+@given(TRANSFERS, st.sampled_from(("direct", "staged")))
+def test_the_estimate_is_not_loose_where_no_pages_collapse(t: Any, strategy: str) -> None:
+    pair = Pair(*t.pair)
+    request = _reverse_prefill(t.request)
+    pair.check_request(request)
+    plan = plan_pair(pair, request, strategy=strategy, budget=None)
+    est = estimate_plan(pair, RequestShape.of(request), strategy)
+    ppl = max(pair.prefill.blocks_per_logical, pair.decode.blocks_per_logical)
+    assert plan.copies_before_coalescing <= est.copy_rows <= 2 * ppl * plan.copies_before_coalescing + 16
+
+
+def test_fresh_shape_is_the_shape_of_fresh_request() -> None:
+    for name in ("qwen-swa-tp2-tp4", "kimi-linear-tp8-tp1", "gqa-tp2-tp4"):
+        preset = get_preset(name)
+        pair, request = preset.build(600, 0)
+        shape = fresh_shape(pair, 600, decode_tokens=preset.decode_tokens(600))
+        assert [g for g, _ in zip(shape.groups, request.groups)] == list(RequestShape.of(
+            fresh_request(pair, 600, decode_tokens=preset.decode_tokens(600))).groups)
+
+
+def test_worked_number_whole_pages() -> None:
+    """docs/design.md §10: TP1 -> TP1, HND, K = 16, 80 layers of 8 heads x 256 B, M = 16384: 1024 segments,
+    the token, head and plane modes all fold (a whole 64 KiB page per row), so 1024 x 80 rows are
+    estimated; the planner builds 80 (the consecutive pages of each layer collapse into one run)."""
+    m = ModelSpec("m", [AttentionSpec("a", "full", 80, 8, 256)])
+    e = EngineGeometry.build(m, tp=1, kernel_block_tokens=16, num_blocks=1024)
+    pair = Pair(e.with_name("prefill"), e.with_name("decode"))
+    request = fresh_request(pair, 16384)
+    est = pair.estimate(request)
+    assert (est.segments, est.copy_rows, est.zero_rows) == (1024, 1024 * 80, 0)
+    assert pair.plan(request).copies_before_coalescing == 80
+
+
+def test_a_plan_beyond_the_budget_is_refused_before_it_is_built() -> None:
+    m = ModelSpec("m", [AttentionSpec("a", "full", 4, 8, 16)])
+    P = EngineGeometry.build(m, tp=1, kernel_block_tokens=4, num_blocks=4096, layout="HND", name="prefill")
+    D = EngineGeometry.build(m, tp=1, kernel_block_tokens=4, num_blocks=4096, layout="NHD", name="decode")
+    request = fresh_request(Pair(P, D), 16384)
+    est = estimate_plan(Pair(P, D), RequestShape.of(request), "direct")
+    # HND -> NHD: one row per (token, head, plane, layer) = 16384 * 8 * 2 * 4
+    assert est.copy_rows == 16384 * 8 * 2 * 4
+    small = PlanBudget(max_bytes=est.bytes - 1)
+    with pytest.raises(PlanBudgetExceeded) as info:
+        plan_transfer(P, D, request, budget=small)
+    err = info.value
+    assert err.path == "plan" and err.actual == est and f"max_bytes <= {est.bytes - 1:,}" in str(err)
+    assert "budget=PlanBudget(max_bytes=" in err.fix and "--budget-mb" in err.fix
+    assert len(plan_transfer(P, D, request, budget=PlanBudget(max_bytes=est.bytes)).copies) > 0
+    with pytest.raises(PlanBudgetExceeded):
+        Pair(P, D).plan(request, budget=PlanBudget(max_steps=1))
+
+
+def test_a_remote_claiming_absurd_tp_is_refused_in_constant_time() -> None:
+    """Defect 2 of issue 11: D claims tp = 2**40 (a multiple of its 2**20 heads): the estimate refuses
+    from an O(groups) count before any loop over the ranks."""
+    m = ModelSpec("m", [AttentionSpec("a", "full", 1, 2**20, 16)])
+    P = EngineGeometry.build(m, tp=1, kernel_block_tokens=1, num_blocks=4, name="prefill")
+    D = EngineGeometry.build(m, tp=2**40, kernel_block_tokens=1, num_blocks=4, name="decode")
+    request = fresh_request(Pair(P, D), 4)
+    t0 = time.perf_counter()
+    with pytest.raises(PlanBudgetExceeded, match="planner steps"):
+        plan_transfer(P, D, request)
+    assert time.perf_counter() - t0 < 60  # a generous ceiling: the old planner looped 2**40 times
+
+
+def test_default_budget_and_its_validation() -> None:
+    assert (DEFAULT_BUDGET.max_bytes, DEFAULT_BUDGET.max_work, DEFAULT_BUDGET.max_steps) == (4 << 30, 1 << 28, 1 << 18)
+    for bad in (0, -1, 1.5, None, 2**49):
+        with pytest.raises(KvGeomError) as binfo:
+            PlanBudget(max_bytes=bad)  # type: ignore[arg-type]
+        assert binfo.value.path == "PlanBudget.max_bytes" and not isinstance(binfo.value, PlanBudgetExceeded)
+    with pytest.raises(Exception) as info:
+        plan_transfer(*_tiny(), budget="lots")  # type: ignore[arg-type]
+    assert info.value.__class__.__name__ == "KvGeomError" and "budget" in str(info.value)
+
+
+def _tiny() -> tuple[EngineGeometry, EngineGeometry, Request]:
+    m = ModelSpec("m", [AttentionSpec("a", "full", 1, 2, 8)])
+    P = EngineGeometry.build(m, tp=1, kernel_block_tokens=4, num_blocks=4, name="prefill")
+    D = EngineGeometry.build(m, tp=1, kernel_block_tokens=4, num_blocks=4, name="decode")
+    return P, D, fresh_request(Pair(P, D), 8)
+
+
+def test_preset_build_checks_the_budget_before_building_the_request() -> None:
+    """`kvgeom plan --tokens 100000000` used to build 6M-id block lists first; the shape is refused."""
+    preset = get_preset("llama3-70b-tp8-tp4")
+    t0 = time.perf_counter()
+    with pytest.raises(PlanBudgetExceeded):
+        preset.build(10**8, 0, layers=2)
+    assert time.perf_counter() - t0 < 60
