@@ -12,7 +12,7 @@ from .content import check_decode
 from .describe import describe
 from .fill import fill_decode, fill_prefill
 from .hashing import attention_hash, coordinate_hash, pattern_bytes, state_hash
-from .memory import Memory
+from .memory import MAX_ALLOCATED_BYTES, Memory
 from .plan_checks import check_plan
 from .report import Report, Violation, ViolationKind
 from .simulator import simulate
@@ -24,6 +24,7 @@ __all__ = [
     "Violation",
     "Report",
     "Memory",
+    "MAX_ALLOCATED_BYTES",
     "coordinate_hash",
     "attention_hash",
     "state_hash",

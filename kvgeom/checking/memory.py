@@ -24,12 +24,13 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..errors import GeometryError
+from ..errors import GeometryError, PlanBudgetExceeded
 from ..values.engine import EngineGeometry
 
-__all__ = ["Memory"]
+__all__ = ["Memory", "MAX_ALLOCATED_BYTES"]
 
 CHUNK = 1 << 22  # package-internal: elements per vectorized step (bounds the int64 index arrays to 32 MiB)
+MAX_ALLOCATED_BYTES = 4 << 30  # one engine's memory the simulator allocates by default (it fills every byte)
 
 
 @attrs.define(eq=False)
@@ -40,8 +41,19 @@ class Memory:
     buffers: list[list[np.ndarray]]
 
     @classmethod
-    def allocate(cls, engine: EngineGeometry) -> Memory:
-        """Zero-filled buffers of ``num_pages * page_bytes`` for every rank and region."""
+    def allocate(cls, engine: EngineGeometry, *, max_bytes: int = MAX_ALLOCATED_BYTES) -> Memory:
+        """Zero-filled buffers of ``num_pages * page_bytes`` for every rank and region.
+
+        Refuses (:class:`~kvgeom.errors.PlanBudgetExceeded`, before any allocation) an engine of more
+        than ``max_bytes`` bytes over all ranks: the simulator touches every byte it allocates, so an
+        engine describing terabytes would otherwise be allocated lazily and then fill the machine.
+        """
+        total = engine.tp * sum(r.nbytes for r in engine.regions)
+        if total > max_bytes:
+            raise PlanBudgetExceeded(f"Memory.allocate({engine.name})", f"the simulator would allocate {total:,} B "
+                                     f"for this engine, beyond {max_bytes:,} B", actual=total,
+                                     expected=f"<= {max_bytes}",
+                                     fix="simulate smaller engines (fewer blocks or layers), or pass max_bytes=")
         return cls(engine, [[np.zeros(r.nbytes, np.uint8) for r in engine.regions] for _ in range(engine.tp)])
 
     @classmethod

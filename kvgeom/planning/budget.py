@@ -11,23 +11,27 @@ with :class:`~kvgeom.errors.PlanBudgetExceeded`::
                                                    rearrange_pages, steps, work, bytes)
         --PlanBudget.check--> ok | PlanBudgetExceeded (estimate, budget, how to raise it)
 
-Upper bounds, per attention group and (D rank, source P rank, plane set), from the segment count
-and the modes of a segment (token, head[, plane]) folded as ``kvgeom.arith.runs.fold_modes`` does:
+Per attention group and (D rank, source P rank, plane set), from the segments and the modes of a
+segment (token, head[, plane]) folded as ``kvgeom.arith.runs.fold_modes`` does:
 
-    segments   <= 1 + cuts(P) + cuts(D) in (lo, hi)       cuts every K tokens (every block when linear)
-    rows       <= segments x R        when the token mode folds into the run (R: unfolded heads/planes)
-               <= (hi - lo) x R'      when it does not (one row per token per unfolded head/plane)
-    x layers; the whole-page collapse and coincidental folds only make the real count smaller
+    segments = 1 + |cuts(P) U cuts(D)| in (lo, hi)     cuts every K tokens: two progressions, their
+                                                       union counted with the Chinese remainder theorem
+    rows     = sum over segment lengths L of count(L) x rows(L)     exact: the cut pattern repeats every
+                                                       lcm of the steps, so the counts come from one period
+             <= segments x R  or  (hi - lo) x R'       where a side's pages are token-outermost (it cuts
+                                                       only where block ids jump): a bound for any length
+    x layers; the planner's whole-page collapse only makes the real count smaller
 
 State groups are counted exactly (paired slots x layers x the unfolded channel/row modes); staged
 adds its rearranges (D ranks x layers x planes, each listing the touched D pages); auto counts
 both strategies and builds one. ``tests/test_budget.py`` checks estimate >= the real plan on drawn
 pairs, and that the estimate is not loose where no page collapses.
 
-Worked number: P and D TP1, HND, K = 16, 80 layers, 8 heads of 256 B, M = 16,384 tokens: 1,024
-segments; the token mode folds (stride 256 = the head vector) and so does nothing else (head
-stride 4096 != 16 * 256... it does: 4096 = 16 * 256, and the plane), so R = 1 and the estimate is
-1,024 x 80 = 81,920 copy rows; the planner builds 80 (each layer's pages collapse into one run).
+Worked number: P and D TP1, HND, K = 16, 80 layers of 8 heads x 256 B, M = 16,384 tokens: both
+sides cut every 16 tokens at the same points, so 1,024 segments of 16 tokens; for 16 tokens the
+token, head and plane modes all fold (256 B runs make 4096 B = the head stride, 8 heads make
+32768 B = the plane stride), one row per segment and layer: 1,024 x 80 = 81,920 copy rows
+estimated. The planner builds 80, since each layer's consecutive pages collapse into one run.
 """
 
 from __future__ import annotations
@@ -146,6 +150,7 @@ def _raise(n: int) -> int:
 
 
 DEFAULT_BUDGET = PlanBudget()
+ESTIMATE_LIMIT = PlanBudget(max_steps=1 << 24)  # without a budget the estimate still refuses to loop over 2**40 ranks
 
 
 # ---- the estimate ----------------------------------------------------------------------------------------
@@ -480,13 +485,13 @@ def estimate_plan(pair: EnginePair, shape: RequestShape, strategy: str = "direct
                   budget: PlanBudget | None = None) -> PlanEstimate:
     """Upper bounds of the rows, segments, rearranged pages and steps of planning ``shape`` on ``pair``.
 
-    With ``budget``, refuses first (in O(groups)) when the ranks alone exceed its steps, so the
-    estimate itself never loops over a hostile TP.
+    Refuses first, in O(groups), when the ranks alone exceed ``budget``'s steps (without a budget,
+    2**24 of them), so the estimate itself never loops over a hostile TP.
     """
-    if budget is not None:
-        coarse = _coarse_steps(pair)
-        if coarse > budget.max_steps:
-            budget.check(PlanEstimate(steps=coarse, work=coarse * STEP_WORK), what="plan")
+    coarse = _coarse_steps(pair)
+    limit = budget if budget is not None else ESTIMATE_LIMIT
+    if coarse > limit.max_steps:
+        limit.check(PlanEstimate(steps=coarse, work=coarse * STEP_WORK), what="plan")
     total = PlanEstimate()
     for gi, spec in enumerate(pair.model.groups):
         if isinstance(spec, StateSpec):
