@@ -20,11 +20,14 @@ from .runs import (
 from .shard import (
     Slice,
     SourceSlice,
+    TokenShard,
     check_divisible,
     divisible,
+    layer_partition,
     local_count,
     owned_slice,
     sources,
+    stage_slices,
 )
 from .tokens import (
     Segments,
@@ -49,6 +52,9 @@ __all__ = [
     "check_divisible",
     "sources",
     "SourceSlice",
+    "layer_partition",
+    "stage_slices",
+    "TokenShard",
     "SideTokens",
     "Segments",
     "segments",

@@ -25,6 +25,10 @@ bad needed or must-be-zero run WRONG_DATA, and a bad keep run CLOBBERED.
 
 Worked number: d0 = 0, d1 = 64, S = 16, p0 = 0, p1 = 48, M = 40: lo = max(16, 0, 0) = 16,
 hi = min(40, 64, 48) = 40, so D tokens [0, 16) keep, [16, 40) are needed and [40, 64) must be zero.
+
+On a topology each D rank's categories cover only what it holds (docs/design.md §10.5): the layers
+of its stage, its head group's heads and its DCP rank's tokens; every byte of the regions of its
+stage is compared.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ def _expected_decode(pair: EnginePair, request: Request) -> tuple[Memory, list[l
     M, S = request.computed_tokens, request.prefix_hit_tokens
     for g, spec in enumerate(D.model.groups):
         pl, dl = listing(request, g, "prefill"), listing(request, g, "decode")
-        for rank in range(D.tp):
+        for rank in range(D.num_ranks):
             if isinstance(spec, AttentionSpec):
                 p0, p1 = pl.token_range(P.logical_block_tokens)
                 d0, d1 = dl.token_range(D.logical_block_tokens)
@@ -90,8 +94,8 @@ def content_checks(pair: EnginePair, request: Request, dmem: Memory, sink: Sink)
     check_memory(dmem, D, "decode")
     exp, cat = _expected_decode(pair, request)
     checked = 0
-    for rank in range(D.tp):
-        for region in range(len(D.regions)):
+    for rank in range(D.num_ranks):
+        for region in D.rank_regions(rank):
             got, want = dmem.buffers[rank][region], exp.buffers[rank][region]
             checked += got.size
             at = np.flatnonzero(got != want)

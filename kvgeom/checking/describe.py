@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arith.shard import owned_slice
 from ..errors import InternalError
 from ..values.engine import EngineGeometry
 from ..values.layout import AttentionGroupGeometry, StateGroupGeometry
@@ -45,7 +44,15 @@ def describe(engine: EngineGeometry, request: Request | None, side: str, rank: i
     reg = engine.regions[region]
     if not 0 <= offset < reg.nbytes:
         return f"(byte {offset} is outside region {region}'s {reg.nbytes} B)"
+    if not 0 <= rank < engine.num_ranks:
+        return f"(rank {rank} does not exist: {engine.num_ranks} ranks)"
+    if region not in engine.rank_regions(rank):
+        return (f"(region {region} belongs to stage {engine.region_stage(region)}, not to rank {rank}'s stage "
+                f"{engine.coords(rank).stage})")
     ppl = engine.blocks_per_logical
+    dcp, interleave = engine.topology.dcp, engine.topology.interleave
+    dcp_rank = engine.coords(rank).dcp_rank
+    holds = engine.holds(rank)
     found: list[tuple[bool, str]] = []
     for g, spec in enumerate(engine.model.groups):
         if region not in engine.group_regions(g):
@@ -55,7 +62,7 @@ def describe(engine: EngineGeometry, request: Request | None, side: str, rank: i
         if isinstance(spec, AttentionSpec) and isinstance(geo, AttentionGroupGeometry):
             page, within = divmod(offset, reg.page_bytes)
             block, sub = divmod(page, ppl)
-            held = owned_slice(spec.num_kv_heads, engine.tp, rank, replicated=spec.replicated)
+            held = holds[spec.name]["heads"]
             heads = np.arange(held.size)[:, None]
             slots = np.arange(engine.kernel_block_tokens)[None, :]
             for layer, view in enumerate(geo.views):
@@ -73,8 +80,10 @@ def describe(engine: EngineGeometry, request: Request | None, side: str, rank: i
                     if listed:
                         if not isinstance(listing, BlockList):
                             raise InternalError("narrowed for mypy")
+                        # slot s of this rank's page holds chunk s // I of the page's tokens on it (§10.2)
+                        o = ((s // interleave) * dcp + dcp_rank) * interleave + s % interleave
                         token = (listing.first_token + listing.block_ids.index(block) * engine.logical_block_tokens
-                                 + sub * engine.kernel_block_tokens + s)
+                                 + sub * engine.kernel_block_tokens * dcp + o)
                         where = f"token {token}"
                     else:
                         where = f"slot {s} of page {page} (block {block} not listed)"
@@ -93,7 +102,7 @@ def describe(engine: EngineGeometry, request: Request | None, side: str, rank: i
                 if sview.region != region:
                     continue
                 for si, sec in enumerate(spec.sections):
-                    held = owned_slice(sec.channels, engine.tp, rank, replicated=sec.replicated)
+                    held = holds[spec.name][sec.name]
                     ch = np.arange(held.size)[:, None]
                     rows = np.arange(sec.rows)[None, :]
                     _, starts = engine.state_address(g, layer, si, 0, ch, rows)

@@ -48,6 +48,7 @@ from .model import (
     ModelSpec,
     StateSection,
     StateSpec,
+    default_layer_order,
 )
 from .notes import (
     Note,
@@ -90,6 +91,10 @@ from .text import (
     html_table,
     text_table,
 )
+from .topology import (
+    RankCoords,
+    Topology,
+)
 
 __all__ = [
     "engine_fields",
@@ -124,6 +129,9 @@ __all__ = [
     "StateSpec",
     "GroupSpec",
     "ModelSpec",
+    "default_layer_order",
+    "Topology",
+    "RankCoords",
     "NoteKind",
     "Note",
     "as_notes",

@@ -4,8 +4,9 @@
 :func:`pairable` answers the same question without raising, from the same list of rules.
 
     prefill (P) engine ----- same model facts? ----- decode (D) engine
-          TP, K, ppl, layout may differ            dtype, groups, layers, heads, head bytes,
-                                                   windows and state sections may not
+          TP, K, ppl, layout, PP stages,           dtype, groups, layers, heads, head bytes,
+          DCP and replicas may differ              windows, state sections and the global
+                                                   layer order may not
 
 Worked number: P with head_bytes 256 and D with head_bytes 128 fail with
 ``decode.model.groups[0].head_bytes: 128 != prefill's 256``.
@@ -71,6 +72,9 @@ def incompatibilities(prefill: EngineGeometry, decode: EngineGeometry) -> tuple[
             differ(f"{base}.num_layers", pg.num_layers, dg.num_layers, "both engines must serve every layer")
             differ(f"{base}.sections", pg.sections, dg.sections,
                    "describe the state sections identically (names, channels, unit bytes, rows, replication)")
+    if not out:  # same groups and layer counts: pipeline stages partition one global layer order (§10.5)
+        differ("global_layers", pm.layer_order(), dm.layer_order(),
+               "describe the model's global layer order identically on both sides (ModelSpec.global_layers)")
     return tuple(out)
 
 
