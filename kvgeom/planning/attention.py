@@ -151,8 +151,8 @@ def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
 
     Every D rank (flat, docs/design.md §10.3) takes the layers of its stage, the heads of its head
     group and the tokens of its DCP rank; each piece comes from the P stage holding those layers,
-    the P head group ``sources`` picks, the P DCP rank owning those tokens and replica
-    ``d % P.replicas``. With one stage, no DCP and one replica on both sides this is exactly
+    the P head group ``sources`` picks (spread by ``q // P.replicas``, ``q = d // D.dcp + d % D.dcp``),
+    the P DCP rank owning those tokens and replica ``q % P.replicas``. With one stage, no DCP and one replica on both sides this is exactly
     docs/design.md §3.3.
     """
     spec = pair.model.groups[group]
@@ -201,9 +201,10 @@ def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
         if d_layers.size == 0:
             continue  # this D rank's stage holds none of the group's layers
         d_slice = D.head_slice(group, d)
+        q = d // d_dcp + d % d_dcp  # the spreading key of docs/design.md §10.3 (d without DCP)
         srcs = sources(H, p_tp=P.head_tp, p_replicated=spec.replicated, d_tp=D.head_tp, d_rank=c.head_group,
-                       d_replicated=spec.replicated, spread=d // p_reps)
-        replica = d % p_reps
+                       d_replicated=spec.replicated, spread=q // p_reps)
+        replica = q % p_reps
         read: list[str] = []
         for p_stage, layers in stage_parts(P, group, d_layers):
             lsel = slice(layers.start, layers.stop)

@@ -102,8 +102,9 @@ def plan_state_group(pair: EnginePair, request: Request, group: int) -> GroupPla
             if d_layers.size == 0:
                 continue  # this D rank's stage holds none of the group's layers
             d_slice = owned_slice(sec.channels, D.tp, c.tp_rank, replicated=sec.replicated)
+            q = d // D.topology.dcp + d % D.topology.dcp  # the spreading key of docs/design.md §10.3
             srcs = sources(sec.channels, p_tp=P.tp, p_replicated=sec.replicated, d_tp=D.tp, d_rank=c.tp_rank,
-                           d_replicated=sec.replicated, spread=d // p_reps)
+                           d_replicated=sec.replicated, spread=q // p_reps)
             for p_stage, layers in stage_parts(P, group, d_layers):
                 b = slice(layers.start * n_slots, layers.stop * n_slots)  # bases are layer-major
                 for src in srcs:
@@ -115,6 +116,6 @@ def plan_state_group(pair: EnginePair, request: Request, group: int) -> GroupPla
                         sec.unit_bytes, modes,
                         [p_base[b] + pp.offset + pc0 * pp.channel_stride,
                          d_base[b] + dp.offset + dc0 * dp.channel_stride])
-                    rows.add(P.rank_of(p_stage, src.p_rank, d % p_reps), np.repeat(p_regs[b], per), op, d,
+                    rows.add(P.rank_of(p_stage, src.p_rank, q % p_reps), np.repeat(p_regs[b], per), op, d,
                              np.repeat(d_regs[b], per), od, np.asarray(run, np.int64))
     return GroupPlan(rows.copies(), Zeros.empty(), (), notes, rows.count)
