@@ -56,12 +56,12 @@ Where the numbers come from (public model configs; vLLM's hybrid block rule):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 
+from ..arith.ints import ceil_div
 from ..arith.shard import local_count
 from ..errors import GeometryError, KvGeomError, RequestError
 from ..planning.transfer import Pair
@@ -176,16 +176,18 @@ def _blocks_needed(engine: EngineGeometry, lo: int, hi: int) -> int:
     return total
 
 
-def hybrid_blocks_per_logical(model: ModelSpec, *, tp: int, kernel_block_tokens: int) -> int:
+def hybrid_blocks_per_logical(model: ModelSpec, *, tp: int, kernel_block_tokens: int, dcp: int = 1) -> int:
     """vLLM's hybrid rule: the fewest kernel pages per logical block whose attention page holds a state.
 
     ``ceil(max state bytes per rank / max attention kernel page bytes per rank)``, one layer each.
+    With DCP a rank's attention heads are those of its head group (``tp // dcp`` groups,
+    docs/design.md §10.1); state stays sliced over ``tp``.
     """
     page = 0
     state = 0
     for spec in model.groups:
         if isinstance(spec, AttentionSpec):
-            heads = local_count(spec.num_kv_heads, tp, replicated=spec.replicated)
+            heads = local_count(spec.num_kv_heads, tp // dcp, replicated=spec.replicated)
             page = max(page, spec.planes * heads * kernel_block_tokens * spec.head_bytes)
         else:
             state = max(state, sum(local_count(s.channels, tp, replicated=s.replicated) * s.channel_bytes
@@ -193,7 +195,7 @@ def hybrid_blocks_per_logical(model: ModelSpec, *, tp: int, kernel_block_tokens:
     if not page:
         raise GeometryError("model.groups", "a hybrid needs an attention group to size its logical block",
                             actual=[g.name for g in model.groups])
-    return max(1, math.ceil(state / page))
+    return max(1, ceil_div(state, page))
 
 
 # ---- model facts -----------------------------------------------------------------------------------
