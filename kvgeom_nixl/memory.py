@@ -107,8 +107,9 @@ class RankMemory:
         bufs = list(buffers)
         self.region_ids: tuple[int, ...] = engine.rank_regions(rank)
         if len(bufs) != len(self.region_ids):
-            held = "" if engine.topology.pp == 1 else f" held by rank {rank} ({list(self.region_ids)})"
-            raise RegistrationError("regions", f"{len(bufs)} buffers for {len(self.region_ids)} regions{held}",
+            what = f"an engine with {len(self.region_ids)} regions" if engine.topology.pp == 1 else \
+                f"the {len(self.region_ids)} regions rank {rank}'s pipeline stage holds ({list(self.region_ids)})"
+            raise RegistrationError("regions", f"{len(bufs)} buffers for {what}",
                                     actual=len(bufs), expected=len(self.region_ids),
                                     fix="pass one buffer per region the rank holds, in the geometry's region order")
         self.engine = engine

@@ -111,6 +111,7 @@ class Preset:
     default_prefix: int = 0
     hybrid: bool = False
     pairable: bool = True
+    min_layers: int = 1  # layers per group a preset needs (a pipeline stage needs at least one layer)
 
     def decode_tokens(self, tokens: int) -> int:
         """N, the tokens D allocates blocks for: M + 1 for hybrids, M otherwise."""
@@ -154,7 +155,7 @@ class Preset:
         layers = self.default_layers if layers is None else layers
         check_int("tokens", tokens, minimum=1, error=RequestError)
         check_int("prefix", prefix, minimum=0, error=RequestError)
-        check_int("layers", layers, minimum=1)
+        check_int("layers", layers, minimum=self.min_layers)
         if prefix > tokens:
             raise RequestError("prefix", f"a prefix hit of {prefix} tokens exceeds the {tokens} computed tokens",
                                actual=prefix, expected=f"<= {tokens}", fix="use a smaller --prefix")
@@ -377,7 +378,7 @@ def _presets() -> dict[str, Preset]:
             "-> D TP8, 16-token HND pages, K/V packed; each D rank reads its head from one P rank per stage",
             _attention_pair(lambda n: _llama("llama-3-70b-like", n), {"tp": 4, **_HND16, "topology": Topology(pp=2)},
                             {"tp": 8, **_HND16}),
-            default_layers=80, default_tokens=200,
+            default_layers=80, default_tokens=200, min_layers=2,
         ),
         Preset(
             "deepseek-v3-tp8-dcp8",

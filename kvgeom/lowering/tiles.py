@@ -145,8 +145,9 @@ class TileTable:
             raise PlanError("TileTable.tile_bytes", "must be positive", actual=self.tile_bytes, expected=">= 1")
         for r, n in enumerate(self.region_bytes):  # 0 B: a region of another pipeline stage (no tiles)
             if n < 0 or n % self.tile_bytes:
-                raise PlanError(f"TileTable.region_bytes[{r}]", f"{n} B is not a multiple of the "
-                                f"{self.tile_bytes} B tile", actual=n, expected=f"a multiple of {self.tile_bytes}",
+                raise PlanError(f"TileTable.region_bytes[{r}]", f"{n} B is not a positive multiple of the "
+                                f"{self.tile_bytes} B tile (nor 0, a region of another pipeline stage)", actual=n,
+                                expected=f"a multiple of {self.tile_bytes}",
                                 fix="use kvgeom.lowering.tiles.tile_bytes(pair), which divides every region size")
 
     @property

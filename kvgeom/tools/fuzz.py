@@ -193,9 +193,9 @@ class FuzzResult:
             ["pairs tried", self.examples],
             ["pairs rejected (unpairable)", self.rejected],
             ["pairs verified", self.verified_pairs],
-            ["pairs with stages, DCP or replicas", self.topology_pairs],
             ["plans verified", self.plans_verified],
             ["failures (distinct, shrunk)", len(self.failures)],
+            ["pairs with stages, DCP or replicas", self.topology_pairs],
         ]
         out = [f"kvgeom fuzz: {self.examples} examples, seed {self.seed}, strategies {', '.join(self.strategies)}: "
                f"{self.seconds:.1f} s ({self.rate:.1f} examples/s)", text_table(rows)]
