@@ -1,7 +1,8 @@
 """kvgeom: plan and check KV-cache transfers between engines whose cache geometries differ.
 
 Pure arithmetic on integers and numpy arrays: importing kvgeom never imports torch or nixl. The
-subpackages are layers, each importing only the ones below it (docs/design.md §2)::
+subpackages are layers, each importing only the ones below it (docs/design.md §2); engines may
+have pipeline stages, DCP token shards and replicas (``Topology``, docs/design.md §10)::
 
     errors <- arith <- values <- {planning, lowering, checking} <- {building, show} <- tools
 
@@ -11,7 +12,7 @@ faces of the subpackages.
 
 from __future__ import annotations
 
-from .arith import Slice, owned_slice, sources
+from .arith import Slice, TokenShard, layer_partition, owned_slice, sources
 from .building import fresh_request, verify
 from .checking import Memory, Report, Violation, ViolationKind, simulate
 from .errors import (
@@ -42,6 +43,7 @@ from .values import (
     Note,
     NoteKind,
     PageLayout,
+    RankCoords,
     Rearrange,
     Region,
     Request,
@@ -52,6 +54,7 @@ from .values import (
     StateSlots,
     StateSpec,
     StateView,
+    Topology,
     TransferPlan,
     Zeros,
     incompatibilities,
@@ -85,6 +88,7 @@ __all__ = [
     "PageLayout",
     "Pair",
     "PlanError",
+    "RankCoords",
     "Rearrange",
     "Region",
     "Report",
@@ -99,6 +103,8 @@ __all__ = [
     "StateSlots",
     "StateSpec",
     "StateView",
+    "TokenShard",
+    "Topology",
     "TransferPlan",
     "Violation",
     "ViolationKind",
@@ -109,6 +115,7 @@ __all__ = [
     "dump_pair_file",
     "fresh_request",
     "incompatibilities",
+    "layer_partition",
     "load_pair_file",
     "owned_slice",
     "pairable",

@@ -229,6 +229,8 @@ def _plan_json(header: dict[str, Any], pair: Pair, plan: TransferPlan, report: R
         "planned": True,
         "prefill": engine_line(pair.prefill),
         "decode": engine_line(pair.decode),
+        "prefill_ranks": plan.prefill_ranks,
+        "decode_ranks": plan.decode_ranks,
         "copies": len(plan.copies),
         "copies_before_coalescing": plan.copies_before_coalescing,
         "bytes": plan.bytes_copied,
