@@ -446,3 +446,15 @@ def attr_plan(plan: TransferPlan, copies: Copies) -> TransferPlan:
 def test_drawn_topology_pairs_verify_under_every_strategy(t: kst.Transfer) -> None:
     outcome = check_transfer(t.pair.prefill, t.pair.decode, t.request)
     assert outcome.kind == "verified", outcome.describe()
+
+
+def test_describe_names_the_token_a_dcp_slot_holds() -> None:
+    """D DCP2, interleave 1, K = 2: slot s of rank r's page 0 holds token 2 * s + r."""
+    from kvgeom.checking import describe
+
+    pair, request = _tiny_dcp(decode_dcp=True)
+    D = pair.decode
+    assert describe(D, request, "decode", 1, 0, 4) == "mla layer 0 latent token 3 head 0 byte 0"  # slot 1 of rank 1
+    assert describe(D, request, "decode", 0, 0, 5) == "mla layer 0 latent token 2 head 0 byte 1"
+    pp, pp_request = _tiny_pp()
+    assert "not to rank 0's stage 0" in describe(pp.prefill, pp_request, "prefill", 0, 1, 0)

@@ -89,7 +89,7 @@ def arrival(P: EngineGeometry, D: EngineGeometry, group: int) -> Arrival | str:
     # When several P ranks fill one D page (P TP > D TP), each P rank's heads form a group that
     # lands as one block: (group, then P's order inside the group).
     hp = P.local_heads(group)
-    gh = hp if (not spec.replicated and P.tp <= spec.num_kv_heads and hp < hd and hd % hp == 0) else hd
+    gh = hp if (not spec.replicated and P.head_tp <= spec.num_kv_heads and hp < hd and hd % hp == 0) else hd
     # P's mode order, innermost first (smallest P stride); K/V in separate P regions: kv outermost
     p_order = sorted(["head", "token"] + (["kv"] if spec.planes == 2 else []),
                      key=lambda m: {"head": pl.head_stride, "token": pl.token_stride,
