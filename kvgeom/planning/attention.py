@@ -205,6 +205,7 @@ def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
         srcs = sources(H, p_tp=P.head_tp, p_replicated=spec.replicated, d_tp=D.head_tp, d_rank=c.head_group,
                        d_replicated=spec.replicated, spread=q // p_reps)
         replica = q % p_reps
+        noted = materialize and hi > lo and (d < 4 or d == D.num_ranks - 1)
         read: list[str] = []
         for p_stage, layers in stage_parts(P, group, d_layers):
             lsel = slice(layers.start, layers.stop)
@@ -212,7 +213,7 @@ def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
                 by_len = by_owner(c.dcp_rank, po)
                 for src in srcs:
                     p_rank = P.rank_of(p_stage, src.p_rank * p_dcp + po, replica)
-                    if not plain:
+                    if noted and not plain:
                         read.append(f"P{p_rank} layers {layers} heads {src.items}"
                                     + (f" tokens of DCP rank {po}" if p_dcp > 1 else ""))
                     if not by_len:
@@ -230,7 +231,7 @@ def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
                             n_copies += _emit(copies, sub, n, [(0, ps, preg[lsel], poff[lsel], hp0),
                                                                (1, ds, dreg[lsel], doff[lsel], hd0)],
                                               cmodes, hb, (p_rank, d), materialize)
-        if materialize and hi > lo and (d < 4 or d == D.num_ranks - 1):
+        if noted:
             if plain:
                 notes.append(Note(NoteKind.SOURCES, f"{spec.name}: D rank {d} heads {d_slice} <- " +
                                   ", ".join(f"P{s.p_rank} {s.items}" for s in srcs)))
