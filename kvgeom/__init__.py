@@ -7,12 +7,18 @@ subpackages are layers, each importing only the ones below it (docs/design.md §
 
 This face re-exports the public names; ``kvgeom_nixl`` (the executor) imports only these and the
 faces of the subpackages.
+
+Logging: every module logs to ``logging.getLogger(__name__)``, children of the ``kvgeom`` logger
+(debug: pair checks and strategy decisions; warning: fallbacks). The package adds only a
+``NullHandler``; configure ``logging`` in your application to see them.
 """
 
 from __future__ import annotations
 
+import logging
+
 from .arith import Slice, owned_slice, sources
-from .building import fresh_request, verify
+from .building import fresh_request, request_from_block_tables, verify
 from .checking import Memory, Report, Violation, ViolationKind, simulate
 from .errors import (
     GeometryError,
@@ -114,8 +120,11 @@ __all__ = [
     "pairable",
     "plan_pair",
     "plan_transfer",
+    "request_from_block_tables",
     "simulate",
     "sources",
     "tile_bytes",
     "verify",
 ]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())

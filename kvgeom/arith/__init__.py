@@ -31,6 +31,7 @@ from .tokens import (
     SideTokens,
     locate,
     segments,
+    window_start,
 )
 
 __all__ = [
@@ -53,4 +54,5 @@ __all__ = [
     "Segments",
     "segments",
     "locate",
+    "window_start",
 ]

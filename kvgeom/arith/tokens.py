@@ -25,7 +25,22 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-__all__ = ["SideTokens", "Segments", "segments", "locate"]
+__all__ = ["SideTokens", "Segments", "segments", "locate", "window_start"]
+
+
+def window_start(computed_tokens: int, window_tokens: int | None) -> int:
+    """The first token a sliding-window group still needs after ``computed_tokens`` tokens.
+
+    The ONE place this rule lives (coverage checks, :func:`kvgeom.fresh_request`, the strategies
+    and the block-table constructor all ask it): today ``max(0, M - W)``, the last ``W`` tokens
+    before ``M``; a full-attention group (``window_tokens`` None) needs every token from 0.
+
+    >>> window_start(100, 16), window_start(10, 16), window_start(100, None)
+    (84, 0, 0)
+    """
+    if window_tokens is None:
+        return 0
+    return max(0, computed_tokens - window_tokens)
 
 
 def locate(block_ids: np.ndarray, first_token: int, kernel_tokens: int, pages_per_block: int,

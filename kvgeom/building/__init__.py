@@ -13,6 +13,11 @@ from .presets import (
 )
 from .requests import (
     fresh_request,
+    fresh_span,
+)
+from .tables import (
+    request_from_block_tables,
+    state_slot_tokens,
 )
 from .verify import (
     verify,
@@ -26,5 +31,8 @@ __all__ = [
     "get_preset",
     "hybrid_blocks_per_logical",
     "fresh_request",
+    "fresh_span",
+    "request_from_block_tables",
+    "state_slot_tokens",
     "verify",
 ]

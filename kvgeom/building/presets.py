@@ -61,7 +61,7 @@ from ..values.engine import EngineGeometry
 from ..values.fields import check_int
 from ..values.model import AttentionSpec, GroupSpec, ModelSpec, StateSection, StateSpec
 from ..values.request import Request
-from .requests import fresh_request
+from .requests import fresh_request, fresh_span
 
 __all__ = [
     "Preset",
@@ -113,8 +113,9 @@ class Preset:
         """Both engines, their block pools sized for a ``tokens``-token request with ``prefix`` hit."""
         tokens, prefix, layers = self._arguments(tokens, prefix, layers)
         small_p, small_d = self.factory(1, 1, layers)
-        p_blocks = PREFILL_FIRST_BLOCK + _blocks_needed(small_p, 0, tokens) + SPARE_BLOCKS
-        d_blocks = DECODE_FIRST_BLOCK + _blocks_needed(small_d, prefix, self.decode_tokens(tokens)) + SPARE_BLOCKS
+        p_blocks = PREFILL_FIRST_BLOCK + _blocks_needed(small_p, tokens, 0, tokens) + SPARE_BLOCKS
+        d_blocks = (DECODE_FIRST_BLOCK + _blocks_needed(small_d, tokens, prefix, self.decode_tokens(tokens))
+                    + SPARE_BLOCKS)
         return self.factory(p_blocks, d_blocks, layers)
 
     def build(
@@ -152,18 +153,14 @@ class Preset:
         return tokens, prefix, layers
 
 
-def _blocks_needed(engine: EngineGeometry, lo: int, hi: int) -> int:
+def _blocks_needed(engine: EngineGeometry, computed_tokens: int, lo: int, hi: int) -> int:
     """Logical block ids :func:`fresh_request` hands out on ``engine`` for tokens ``[lo, hi)``."""
     total = 0
     for spec in engine.model.groups:
         if isinstance(spec, StateSpec):
             total += 1  # one running state
             continue
-        B = engine.logical_block_tokens
-        first = lo // B * B
-        if spec.window_tokens is not None:
-            first = max(first, max(0, hi - spec.window_tokens) // B * B)
-        total += -(-(hi - first) // B) if hi > first else 0
+        total += fresh_span(spec, engine.logical_block_tokens, computed_tokens, lo, hi)[1]
     return total
 
 

@@ -20,6 +20,7 @@ consecutive on both sides, so they collapse into 1 row of 4 * 65536 = 262144 B b
 from __future__ import annotations
 
 import functools
+import logging
 
 import attrs
 
@@ -33,6 +34,8 @@ from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy, plan_gr
 from .coalesce import coalesce, coalesce_zeros
 
 __all__ = ["Pair", "plan_transfer", "plan_pair"]
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.frozen(repr=False)
@@ -80,7 +83,7 @@ def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direc
     zeros = [g.zeros for g in groups if len(g.zeros)] or [Zeros.empty()]
     raw_c = copies[0] if len(copies) == 1 else Copies.concat(copies)
     raw_z = zeros[0] if len(zeros) == 1 else Zeros.concat(zeros)
-    return TransferPlan(
+    plan = TransferPlan(
         prefill_tp=pair.prefill.tp,
         decode_tp=pair.decode.tp,
         copies=coalesce(raw_c),
@@ -90,3 +93,10 @@ def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direc
         copies_before_coalescing=sum(g.rows_before_coalescing for g in groups),
         zeros_before_coalescing=len(raw_z),
     )
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("planned M=%d S=%d%s (%s): %d copies (%d before coalescing), %d B; %d zero rows, %d B; "
+                     "%d rearranges", request.computed_tokens, request.prefix_hit_tokens,
+                     " partial" if request.partial else "", strategy, len(plan.copies),
+                     plan.copies_before_coalescing, plan.bytes_copied, len(plan.zeros), plan.bytes_zeroed,
+                     len(plan.rearranges))
+    return plan

@@ -8,6 +8,10 @@ from __future__ import annotations
 from .builder import (
     engine_fields,
 )
+from .coverage import (
+    coverage_problems,
+    needed_range,
+)
 from .engine import (
     EngineGeometry,
     engine_html,
@@ -93,6 +97,8 @@ from .text import (
 
 __all__ = [
     "engine_fields",
+    "needed_range",
+    "coverage_problems",
     "EngineGeometry",
     "engine_line",
     "engine_repr",
