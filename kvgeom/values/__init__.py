@@ -85,6 +85,14 @@ from .request import (
     request_html,
     request_repr,
 )
+from .tensors import (
+    AXIS_NAMES,
+    LayerTensors,
+    TensorFacts,
+    parse_axes,
+    tensor_facts,
+    tensor_fields,
+)
 from .text import (
     MAX_RANK_ROWS,
     cut,
@@ -154,6 +162,12 @@ __all__ = [
     "Request",
     "request_repr",
     "request_html",
+    "AXIS_NAMES",
+    "LayerTensors",
+    "TensorFacts",
+    "parse_axes",
+    "tensor_facts",
+    "tensor_fields",
     "format_ids",
     "format_bytes",
     "text_table",

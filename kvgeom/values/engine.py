@@ -19,7 +19,7 @@ Worked number: HND, 2 local heads of 256 B, K = 16, K/V packed: ``head_stride = 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -40,6 +40,7 @@ from .layout import (
     section_placements,
 )
 from .model import AttentionSpec, ModelSpec, StateSpec
+from .tensors import LayerTensors, tensor_fields
 from .text import MAX_RANK_ROWS, cut, format_ids, html_block, html_table, text_table
 
 __all__ = ["EngineGeometry", "engine_line", "engine_repr", "engine_html"]
@@ -215,6 +216,32 @@ class EngineGeometry:
         (:func:`kvgeom.values.builder.engine_fields` says how each choice lays the pages out)."""
         return cls(**engine_fields(model, tp=tp, kernel_block_tokens=kernel_block_tokens, num_blocks=num_blocks,
                                    blocks_per_logical=blocks_per_logical, layout=layout, kv=kv, regions=regions,
+                                   state_layout=state_layout, name=name))
+
+    @classmethod
+    def from_tensors(
+        cls,
+        model: ModelSpec,
+        *,
+        tp: int,
+        layers: Sequence[LayerTensors],
+        kernel_block_tokens: int | None = None,
+        blocks_per_logical: int | None = None,
+        regions: Sequence[Any] | None = None,
+        sizes: Mapping[str, int] | None = None,
+        state_layout: StateLayout | str | None = None,
+        name: str = "engine",
+    ) -> EngineGeometry:
+        """Read the geometry from the cache tensors of one rank (torch or numpy, duck-typed).
+
+        ``layers``: one :class:`~kvgeom.values.tensors.LayerTensors` per layer of every group
+        (tensor(s) plus an einops-style axis description such as ``"page kv token head dim"``).
+        Regions are the ``regions`` buffers given (in the executor's registration order) or the
+        allocations the views share. Raises :class:`~kvgeom.errors.GeometryError` naming the layer
+        and the axis (:mod:`kvgeom.values.tensors` lists the layouts and the rules).
+        """
+        return cls(**tensor_fields(model, tp=tp, layers=layers, kernel_block_tokens=kernel_block_tokens,
+                                   blocks_per_logical=blocks_per_logical, regions=regions, sizes=sizes,
                                    state_layout=state_layout, name=name))
 
     def with_name(self, name: str) -> EngineGeometry:
