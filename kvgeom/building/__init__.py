@@ -22,6 +22,12 @@ from .tables import (
 from .verify import (
     verify,
 )
+from .vllm_config import (
+    MAMBA_SECTIONS,
+    VLLM_BACKENDS,
+    VLLM_DTYPE_BYTES,
+    engine_from_vllm_config,
+)
 
 __all__ = [
     "Preset",
@@ -35,4 +41,8 @@ __all__ = [
     "request_from_block_tables",
     "state_slot_tokens",
     "verify",
+    "engine_from_vllm_config",
+    "VLLM_BACKENDS",
+    "VLLM_DTYPE_BYTES",
+    "MAMBA_SECTIONS",
 ]
