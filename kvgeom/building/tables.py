@@ -1,4 +1,5 @@
-"""Requests from a scheduler's block tables: per group, the block ids each side lists, in token order.
+"""Requests from a scheduler's block tables: per group, the block ids each side lists, in token order
+(docs/design.md §10.3).
 
 A connector holds, for one request, one list of logical block ids per KV-cache group and per side
 (vLLM: ``remote_block_ids`` from P, ``local_block_ids`` on D, in ``kv_cache_config`` group order).

@@ -1,4 +1,6 @@
-"""An engine's geometry from a vLLM KV-cache config given as plain data (vLLM is never imported).
+"""An engine's geometry from a vLLM KV-cache config given as plain data (docs/design.md §10.2).
+
+vLLM is never imported.
 
 vLLM describes one worker's cache in ``vllm/v1/kv_cache_interface.py``: a ``KVCacheConfig`` with
 ``num_blocks`` (logical blocks), ``kv_cache_tensors`` (each ``KVCacheTensor(size, shared_by)``:

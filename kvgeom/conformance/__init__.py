@@ -1,4 +1,5 @@
-"""The conformance kit: check a connector's own descriptor pairs and zero ranges with the simulator.
+"""The conformance kit: check a connector's own descriptor pairs and zero ranges with the simulator
+(docs/design.md §10.4).
 
 A connector hands over what it posts (copy rows or vLLM-style READs over descriptor tables, plus
 the byte ranges its receive step zeroes); kvgeom turns them into a plan, runs the reference

@@ -103,7 +103,7 @@ class ConformanceReport:
         if self.ok:
             extra = "; ignored: " + ", ".join(f"{k.value} x{n}" for k, n in self.ignored.items()) if self.ignored else ""
             return f"conforms: {self.report.bytes_checked} D bytes checked{extra}"
-        parts = [f"{k.value} x{n} ({self.bytes_bad.get(k, 0)} B)" for k, n in self.counts.items() if n]
+        parts = [f"{k.value} x{n} ({self.bytes_bad.get(k, 0)} B differ)" for k, n in self.counts.items() if n]
         return "\n".join([f"does not conform: {', '.join(parts)}"] + [f"  {v}" for v in self.violations])
 
 

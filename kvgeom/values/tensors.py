@@ -1,4 +1,4 @@
-"""An engine's geometry read from its cache tensors: shapes, strides, item sizes and addresses.
+"""An engine's geometry read from its cache tensors: shapes, strides, item sizes and addresses (docs/design.md §10.1).
 
 A connector holds the tensors its attention backend allocated. Describing them by hand (byte
 strides, region lists) is where layout bugs come from, so :meth:`EngineGeometry.from_tensors`
