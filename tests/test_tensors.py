@@ -313,3 +313,35 @@ def test_round_trip_worked_example() -> None:
     assert EngineGeometry.from_tensors(model, tp=2, layers=layers, state_layout="state_major") == e
     facts = TensorFacts((3,), (1,), 1, 0)
     assert facts.contiguous and facts.nbytes == 3
+
+
+def test_state_sections_out_of_place_are_named() -> None:
+    """The ssm state first and the conv state after it: not where kvgeom places the sections."""
+    model = ModelSpec("h", [AttentionSpec("attn", "full", 1, 2, 256),
+                            StateSpec("mamba", 1, [StateSection("x", 8, 2, rows=3), StateSection("ssm", 2, 64)])])
+    ref = EngineGeometry.build(model, tp=1, kernel_block_tokens=16, num_blocks=4, blocks_per_logical=1,
+                               regions="shared")
+    raw = torch.zeros(ref.regions[0].nbytes, dtype=torch.int8)
+    kv = raw.view(torch.bfloat16).view(4, 2, 2, 16, 128)
+    page = ref.regions[0].page_bytes
+    ssm = torch.as_strided(raw, (4, 2, 64), (page, 64, 1))
+    conv = torch.as_strided(raw.view(torch.bfloat16), (4, 8, 3), (page // 2, 3, 1), 128 // 2)  # after the ssm
+    layers = [LayerTensors("attn", "page kv head token dim", kv, name="layers.0.attn"),
+              LayerTensors("mamba", {"x": "page channel row", "ssm": "page channel unit"}, {"x": conv, "ssm": ssm},
+                           name="layers.1.mixer")]
+    with pytest.raises(GeometryError, match="section 'ssm'") as err:
+        EngineGeometry.from_tensors(model, tp=1, layers=layers)
+    assert err.value.path == "engine.layers.1.mixer.channel"
+    good = torch.as_strided(raw.view(torch.bfloat16), (4, 8, 3), (page // 2, 3, 1))
+    late = torch.as_strided(raw, (4, 2, 64), (page, 64, 1), 8 * 3 * 2)
+    layers[1] = LayerTensors("mamba", {"x": "page channel row", "ssm": "page channel unit"}, {"x": good, "ssm": late})
+    assert EngineGeometry.from_tensors(model, tp=1, layers=layers) == ref
+
+
+def test_registered_regions_must_be_whole_pages() -> None:
+    layers = fi_layers(4)
+    bufs: list[Any] = [(lay.tensors.data_ptr(), lay.tensors.numel() * 2) for lay in layers]
+    bufs[2] = (bufs[2][0], bufs[2][1] + 100)
+    with pytest.raises(GeometryError, match="not whole pages") as err:
+        EngineGeometry.from_tensors(LLAMA, tp=4, layers=layers, regions=bufs)
+    assert err.value.path == "engine.regions[2]"

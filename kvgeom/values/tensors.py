@@ -288,10 +288,6 @@ def _label(entry: LayerTensors, group: str, layer: int) -> str:
     return entry.name or f"{group}[{layer}]"
 
 
-def _facts(entry: LayerTensors, value: Any, path: str) -> TensorFacts:
-    return tensor_facts(value, path)
-
-
 @attrs.frozen
 class _AttnLayer:
     label: str
@@ -365,7 +361,7 @@ def tensor_fields(
         if isinstance(spec, AttentionSpec):
             groups.append(_attention_geometry(gi, spec, attn[gi], placed, K, name))
         else:
-            groups.append(_state_geometry(gi, spec, states[gi], placed, region_list, ppl, tp, state_layout, name))
+            groups.append(_state_geometry(spec, states[gi], placed, tp, state_layout, name))
     _check_layer_overlap(model, tp, K, groups, attn, states, name)
     return dict(model=model, tp=tp, kernel_block_tokens=K, blocks_per_logical=ppl, regions=tuple(region_list),
                 groups=tuple(groups), name=name)
@@ -389,7 +385,7 @@ def _attention_group(gi: int, spec: AttentionSpec, entries: list[LayerTensors], 
             raise GeometryError(f"{name}.{_label(entry, spec.name, layer)}.tensors", f"{len(tensors)} tensors; "
                                 "give one tensor or a (k, v) pair", actual=len(tensors), expected="1 or 2")
         given = list(tensors) if pair else [tensors]
-        facts = [_facts(entry, t, f"{name}.{_label(entry, spec.name, layer)}.tensors[{i}]") for i, t in
+        facts = [tensor_facts(t, f"{name}.{_label(entry, spec.name, layer)}.tensors[{i}]") for i, t in
                  enumerate(given)]
         axes = [_read_axes(f, entry.axes, sizes, f"{name}.{_label(entry, spec.name, layer)}", allowed)
                 for f in facts]
@@ -559,7 +555,7 @@ def _state_group(gi: int, spec: StateSpec, entries: list[LayerTensors], tp: int,
             covered += names
             text = entry.axes[key] if isinstance(entry.axes, Mapping) else entry.axes
             tpath = f"{path}[{key}]"
-            facts = _facts(entry, tensor, f"{tpath}.tensor")
+            facts = tensor_facts(tensor, f"{tpath}.tensor")
             ax = _read_axes(facts, text, sizes, tpath, ("page", "channel", "row"))
             if "page" not in ax.named:
                 raise GeometryError(f"{tpath}.page", f"no page axis in {text!r}", actual=text,
@@ -600,9 +596,34 @@ def _state_group(gi: int, spec: StateSpec, entries: list[LayerTensors], tp: int,
     return out
 
 
-def _state_geometry(gi: int, spec: StateSpec, layers: list[_StateLayer],
-                    placed: dict[tuple[Any, ...], tuple[int, int]], regions: list[Region], ppl: int, tp: int,
-                    prefer: StateLayout | str | None, name: str) -> StateGroupGeometry:
+def _placement_problem(spec: StateSpec, layout: StateLayout, tp: int, lay: _StateLayer,
+                       offsets: dict[str, int]) -> tuple[str, int]:
+    """("", view offset) when ``layout`` places every section where the tensors have it, else (why, 0)."""
+    try:
+        places = {p.name: p for p in section_placements(spec, layout, tp)}
+    except GeometryError as e:  # state_major with several multi-row counts
+        return f"{layout.value}: {e.message}", 0
+    first_sec = spec.sections[0].name
+    base = offsets[first_sec] - places[first_sec].offset
+    for s in spec.sections:
+        p = places[s.name]
+        _, _, ch_stride, row_stride, n_ch = lay.sections[s.name]
+        if offsets[s.name] != base + p.offset:
+            return (f"{layout.value} places section {s.name!r} at byte {p.offset} of the state, the tensors at "
+                    f"{offsets[s.name] - base}"), 0
+        if n_ch > 1 and ch_stride != p.channel_stride:
+            return (f"{layout.value} places the channels of section {s.name!r} {p.channel_stride} B apart, the "
+                    f"tensor {ch_stride} B"), 0
+        if s.rows > 1 and row_stride != p.row_stride:
+            return (f"{layout.value} places the rows of section {s.name!r} {p.row_stride} B apart, the tensor "
+                    f"{row_stride} B"), 0
+    if base < 0:
+        return f"{layout.value} would start the state {-base} B before its first section", 0
+    return "", base
+
+
+def _state_geometry(spec: StateSpec, layers: list[_StateLayer], placed: dict[tuple[Any, ...], tuple[int, int]],
+                    tp: int, prefer: StateLayout | str | None, name: str) -> StateGroupGeometry:
     order = [StateLayout.CHANNEL_MAJOR, StateLayout.STATE_MAJOR]
     if prefer is not None:
         first = state_layout(prefer)
@@ -618,35 +639,17 @@ def _state_geometry(gi: int, spec: StateSpec, layers: list[_StateLayer],
                                 expected="one region", fix="pass views of one allocation (the layer's state page)")
         region = region_ids.pop()
         offsets = {s: where[s][1] + lay.sections[s][1] for s in lay.sections}
-        problem = ""
+        problems = []
         for layout in ([chosen] if chosen is not None else order):
-            places = {p.name: p for p in section_placements(spec, layout, tp)}
-            first_sec = spec.sections[0].name
-            base = offsets[first_sec] - places[first_sec].offset
-            problem = ""
-            for s in spec.sections:
-                p = places[s.name]
-                _, _, ch_stride, row_stride, n_ch = lay.sections[s.name]
-                if offsets[s.name] != base + p.offset:
-                    problem = (f"section {s.name!r} starts at byte {offsets[s.name] - base} of the state, "
-                               f"{layout.value} places it at {p.offset}")
-                elif n_ch > 1 and ch_stride != p.channel_stride:
-                    problem = (f"section {s.name!r} has a channel stride of {ch_stride} B, {layout.value} "
-                               f"places channels {p.channel_stride} B apart")
-                elif s.rows > 1 and row_stride != p.row_stride:
-                    problem = (f"section {s.name!r} has a row stride of {row_stride} B, {layout.value} "
-                               f"places rows {p.row_stride} B apart")
-                if problem:
-                    break
-            if not problem and base >= 0:
+            problem, base = _placement_problem(spec, layout, tp, lay, offsets)
+            if not problem:
                 chosen = layout
                 views.append(StateView(region, base))
                 break
-            if not problem:
-                problem = f"the state would start {-base} B before its first section"
+            problems.append(problem)
         else:
-            raise GeometryError(f"{name}.{lay.label}.channel", f"the sections are not where kvgeom places them: "
-                                f"{problem}", actual={s: offsets[s] for s in offsets},
+            raise GeometryError(f"{name}.{lay.label}.channel", "the sections are not where kvgeom places them: "
+                                + "; ".join(problems), actual={s: offsets[s] for s in offsets},
                                 expected="channel_major or state_major placement (kvgeom.values.layout)",
                                 fix="describe each tensor's channel and row axes, and keep vLLM's DS conv layout")
     if chosen is None:
