@@ -3,7 +3,7 @@
 Pure arithmetic on integers and numpy arrays: importing kvgeom never imports torch or nixl. The
 subpackages are layers, each importing only the ones below it (docs/design.md §2)::
 
-    errors <- arith <- values <- {planning, lowering, checking} <- {building, show} <- tools
+    errors <- arith <- values <- {planning, lowering, checking} <- {building, show, conformance} <- tools
 
 This face re-exports the public names; ``kvgeom_nixl`` (the executor) imports only these and the
 faces of the subpackages.

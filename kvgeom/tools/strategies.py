@@ -817,7 +817,8 @@ def transfers(
     partial: bool = True,
 ) -> st.SearchStrategy[Transfer]:
     """A pair (``pairs`` default: :func:`pairs` sized for ``max_tokens``) and a :func:`requests`
-    draw for it with the given keywords. Shrinks like the pair, then like the request.
+    draw for it with the given keywords (``partial=False``: only requests whose listings cover
+    what each side needs). Shrinks like the pair, then like the request.
 
     One ``.example()`` output::
 
