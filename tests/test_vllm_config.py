@@ -190,6 +190,10 @@ def test_refusals_name_the_field() -> None:
         ({**good, "kv_cache_tensors": [{"size": page * 9, "shared_by": ["nope"]}]}, {},
          "kv_cache_config.kv_cache_tensors[0].shared_by"),
         (good, {"kernel_block_size": 6}, "kernel_block_size"),
+        (config(9, [(attn_spec(16, 4, kv_quant_mode="FP8_PER_TOKEN_HEAD"), LLAMA_LAYERS[:2])], page), {},
+         "kv_cache_config.kv_cache_groups[0].kv_cache_spec.kv_quant_mode"),
+        ({**good, "kv_cache_tensors": [{"size": page * 9, "shared_by": LLAMA_LAYERS[:2], "offset": 0,
+                                         "block_stride": 2 * page}]}, {}, "kv_cache_config.kv_cache_tensors[0].block_stride"),
         (good, {"attention_backend": "FLASHMLA"}, "attention_backend"),
     ]
     for cfg, extra, path in cases:

@@ -27,7 +27,10 @@ class, or any objects with those attributes) plus what the attention backend dec
                      SD: (kernel - 1, dim) -> state_major), then the temporal state
 
 Global counts are the rank's counts times TP (KV heads: ``total_num_kv_heads`` when heads are
-replicated, TP > heads; state sections: ``replicated_sections``).
+replicated, TP > heads; state sections: ``replicated_sections``). Refused, naming the field:
+quantized caches whose scales live beside the KV bytes (``kv_quant_mode`` other than NONE),
+different K and V head sizes, packed cross-layer tensors (``offset`` / ``block_stride``), other
+spec types, and groups with different block sizes.
 
 Worked number: Llama-3-8B on TP2 with FLASH_ATTN, NHD and 16-token blocks: 4 KV heads of 128
 bf16 per rank, ``page_size_bytes = 2 * 16 * 4 * 128 * 2 = 32768``; a tensor of 10 blocks is
@@ -249,6 +252,13 @@ def engine_from_vllm_config(
             if head_size_v is not None and head_size_v != head_size:
                 raise GeometryError(f"{spath}.head_size_v", f"V heads of {head_size_v} with K heads of {head_size}",
                                     actual=head_size_v, expected=head_size, fix="kvgeom needs equal K and V heads")
+            quant = _field(spec, "kv_quant_mode", spath, None)
+            if quant not in (None, 0, "NONE", "KVQuantMode.NONE") or "per_token_head" in str(
+                    _field(spec, "cache_dtype_str", spath, "")) or "nvfp4" in str(_field(spec, "cache_dtype_str", spath, "")):
+                raise GeometryError(f"{spath}.kv_quant_mode", "quantized caches with per-token scales or packed fp4 "
+                                    "carry bytes kvgeom does not model (they would not be transferred)",
+                                    actual=quant, expected="KVQuantMode.NONE",
+                                    fix="describe the scales as their own group, or run without these cache dtypes")
             dtype = _field(spec, "dtype", spath)
             dtype_name = dtype_name or str(dtype).removeprefix("torch.")
             es = _dtype_bytes(dtype, f"{spath}.dtype")
@@ -304,6 +314,11 @@ def engine_from_vllm_config(
         tpath = f"{path}.kv_cache_tensors[{ti}]"
         size = _int(t, "size", tpath)
         users = [str(x) for x in _field(t, "shared_by", tpath)]
+        if _field(t, "block_stride", tpath, 0) or _field(t, "offset", tpath, 0):
+            raise GeometryError(f"{tpath}.block_stride", "a packed cross-layer tensor (offset / block_stride inside a "
+                                "shared backing allocation)", actual=(_field(t, "offset", tpath, 0),
+                                                                       _field(t, "block_stride", tpath, 0)),
+                                expected="one tensor per layer slot", fix="read such caches with from_tensors")
         if size % pages:
             raise GeometryError(f"{tpath}.size", f"{size} B are not {num_blocks} blocks x {ppl} kernel pages",
                                 actual=size, expected=f"a multiple of {pages}", fix="check num_blocks and the size")
