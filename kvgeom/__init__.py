@@ -2,18 +2,24 @@
 
 Pure arithmetic on integers and numpy arrays: importing kvgeom never imports torch or nixl. The
 subpackages are layers, each importing only the ones below it (docs/design.md §2); engines may
-have pipeline stages, DCP token shards and replicas (``Topology``, docs/design.md §10)::
+have pipeline stages, DCP token shards and replicas (``Topology``, docs/design.md §11)::
 
-    errors <- arith <- values <- {planning, lowering, checking} <- {building, show} <- tools
+    errors <- arith <- values <- {planning, lowering, checking} <- {building, show, conformance} <- tools
 
 This face re-exports the public names; ``kvgeom_nixl`` (the executor) imports only these and the
 faces of the subpackages.
+
+Logging: every module logs to ``logging.getLogger(__name__)``, children of the ``kvgeom`` logger
+(debug: pair checks and strategy decisions; warning: fallbacks). The package adds only a
+``NullHandler``; configure ``logging`` in your application to see them.
 """
 
 from __future__ import annotations
 
+import logging
+
 from .arith import Slice, TokenShard, layer_partition, owned_slice, sources
-from .building import fresh_request, verify
+from .building import fresh_request, request_from_block_tables, verify
 from .checking import Memory, Report, Violation, ViolationKind, simulate
 from .errors import (
     GeometryError,
@@ -39,6 +45,7 @@ from .values import (
     EnginePair,
     GroupKind,
     GroupRequest,
+    LayerTensors,
     ModelSpec,
     Note,
     NoteKind,
@@ -81,6 +88,7 @@ __all__ = [
     "IncompatibleGeometry",
     "InternalError",
     "KvGeomError",
+    "LayerTensors",
     "Memory",
     "ModelSpec",
     "Note",
@@ -121,8 +129,11 @@ __all__ = [
     "pairable",
     "plan_pair",
     "plan_transfer",
+    "request_from_block_tables",
     "simulate",
     "sources",
     "tile_bytes",
     "verify",
 ]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())

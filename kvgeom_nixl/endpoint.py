@@ -28,7 +28,7 @@ docs/design.md §8; every copy is checked to stay in its regions before posting
 Worked number: P TP2 -> D TP1 on 4 fresh blocks, HND, pull: D rank 0 posts 2 NIXL requests (one
 per P rank); each P rank counts 1 consumer (``plan.consumers() == [1, 1]``).
 
-With pipeline stages, DCP and replicas (docs/design.md §10) ranks are flat: a D rank connects to
+With pipeline stages, DCP and replicas (docs/design.md §11) ranks are flat: a D rank connects to
 the handshakes of every P rank of every stage, posts requests only to the P ranks its rows name
 (those holding its layers and tokens), and a P rank pushes only its stage's layers. For P PP2 x
 TP1 -> D TP2 each D rank posts 2 requests, one per P stage.
@@ -323,7 +323,7 @@ class Link:
         """Lower this rank's ``copies`` to one NIXL request per peer rank and post them.
 
         Every row is checked against the regions the two ranks hold (a region of another pipeline
-        stage has 0 bytes there, docs/design.md §10.4) before anything is posted. A bad plan or a
+        stage has 0 bytes there, docs/design.md §11.4) before anything is posted. A bad plan or a
         NIXL refusal fails ``t`` (what was posted is released); a plan that needs a peer rank this
         link was not given raises :class:`ExecutorError` before anything is posted.
         """

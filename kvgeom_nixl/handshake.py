@@ -11,8 +11,8 @@ No pickle: the NIXL metadata travels as base64 and everything else is plain JSON
 everything before the payload is used: the version, every field's type, the geometry (through
 :mod:`kvgeom.tools.serialize`), ``0 <= rank < tp``, one memory entry per region of the geometry and each
 exactly ``num_pages * page_bytes`` bytes (with pipeline stages: one per region of the rank's
-stage, docs/design.md §10.4), addresses that do not wrap around. ``rank`` is the flat rank
-``0 <= rank < num_ranks`` (docs/design.md §10.1). Any failure raises
+stage, docs/design.md §11.4), addresses that do not wrap around. ``rank`` is the flat rank
+``0 <= rank < num_ranks`` (docs/design.md §11.1). Any failure raises
 :class:`HandshakeError` naming the field; a peer that advertises regions not fitting its own
 geometry is refused before any transfer (docs/design.md §6 and §8: peer input is hostile).
 
@@ -60,7 +60,7 @@ class RankInfo:
 
     @property
     def region_ids(self) -> tuple[int, ...]:
-        """The geometry's regions this rank holds (its pipeline stage's, docs/design.md §10.4)."""
+        """The geometry's regions this rank holds (its pipeline stage's, docs/design.md §11.4)."""
         return self.engine.rank_regions(self.rank)
 
     def _by_region(self, column: int) -> np.ndarray:

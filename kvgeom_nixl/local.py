@@ -39,7 +39,7 @@ Caches = list[list[torch.Tensor]]
 
 def allocate_caches(engine: Any, device: str | torch.device = "cpu") -> Caches:
     """One flat ``uint8`` tensor per region per rank (uninitialised); a region of another pipeline
-    stage is an empty tensor on that rank (docs/design.md §10.4)."""
+    stage is an empty tensor on that rank (docs/design.md §11.4)."""
     dev = torch.device(device)
     out: Caches = []
     for rank in range(engine.num_ranks):

@@ -13,7 +13,7 @@ long as the memory is registered; receive steps work on flat ``uint8`` *views* o
 Worked number: a region of 64 pages x 16384 B needs a 1 MiB buffer, e.g.
 ``torch.empty(64, 2, 2, 16, 128, dtype=torch.bfloat16)`` (64 * 2 * 2 * 16 * 128 * 2 B = 1048576 B).
 With pipeline stages a rank holds only its stage's regions (``engine.rank_regions(rank)``,
-docs/design.md §10.4): it passes one buffer for each of those, in that order, and the arrays
+docs/design.md §11.4): it passes one buffer for each of those, in that order, and the arrays
 indexed by region (``bases``, ``devices``, ``sizes``, ``byte_views``) are 0 / None for the others.
 """
 

@@ -103,7 +103,7 @@ def _drop_last_copy_of_pipeline_pairs(prefill: Any, decode: Any, request: Any, *
 
 
 def test_fuzz_draws_topologies_and_shrinks_a_bug_only_pipeline_stages_trigger(monkeypatch: pytest.MonkeyPatch) -> None:
-    """docs/design.md §10: the default draw gives some engines stages, DCP or replicas, so a bug that
+    """docs/design.md §11: the default draw gives some engines stages, DCP or replicas, so a bug that
     only a P with two pipeline stages triggers is found, and shrunk to such a pair with one token and
 two layers."""
     monkeypatch.setattr(kfuzz, "plan_transfer", _drop_last_copy_of_pipeline_pairs)

@@ -1,4 +1,4 @@
-"""The executor on topologies (docs/design.md §10, §8): every rank of every stage in one process, real
+"""The executor on topologies (docs/design.md §11, §8): every rank of every stage in one process, real
 NIXL agents, every D byte checked by the simulator.
 
 A rank registers only its stage's regions (``engine.rank_regions(rank)``); a D rank connects to the

@@ -1,9 +1,9 @@
-"""Pipeline stages, DCP token shards and PCP replicas (docs/design.md §10): the rank model, the
+"""Pipeline stages, DCP token shards and PCP replicas (docs/design.md §11): the rank model, the
 planner over every topology pair, and the simulator catching plans that read the wrong stage or the
 wrong DCP rank.
 
-Expected values are arithmetic written here (vLLM's partition rule, the slot formula of §10.2, the
-flat rank formula of §10.1), never read back from the planner. The tiny hand-built plans:
+Expected values are arithmetic written here (vLLM's partition rule, the slot formula of §11.2, the
+flat rank formula of §11.1), never read back from the planner. The tiny hand-built plans:
 
     PP:  2 layers x 1 head of 8 B, K = 4, HND packed: a page is 2 planes * 1 head * 4 tok * 8 B = 64 B;
          P PP2 x TP1 (rank 0 = stage 0 holds region 0 = layer 0, rank 1 holds region 1), D TP1
@@ -104,7 +104,7 @@ def test_flat_rank_and_coordinates() -> None:
 
 
 def test_llama_pp2_tp4_holds() -> None:
-    """docs/design.md §10.1: rank 5 of PP2 x TP4 holds layers [40, 80) and heads [2, 4)."""
+    """docs/design.md §11.1: rank 5 of PP2 x TP4 holds layers [40, 80) and heads [2, 4)."""
     m = ModelSpec("llama", [AttentionSpec("attn", "full", 80, 8, 256)])
     e = EngineGeometry.build(m, tp=4, kernel_block_tokens=16, num_blocks=2, topology=Topology(pp=2))
     h = e.holds(5)["attn"]
@@ -115,7 +115,7 @@ def test_llama_pp2_tp4_holds() -> None:
 
 
 def test_dcp_slot_arithmetic_by_hand() -> None:
-    """§10.2: K = 64, ppl = 1, dcp = 8. Token 1000: block 1000 // 512 = 1, o = 488."""
+    """§11.2: K = 64, ppl = 1, dcp = 8. Token 1000: block 1000 // 512 = 1, o = 488."""
     ids = np.array([4, 9])
     assert [x.tolist() for x in locate(ids, 0, 64, 1, np.array([1000]), cp=8)] == [[9], [488 // 8]]  # I = 1
     page, slot = locate(ids, 0, 64, 1, np.array([1000]), cp=8, interleave=64)
@@ -266,7 +266,7 @@ def test_dcp_decode_sources_spread_over_p_ranks() -> None:
 
 
 def test_dcp4_to_dcp2_spreading_by_hand() -> None:
-    """docs/design.md §10.3: P TP8 DCP4 (2 head groups) -> D TP8 DCP2, keys q = d // 2 + d % 2."""
+    """docs/design.md §11.3: P TP8 DCP4 (2 head groups) -> D TP8 DCP2, keys q = d // 2 + d % 2."""
     m = ModelSpec("mla", [AttentionSpec("mla", "mla", 1, 1, 8)])
     p = EngineGeometry.build(m, tp=8, kernel_block_tokens=4, num_blocks=4, name="prefill",
                              topology=Topology(dcp=4))
@@ -458,3 +458,27 @@ def test_describe_names_the_token_a_dcp_slot_holds() -> None:
     assert describe(D, request, "decode", 0, 0, 5) == "mla layer 0 latent token 2 head 0 byte 1"
     pp, pp_request = _tiny_pp()
     assert "not to rank 0's stage 0" in describe(pp.prefill, pp_request, "prefill", 0, 1, 0)
+
+
+def test_conformance_kit_on_pipeline_stages_and_dcp() -> None:
+    """A connector's rows on a topology pair, in flat ranks: kvgeom's own plan conforms; a READ of a
+    layer from the stage that does not hold it lies in no region of that rank (unresolved)."""
+    from kvgeom.conformance import ConnectorRows, DescriptorTable, Read, check_connector, rows_from_descriptors
+
+    pair, request = _tiny_pp()
+    assert check_connector(pair, request, ConnectorRows.from_rows(pair.plan(request).copies)).ok
+    page = 2 * 1 * 4 * 8  # 64 B; P rank 0 holds region 0 at 0x1000, P rank 1 region 1 at 0x9000
+    prefill_bases = [[0x1000, 0], [0, 0x9000]]  # a base for a region of another stage is never used
+    decode_bases = [[0x20000, 0x30000]]
+    local = DescriptorTable([0x20000 + page, 0x30000 + page], [page, page])
+    good = [Read(0, 0, local, [0], DescriptorTable([0x1000 + page], [page]), [0]),
+            Read(0, 1, local, [1], DescriptorTable([0x9000 + page], [page]), [0])]
+    rows, unresolved = rows_from_descriptors(pair, prefill_bases=prefill_bases, decode_bases=decode_bases, reads=good)
+    assert unresolved == () and check_connector(pair, request, rows).ok
+    wrong = [good[0], Read(0, 0, local, [1], DescriptorTable([0x9000 + page], [page]), [0])]  # layer 1 from rank 0
+    rows, unresolved = rows_from_descriptors(pair, prefill_bases=prefill_bases, decode_bases=decode_bases, reads=wrong)
+    assert [u.side for u in unresolved] == ["prefill"]
+    report = check_connector(pair, request, rows, unresolved=unresolved)
+    assert not report.ok and {V.OUT_OF_BOUNDS, V.MISSING} <= set(report.counts)
+    dcp_pair, dcp_request = _tiny_dcp(decode_dcp=True)
+    assert check_connector(dcp_pair, dcp_request, ConnectorRows.from_plan(dcp_pair.plan(dcp_request))).ok

@@ -34,6 +34,7 @@ from .tokens import (
     SideTokens,
     locate,
     segments,
+    window_start,
 )
 
 __all__ = [
@@ -59,4 +60,5 @@ __all__ = [
     "Segments",
     "segments",
     "locate",
+    "window_start",
 ]

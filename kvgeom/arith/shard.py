@@ -13,7 +13,7 @@ The bytes that move between a P rank and a D rank are the intersection of their 
 :func:`sources` picks, for every item a D rank holds, exactly one P rank that holds it, spreading
 replicated items over their holders by D rank.
 
-The other two axes of docs/design.md §10.1 are sliced here too: layers by pipeline stage
+The other two axes of docs/design.md §11.1 are sliced here too: layers by pipeline stage
 (:func:`layer_partition`, vLLM's ``get_pp_indices`` rule) and tokens by decode context parallel
 rank (:class:`TokenShard`)::
 
@@ -129,7 +129,7 @@ def sources(
     An item held by several P ranks (replicas, or a replicated axis) is read from holder number
     ``spread % holders`` (``spread`` defaults to ``d_rank``) so that D ranks spread their reads
     over the P ranks. The result is ordered by item, then by P rank, and covers the D slice
-    exactly. With topologies (docs/design.md §10.3) ``p_tp``/``d_tp`` count head groups and
+    exactly. With topologies (docs/design.md §11.3) ``p_tp``/``d_tp`` count head groups and
     ``spread`` is derived from the flat D rank.
 
     >>> [(s.p_rank, str(s.items)) for s in sources(8, p_tp=8, p_replicated=False,
@@ -198,7 +198,7 @@ def stage_slices(counts: tuple[int, ...]) -> tuple[Slice, ...]:
 class TokenShard:
     """The tokens a decode-context-parallel rank holds: ``(t // interleave) % size == rank``.
 
-    ``size`` 1 (no DCP) holds every token. docs/design.md §10.2 gives the slot of an owned token.
+    ``size`` 1 (no DCP) holds every token. docs/design.md §11.2 gives the slot of an owned token.
 
     >>> TokenShard(2, 4, 1).owner(6), TokenShard(2, 4, 1).holds(6), str(TokenShard())
     (1, True, 'all')

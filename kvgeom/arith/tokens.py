@@ -17,7 +17,7 @@ MLA or per-plane NHD), only where its consecutive pages stop being consecutive i
 Worked number: P K=12, D K=8, tokens [0, 48): P cuts at 12, 24, 36; D at 8, 16, 24, 32, 40; the
 union gives 8 segments [0,8) [8,12) [12,16) [16,24) [24,32) [32,36) [36,40) [40,48).
 
-A side whose tokens are sharded over ``cp`` decode-context-parallel ranks (docs/design.md §10.2)
+A side whose tokens are sharded over ``cp`` decode-context-parallel ranks (docs/design.md §11.2)
 stores token ``t`` on rank ``((t - first) // I) % cp``, in a kernel page that covers ``K * cp``
 tokens; its address is affine only inside one chunk of ``I`` tokens, so it cuts at every multiple
 of ``I``. With ``cp = 8``, ``K = 64``, ``I = 1``, token 1000 of a listing from 0 is on rank 0, slot 61.
@@ -30,7 +30,22 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-__all__ = ["SideTokens", "Segments", "segments", "locate"]
+__all__ = ["SideTokens", "Segments", "segments", "locate", "window_start"]
+
+
+def window_start(computed_tokens: int, window_tokens: int | None) -> int:
+    """The first token a sliding-window group still needs after ``computed_tokens`` tokens.
+
+    The ONE place this rule lives (coverage checks, :func:`kvgeom.fresh_request`, the strategies
+    and the block-table constructor all ask it): today ``max(0, M - W)``, the last ``W`` tokens
+    before ``M``; a full-attention group (``window_tokens`` None) needs every token from 0.
+
+    >>> window_start(100, 16), window_start(10, 16), window_start(100, None)
+    (84, 0, 0)
+    """
+    if window_tokens is None:
+        return 0
+    return max(0, computed_tokens - window_tokens)
 
 
 def locate(block_ids: np.ndarray, first_token: int, kernel_tokens: int, pages_per_block: int,
@@ -38,7 +53,7 @@ def locate(block_ids: np.ndarray, first_token: int, kernel_tokens: int, pages_pe
     """(kernel page, slot) of each of ``tokens`` in a listing (logical ``block_ids`` from ``first_token``).
 
     With ``cp`` > 1 the slot is the one on the token's owner, ``((t - first) // interleave) % cp``
-    (docs/design.md §10.2): a kernel page covers ``K * cp`` tokens, ``K`` on each rank.
+    (docs/design.md §11.2): a kernel page covers ``K * cp`` tokens, ``K`` on each rank.
 
     >>> locate(np.array([7, 3]), 0, 8, 3, np.array([30]))   # block 3 (30 // 24 = 1), page 3*3 + 6 // 8
     (array([9]), array([6]))
@@ -65,7 +80,7 @@ class SideTokens:
     pages_per_block: int
     linear: bool  # pages are token-outermost: consecutive page ids continue the token stride
     cut_tokens: int = 0  # cut every this many tokens instead of every page (0: kernel_tokens)
-    cp: int = 1  # decode context parallel ranks the tokens are sharded over (docs/design.md §10.2)
+    cp: int = 1  # decode context parallel ranks the tokens are sharded over (docs/design.md §11.2)
     interleave: int = 1  # tokens per chunk on one of them
 
     @property

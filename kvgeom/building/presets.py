@@ -44,7 +44,7 @@ Where the numbers come from (public model configs; vLLM's hybrid block rule):
 * Qwen3-Next-80B-A3B: gated attention with 2 KV heads of 256 dims (head_bytes 512, replicated on
   TP4); Gated DeltaNet with 16 key heads and 32 value heads of 128 dims, conv kernel 4 -> conv
   q 2048, k 2048, v 4096 channels x 3 rows bf16, recurrent state 32 heads x 128 x 128 fp32.
-* Topologies (docs/design.md §10). Pipeline stages split the global layers by vLLM's
+* Topologies (docs/design.md §11). Pipeline stages split the global layers by vLLM's
   ``get_pp_indices`` rule (80 layers on PP2: 40 + 40). DeepSeek-V3 under DCP keeps its 64-token
   FlashMLA pages: with DCP8 a logical block covers 64 * 8 = 512 request tokens. The DCP8 preset
   uses interleave 64 (whole kernel pages per rank, what vLLM's NIXL connector switches
@@ -70,7 +70,7 @@ from ..values.fields import check_int
 from ..values.model import AttentionSpec, GroupSpec, ModelSpec, StateSection, StateSpec
 from ..values.request import Request
 from ..values.topology import Topology
-from .requests import fresh_request
+from .requests import fresh_request, fresh_span
 
 __all__ = [
     "Preset",
@@ -123,8 +123,9 @@ class Preset:
         """Both engines, their block pools sized for a ``tokens``-token request with ``prefix`` hit."""
         tokens, prefix, layers = self._arguments(tokens, prefix, layers)
         small_p, small_d = self.factory(1, 1, layers)
-        p_blocks = PREFILL_FIRST_BLOCK + _blocks_needed(small_p, 0, tokens) + SPARE_BLOCKS
-        d_blocks = DECODE_FIRST_BLOCK + _blocks_needed(small_d, prefix, self.decode_tokens(tokens)) + SPARE_BLOCKS
+        p_blocks = PREFILL_FIRST_BLOCK + _blocks_needed(small_p, tokens, 0, tokens) + SPARE_BLOCKS
+        d_blocks = (DECODE_FIRST_BLOCK + _blocks_needed(small_d, tokens, prefix, self.decode_tokens(tokens))
+                    + SPARE_BLOCKS)
         return self.factory(p_blocks, d_blocks, layers)
 
     def build(
@@ -162,18 +163,14 @@ class Preset:
         return tokens, prefix, layers
 
 
-def _blocks_needed(engine: EngineGeometry, lo: int, hi: int) -> int:
+def _blocks_needed(engine: EngineGeometry, computed_tokens: int, lo: int, hi: int) -> int:
     """Logical block ids :func:`fresh_request` hands out on ``engine`` for tokens ``[lo, hi)``."""
     total = 0
     for spec in engine.model.groups:
         if isinstance(spec, StateSpec):
             total += 1  # one running state
             continue
-        B = engine.logical_block_tokens
-        first = lo // B * B
-        if spec.window_tokens is not None:
-            first = max(first, max(0, hi - spec.window_tokens) // B * B)
-        total += -(-(hi - first) // B) if hi > first else 0
+        total += fresh_span(spec, engine.logical_block_tokens, computed_tokens, lo, hi)[1]
     return total
 
 
@@ -182,7 +179,7 @@ def hybrid_blocks_per_logical(model: ModelSpec, *, tp: int, kernel_block_tokens:
 
     ``ceil(max state bytes per rank / max attention kernel page bytes per rank)``, one layer each.
     With DCP a rank's attention heads are those of its head group (``tp // dcp`` groups,
-    docs/design.md §10.1); state stays sliced over ``tp``.
+    docs/design.md §11.1); state stays sliced over ``tp``.
     """
     page = 0
     state = 0

@@ -8,7 +8,7 @@ any byte moves. The same masks serve two callers::
         apply_plan:            raise PlanError on the first one (nothing is applied)
 
 A copy row is out of bounds when its P or D rank is not below the engine's rank count, its region
-does not exist or belongs to another pipeline stage than the rank's (docs/design.md §10.4), or
+does not exist or belongs to another pipeline stage than the rank's (docs/design.md §11.4), or
 ``offset + nbytes`` passes the region's end; a zero row likewise on D; a rearrange when its rank,
 region, ``page_bytes``, a page id or an element (``Rearrange.src_offsets`` / ``dst_offsets`` plus
 ``unit_bytes``) leaves its engine or page.
@@ -41,7 +41,7 @@ def _held_sizes(engine: EngineGeometry) -> np.ndarray:
 def _range_bad(engine: EngineGeometry, rank: np.ndarray, region: np.ndarray, offset: np.ndarray,
                nbytes: np.ndarray) -> np.ndarray:
     """Rows whose rank, region or byte range [offset, offset + nbytes) is outside the engine: a
-    region of another pipeline stage has 0 bytes on the rank (docs/design.md §10.4)."""
+    region of another pipeline stage has 0 bytes on the rank (docs/design.md §11.4)."""
     sizes = _held_sizes(engine)
     rank_ok = rank < engine.num_ranks
     region_ok = region < sizes.shape[1]

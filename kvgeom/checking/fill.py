@@ -19,7 +19,7 @@ recognisable afterwards. State slots hold the hash of the tokens they list (a sl
 Worked number: M = 40, P lists three 16-token blocks from token 0 (``[p0, p1) = [0, 48)``): P tokens
 ``[0, 40)`` hold the coordinate hash and tokens ``[40, 48)`` keep the garbage, in every layer,
 plane and head the P rank holds (on a topology: the layers of its stage and the tokens of its DCP
-rank, docs/design.md §10.5).
+rank, docs/design.md §11.5).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Worked number: P engine TP1, HND, 2 local heads of 256 B, K = 16, K/V packed: on
 2 planes x 2 heads x 16 tokens x 256 B = 16384 B, so a region of 64 pages is one array of
 64 x 16384 = 1048576 B.
 
-With pipeline stages (docs/design.md §10.4) a rank holds only its stage's regions: the others are
+With pipeline stages (docs/design.md §11.4) a rank holds only its stage's regions: the others are
 zero-length arrays in ``buffers[rank]``, so any row that names them is out of bounds. Work over memory runs in steps of ``CHUNK = 1 << 22`` elements, which
 bounds an int64 index array to 32 MiB.
 """

@@ -23,7 +23,7 @@ Worked number: B = 32, K = 16 (ppl = 2), a listing from token 64 of blocks (7, 3
 rel = 52, block 3 (52 // 32 = 1), page 3 * 2 + (52 % 32) // 16 = 7, slot 52 % 16 = 4; the listed
 pages are 14, 15, 6 and 7.
 
-On a topology (docs/design.md §10) a rank holds the layers of its stage, the heads of its head
+On a topology (docs/design.md §11) a rank holds the layers of its stage, the heads of its head
 group and, with DCP, the tokens ``t`` with ``(t // I) % dcp`` equal to its DCP rank; this module
 reads them from ``EngineGeometry.holds(rank)`` and keeps its own copy of the DCP slot arithmetic::
 

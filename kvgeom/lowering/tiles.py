@@ -175,7 +175,7 @@ class TileTable:
 
 def rank_region_bytes(engine: EngineGeometry, rank: int | None = None) -> tuple[int, ...]:
     """Bytes of every region on ``rank``: 0 for the regions of other pipeline stages
-    (docs/design.md §10.4); ``rank`` None: every region whole (a one-stage engine's ranks)."""
+    (docs/design.md §11.4); ``rank`` None: every region whole (a one-stage engine's ranks)."""
     if rank is None:
         return tuple(r.nbytes for r in engine.regions)
     held = set(engine.rank_regions(rank))

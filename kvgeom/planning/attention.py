@@ -17,7 +17,7 @@ Worked number (E2 of docs/design.md §9): 4 heads of 512 B, P TP1 HND (head stri
 D TP2: D rank 1 holds heads [2, 4) and reads them from offset 2 * 512 = 1024 of each 2048 B P page,
 1024 B per page.
 
-Across pipeline stages, DCP token shards and replicas (docs/design.md §10.3) the same rows are
+Across pipeline stages, DCP token shards and replicas (docs/design.md §11.3) the same rows are
 built per (D rank, P stage, P DCP rank, source head group): for P PP2 x TP4 -> D TP8 with 80
 layers, D rank 3 takes layers [0, 40) from P rank 1 and layers [40, 80) from P rank 5.
 """
@@ -149,7 +149,7 @@ def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
     "arrived" layout); zeros are always in D's own layout. ``materialize=False`` only counts the
     copy rows (the auto strategy's estimate) and returns empty columns.
 
-    Every D rank (flat, docs/design.md §10.3) takes the layers of its stage, the heads of its head
+    Every D rank (flat, docs/design.md §11.3) takes the layers of its stage, the heads of its head
     group and the tokens of its DCP rank; each piece comes from the P stage holding those layers,
     the P head group ``sources`` picks (spread by ``q // P.replicas``, ``q = d // D.dcp + d % D.dcp``),
     the P DCP rank owning those tokens and replica ``q % P.replicas``. With one stage, no DCP and one replica on both sides this is exactly
@@ -201,7 +201,7 @@ def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
         if d_layers.size == 0:
             continue  # this D rank's stage holds none of the group's layers
         d_slice = D.head_slice(group, d)
-        q = d // d_dcp + d % d_dcp  # the spreading key of docs/design.md §10.3 (d without DCP)
+        q = d // d_dcp + d % d_dcp  # the spreading key of docs/design.md §11.3 (d without DCP)
         srcs = sources(H, p_tp=P.head_tp, p_replicated=spec.replicated, d_tp=D.head_tp, d_rank=c.head_group,
                        d_replicated=spec.replicated, spread=q // p_reps)
         replica = q % p_reps

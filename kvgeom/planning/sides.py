@@ -28,7 +28,7 @@ __all__ = ["SideView", "stage_parts"]
 
 def stage_parts(P: EngineGeometry, group: int, d_layers: Slice) -> list[tuple[int, Slice]]:
     """``d_layers`` (a D rank's layers of ``group``) split by the P stage that holds each:
-    ``[(P stage, layers)]`` (docs/design.md §10.3). One stage: ``[(0, d_layers)]``."""
+    ``[(P stage, layers)]`` (docs/design.md §11.3). One stage: ``[(0, d_layers)]``."""
     out = []
     for stage in range(P.topology.pp):
         got = P.stage_layers(group, stage).intersect(d_layers)
@@ -75,7 +75,7 @@ class SideView:
         return reg, off
 
     def tokens(self, listing: BlockList) -> SideTokens:
-        """The listing in kernel terms; a DCP engine's tokens are sharded (docs/design.md §10.2)."""
+        """The listing in kernel terms; a DCP engine's tokens are sharded (docs/design.md §11.2)."""
         e = self.engine
         return SideTokens(np.asarray(listing.block_ids, np.int64), listing.first_token,
                           e.kernel_block_tokens, e.blocks_per_logical, self.linear(), cp=e.topology.dcp,

@@ -19,7 +19,7 @@ Staged needs the larger kernel page to be a whole number of the smaller one and 
 layout (its strides pack ``planes * heads * K_d * head_bytes`` bytes from the view offset);
 otherwise the group falls back to direct and the plan's notes say why. Pipeline stages change
 nothing but which layers a D rank permutes (its stage's); DCP token shards break whole-page
-landing, so DCP on either side falls back to direct (docs/design.md §10.3).
+landing, so DCP on either side falls back to direct (docs/design.md §11.3).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def arrival(P: EngineGeometry, D: EngineGeometry, group: int) -> Arrival | str:
     if not isinstance(spec, AttentionSpec):
         raise InternalError("dispatched on kind")
     Kp, Kd = P.kernel_block_tokens, D.kernel_block_tokens
-    if P.topology.dcp > 1 or D.topology.dcp > 1:  # docs/design.md §10.3
+    if P.topology.dcp > 1 or D.topology.dcp > 1:  # docs/design.md §11.3
         return (f"tokens are sharded over DCP ranks (P dcp={P.topology.dcp}, D dcp={D.topology.dcp}), so a P page "
                 "does not land whole inside one D page")
     if max(Kp, Kd) % min(Kp, Kd):

@@ -16,7 +16,7 @@ Worked number: Mamba2 ``x`` with 4096 channels, 3 rows of 2 B, P TP4 -> D TP2 ch
 D rank 1 reads 1024 * 3 * 2 = 6144 B from each of P ranks 2 and 3 per layer.
 
 With pipeline stages each layer comes from the P stage holding it, and replicas spread by D rank
-(docs/design.md §10.3); DCP does not shard state (SGLang's behaviour), so channel slices stay
+(docs/design.md §11.3); DCP does not shard state (SGLang's behaviour), so channel slices stay
 those of the full ``tp``.
 """
 
@@ -102,7 +102,7 @@ def plan_state_group(pair: EnginePair, request: Request, group: int) -> GroupPla
             if d_layers.size == 0:
                 continue  # this D rank's stage holds none of the group's layers
             d_slice = owned_slice(sec.channels, D.tp, c.tp_rank, replicated=sec.replicated)
-            q = d // D.topology.dcp + d % D.topology.dcp  # the spreading key of docs/design.md §10.3
+            q = d // D.topology.dcp + d % D.topology.dcp  # the spreading key of docs/design.md §11.3
             srcs = sources(sec.channels, p_tp=P.tp, p_replicated=sec.replicated, d_tp=D.tp, d_rank=c.tp_rank,
                            d_replicated=sec.replicated, spread=q // p_reps)
             for p_stage, layers in stage_parts(P, group, d_layers):

@@ -20,6 +20,7 @@ consecutive on both sides, so they collapse into 1 row of 4 * 65536 = 262144 B b
 from __future__ import annotations
 
 import functools
+import logging
 
 import attrs
 
@@ -34,6 +35,8 @@ from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy, plan_gr
 from .coalesce import coalesce, coalesce_zeros
 
 __all__ = ["Pair", "plan_transfer", "plan_pair"]
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.frozen(repr=False)
@@ -82,7 +85,7 @@ def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direc
     raw_c = copies[0] if len(copies) == 1 else Copies.concat(copies)
     raw_z = zeros[0] if len(zeros) == 1 else Zeros.concat(zeros)
     topology = topology_notes(pair)
-    return TransferPlan(
+    plan = TransferPlan(
         prefill_tp=pair.prefill.tp,
         decode_tp=pair.decode.tp,
         copies=coalesce(raw_c),
@@ -94,6 +97,13 @@ def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direc
         prefill_ranks=pair.prefill.num_ranks,
         decode_ranks=pair.decode.num_ranks,
     )
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("planned M=%d S=%d%s (%s): %d copies (%d before coalescing), %d B; %d zero rows, %d B; "
+                     "%d rearranges", request.computed_tokens, request.prefix_hit_tokens,
+                     " partial" if request.partial else "", strategy, len(plan.copies),
+                     plan.copies_before_coalescing, plan.bytes_copied, len(plan.zeros), plan.bytes_zeroed,
+                     len(plan.rearranges))
+    return plan
 
 
 def _side_topology(e: EngineGeometry) -> str:
@@ -105,12 +115,12 @@ def _side_topology(e: EngineGeometry) -> str:
     if t.dcp > 1:
         text += f", token t on DCP rank (t // {t.interleave}) % {t.dcp} of its head group"
     if t.replicas > 1:
-        text += f", {t.replicas} replicas read by D rank % {t.replicas}"
+        text += f", {t.replicas} replicas (D ranks spread their reads over them)"
     return text
 
 
 def topology_notes(pair: EnginePair) -> tuple[Note, ...]:
-    """One ``TOPOLOGY`` note when either side has stages, DCP or replicas (docs/design.md §10.3)."""
+    """One ``TOPOLOGY`` note when either side has stages, DCP or replicas (docs/design.md §11.3)."""
     P, D = pair.prefill, pair.decode
     if P.topology.trivial and D.topology.trivial:
         return ()

@@ -24,7 +24,7 @@ Worked number: P TP2 -> D TP1, 4 heads, P K=4, D K=8, M=6 on one D block: D rank
 come from P rank 0 and heads 2-3 from P rank 1; tokens 0-3 from P block position 0, tokens 4-5
 from position 1, tokens 6-7 zeroed: two rows of 8 cells (K and V merge, the one layer too).
 
-On a topology (docs/design.md §10) every rank draws only what it holds: the layers of its stage
+On a topology (docs/design.md §11) every rank draws only what it holds: the layers of its stage
 (rows merge per run of layers fed by the same P rank, so ``d3 attn L0-39`` and ``d3 attn L40-79``
 show which P stage feeds which layers), its head group's heads and, with DCP, its own tokens
 (the other token cells are left blank). Legend entries name each P rank's stage and TP rank.

@@ -19,7 +19,7 @@ request) checked with every chosen strategy::
 Distinct failures (by outcome, strategy and first violation kind or exception type) are shrunk
 separately. The progress line on stderr shows examples done, rejected pairs and violations. About
 ``--topology-probability`` of each side's engines get pipeline stages, DCP token shards or
-replicas (docs/design.md §10); the summary counts the pairs with one on either side.
+replicas (docs/design.md §11); the summary counts the pairs with one on either side.
 
 Worked number: ``--examples 100000 --strategy all`` checks up to 300,000 plans (plans equal to one
 already verified for the same request, e.g. ``auto``'s pick, are not simulated twice). On the 2-core

@@ -19,7 +19,7 @@ do (a model group is an ``AttentionSpec`` or a ``StateSpec``).
 Worked number: ``Region(num_pages=4, page_bytes=8192)`` encodes as
 ``{"num_pages":4,"page_bytes":8192,"schema":1,"type":"Region"}`` (keys sorted, 60 bytes).
 
-An engine's ``topology`` (docs/design.md §10) and a model's ``global_layers`` are written only when
+An engine's ``topology`` (docs/design.md §11) and a model's ``global_layers`` are written only when
 they differ from the defaults, so the documents of one-stage engines are what they always were;
 both are optional when reading.
 """
@@ -91,7 +91,7 @@ _ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {
     StateSlots: lambda s: {"slot_ids": [int(x) for x in s.slot_ids], "tokens": [int(x) for x in s.tokens]},
     GroupRequest: lambda g: {"prefill": _encode(g.prefill), "decode": _encode(g.decode)},
     Request: lambda r: {"computed_tokens": int(r.computed_tokens), "prefix_hit_tokens": int(r.prefix_hit_tokens),
-                        "groups": _enc_list(r.groups)},
+                        "groups": _enc_list(r.groups), "partial": bool(r.partial)},
     Pair: lambda p: {"prefill": _encode(p.prefill), "decode": _encode(p.decode)},
 }
 
@@ -342,7 +342,8 @@ def _dec_group_request(o: _Obj) -> GroupRequest:
 def _dec_request(o: _Obj) -> Request:
     m, s = o.f_int("computed_tokens"), o.f_int("prefix_hit_tokens", default=0)
     groups = o.f_objs("groups", GroupRequest)
-    return o.build(lambda: Request(m, groups, s))
+    partial = o.f_bool("partial", default=False)
+    return o.build(lambda: Request(m, groups, s, partial=partial))
 
 
 def _dec_pair(o: _Obj) -> Pair:

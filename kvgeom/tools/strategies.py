@@ -42,8 +42,10 @@ from hypothesis.errors import InvalidArgument
 
 from ..arith.ints import ceil_div
 from ..arith.shard import divisible
+from ..arith.tokens import window_start
 from ..building.presets import hybrid_blocks_per_logical
 from ..errors import InternalError, KvGeomError
+from ..values.coverage import coverage_problems
 from ..values.engine import EngineGeometry
 from ..values.fields import check_int
 from ..values.layout import AttentionView, Region, StateView
@@ -330,7 +332,7 @@ def engines(
       geometry no builder makes, checked by :class:`EngineGeometry` itself).
     * ``num_blocks`` (default None: :func:`blocks_for` the model at this engine's logical block
       size and ``max_tokens``, plus 1..4 spare blocks that act as neighbours in use).
-    * A topology (docs/design.md §10) with about ``topology_probability``: 1..``max_pp`` pipeline
+    * A topology (docs/design.md §11) with about ``topology_probability``: 1..``max_pp`` pipeline
       stages (at most the model's layers; vLLM's default partition or a drawn explicit one), a
       DCP size up to ``max_dcp`` dividing TP whose head groups still divide every attention
       group's heads, an interleave dividing K, and 1..``max_replicas`` replicas.
@@ -440,7 +442,7 @@ def _draw_engine(draw: Any, model: ModelSpec, o: _EngineOptions, name: str) -> E
 
 def valid_dcps(model: ModelSpec, tp: int, max_dcp: int = 8) -> tuple[int, ...]:
     """DCP sizes in ``1..max_dcp`` dividing ``tp`` whose ``tp // dcp`` head groups still slice or
-    replicate every attention group's KV heads (docs/design.md §10.5)."""
+    replicate every attention group's KV heads (docs/design.md §11.5)."""
     out = []
     for dcp in range(1, min(tp, max_dcp) + 1):
         if tp % dcp:
@@ -745,6 +747,7 @@ def requests(
     scattered: bool = True,
     sliding_tails: bool = True,
     extra_states: bool = True,
+    partial: bool = True,
 ) -> st.SearchStrategy[Request]:
     """Requests for ``pair`` (a :class:`GeometryPair`, a :class:`~kvgeom.Pair` or any object with
     ``prefill`` and ``decode`` engines), in the prefill model's group order.
@@ -761,6 +764,12 @@ def requests(
     sides hold the same position). Block ids are distinct over all groups of a side, drawn from
     the engine's pool: any ids (``scattered``) or one consecutive run; unlisted ids are the
     neighbours in use.
+
+    Some of these listings do not cover what their side needs (P starting after 0, P listing a
+    block past M, D allocating more than ``M + 1`` tokens): such requests are built with
+    ``partial=True`` (:mod:`kvgeom.values.coverage`), so the planner accepts them as partial
+    transfers on purpose. With ``partial=False`` only covering requests are drawn (P from token
+    0 without an extra block, ``N <= M + 1``).
 
     Shrinks towards ``M = min_tokens``, no prefix hit, ``N = M``, listings from token 0,
     consecutive ids from 0. For engines that cannot be paired the decode ids are not checked
@@ -780,7 +789,7 @@ def requests(
         raise InvalidArgument(f"pair={pair!r} must have EngineGeometry attributes prefill and decode")
     _int("min_tokens", min_tokens, 0)
     for label, value in (("prefix_hits", prefix_hits), ("scattered", scattered), ("sliding_tails", sliding_tails),
-                         ("extra_states", extra_states)):
+                         ("extra_states", extra_states), ("partial", partial)):
         if not isinstance(value, bool):
             raise InvalidArgument(f"{label}={value!r} must be a bool")
     paired = bool(pairable(prefill, decode))
@@ -802,12 +811,12 @@ def requests(
                     f"whose pool has {_pool(eng)}; use max_tokens <= {_max_fitting(prefill, decode, max_tokens)} "
                     f"or build the engines with num_blocks >= {need}")
     return _requests(prefill, decode, min_tokens, max_tokens, prefix_hits, scattered, sliding_tails, extra_states,
-                     paired)
+                     paired, partial)
 
 
 @st.composite
 def _requests(draw: Any, P: EngineGeometry, D: EngineGeometry, min_tokens: int, max_tokens: int, prefix_hits: bool,
-              scattered: bool, sliding_tails: bool, extra_states: bool, paired: bool) -> Request:
+              scattered: bool, sliding_tails: bool, extra_states: bool, paired: bool, partial: bool) -> Request:
     Bp, Bd = P.logical_block_tokens, D.logical_block_tokens
     M = draw(st.integers(min_tokens, max_tokens))
     S = Bd * draw(st.integers(0, M // Bd)) if prefix_hits else 0
@@ -815,6 +824,8 @@ def _requests(draw: Any, P: EngineGeometry, D: EngineGeometry, min_tokens: int, 
     d_first = S - Bd * draw(st.integers(0, S // Bd))
     p_first = Bp * draw(st.integers(0, S // Bp))
     p_extra = draw(st.integers(0, 1))
+    if not partial:  # the same draws (shrinking stays stable), then only covering listings
+        N, p_first, p_extra = min(N, M + 1), 0, 0
 
     listings: list[tuple[Any, Any]] = []  # per group: (P shape, D shape); shapes are counts or state tokens
     for spec in P.model.groups:
@@ -834,8 +845,9 @@ def _requests(draw: Any, P: EngineGeometry, D: EngineGeometry, min_tokens: int, 
             continue
         pf, df = p_first, d_first
         if spec.window_tokens is not None and sliding_tails and not draw(st.booleans()):
-            pf = max(pf, max(0, M - spec.window_tokens) // Bp * Bp)
-            df = max(df, max(0, N - spec.window_tokens) // Bd * Bd)
+            ws = window_start(M, spec.window_tokens)
+            pf = max(pf, ws // Bp * Bp)
+            df = max(df, ws // Bd * Bd)
         p_count = (ceil_div(M - pf, Bp) if M > pf else 0) + p_extra
         d_count = ceil_div(N - df, Bd) if N > df else 0
         listings.append(((pf, p_count), (df, d_count)))
@@ -868,7 +880,11 @@ def _requests(draw: Any, P: EngineGeometry, D: EngineGeometry, min_tokens: int, 
             groups.append(GroupRequest(StateSlots(tuple(pb), tuple(p_shape)), StateSlots(tuple(db), tuple(d_shape))))
         else:
             groups.append(GroupRequest(BlockList(tuple(pb), p_shape[0]), BlockList(tuple(db), d_shape[0])))
-    return Request(M, tuple(groups), S)
+    request = Request(M, tuple(groups), S)
+    short = coverage_problems(P.model, P, D, request)
+    if short and not partial:
+        raise InternalError(f"requests(partial=False) drew a listing that does not cover its side: {short[0]}")
+    return attrs.evolve(request, partial=True) if short else request
 
 
 def transfers(
@@ -880,9 +896,11 @@ def transfers(
     scattered: bool = True,
     sliding_tails: bool = True,
     extra_states: bool = True,
+    partial: bool = True,
 ) -> st.SearchStrategy[Transfer]:
     """A pair (``pairs`` default: :func:`pairs` sized for ``max_tokens``) and a :func:`requests`
-    draw for it with the given keywords. Shrinks like the pair, then like the request.
+    draw for it with the given keywords (``partial=False``: only requests whose listings cover
+    what each side needs). Shrinks like the pair, then like the request.
 
     One ``.example()`` output::
 
@@ -898,7 +916,7 @@ def transfers(
     elif not isinstance(pairs, st.SearchStrategy):
         raise InvalidArgument(f"pairs={pairs!r} must be a strategy of GeometryPair (e.g. kvgeom.tools.strategies.pairs())")
     opts = dict(min_tokens=min_tokens, prefix_hits=prefix_hits, scattered=scattered, sliding_tails=sliding_tails,
-                extra_states=extra_states)
+                extra_states=extra_states, partial=partial)
     return _transfers(pairs, max_tokens, opts)
 
 

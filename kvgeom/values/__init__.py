@@ -8,6 +8,10 @@ from __future__ import annotations
 from .builder import (
     engine_fields,
 )
+from .coverage import (
+    coverage_problems,
+    needed_range,
+)
 from .engine import (
     EngineGeometry,
     engine_html,
@@ -82,6 +86,14 @@ from .request import (
     request_html,
     request_repr,
 )
+from .tensors import (
+    AXIS_NAMES,
+    LayerTensors,
+    TensorFacts,
+    parse_axes,
+    tensor_facts,
+    tensor_fields,
+)
 from .text import (
     MAX_RANK_ROWS,
     cut,
@@ -98,6 +110,8 @@ from .topology import (
 
 __all__ = [
     "engine_fields",
+    "needed_range",
+    "coverage_problems",
     "EngineGeometry",
     "engine_line",
     "engine_repr",
@@ -156,6 +170,12 @@ __all__ = [
     "Request",
     "request_repr",
     "request_html",
+    "AXIS_NAMES",
+    "LayerTensors",
+    "TensorFacts",
+    "parse_axes",
+    "tensor_facts",
+    "tensor_fields",
     "format_ids",
     "format_bytes",
     "text_table",

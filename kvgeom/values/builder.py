@@ -12,11 +12,11 @@ blocks of ``ppl`` kernel pages::
 Worked number: 2 local heads of 256 B, K = 16, K/V packed, per_layer, 4 layers, 8 blocks of ppl 1:
 4 regions of 8 pages x (2 planes * 2 heads * 16 tokens * 256 B) = 8 x 16384 B.
 
-With several pipeline stages (docs/design.md §10.4) every region belongs to one stage:
+With several pipeline stages (docs/design.md §11.4) every region belongs to one stage:
 ``per_layer`` is unchanged (a region per layer), ``interleaved`` makes one region per group and
 stage holding that stage's layers side by side, ``shared`` one region per stage and stage-local
 layer index. On one stage all three are exactly the layouts above. Heads per rank are those of a
-head group, ``tp // dcp`` of them sharing the KV heads (docs/design.md §10.1).
+head group, ``tp // dcp`` of them sharing the KV heads (docs/design.md §11.1).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Worked number: HND, 2 local heads of 256 B, K = 16, K/V packed: ``head_stride = 
 ``kv_stride = 2 * 4096 = 8192``; head 1, V plane, token 5 of page 3 starts at
 ``3 * 16384 + 8192 + 4096 + 5 * 256 = 62720``.
 
-With a :class:`~kvgeom.values.topology.Topology` (docs/design.md §10) ranks also differ in their
+With a :class:`~kvgeom.values.topology.Topology` (docs/design.md §11) ranks also differ in their
 pipeline stage (the layers and regions they hold), their DCP rank (the tokens) and their replica.
 Ranks are numbered flat, ``(stage * replicas + replica) * tp + tp_rank``; ``holds(rank)`` says
 what each holds: for Llama-3-70B on PP2 x TP4, rank 5 holds layers [40, 80) and heads [2, 4).
@@ -25,7 +25,7 @@ what each holds: for Llama-3-70B on PP2 x TP4, rank 5 holds layers [40, 80) and 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -48,6 +48,7 @@ from .layout import (
     section_placements,
 )
 from .model import AttentionSpec, ModelSpec, StateSpec
+from .tensors import LayerTensors, tensor_fields
 from .text import MAX_RANK_ROWS, cut, format_ids, html_block, html_table, text_table
 from .topology import RankCoords, Topology
 
@@ -68,8 +69,8 @@ class EngineGeometry:
 
     ``kernel_block_tokens`` is K (tokens per attention kernel page); ``blocks_per_logical`` is
     ppl (kernel pages per logical block). Logical block size is ``K * ppl`` tokens per rank, and
-    ``K * ppl * dcp`` request tokens (docs/design.md §10.2). ``tp`` is the TP size of one stage;
-    ``topology`` adds pipeline stages, DCP and replicas (docs/design.md §10).
+    ``K * ppl * dcp`` request tokens (docs/design.md §11.2). ``tp`` is the TP size of one stage;
+    ``topology`` adds pipeline stages, DCP and replicas (docs/design.md §11).
     """
 
     model: ModelSpec
@@ -113,7 +114,7 @@ class EngineGeometry:
             return tuple(sorted({r for v in g.views for r in v.regions}))
         return tuple(sorted({v.region for v in g.views}))
 
-    # ---- topology (docs/design.md §10) ------------------------------------------------------
+    # ---- topology (docs/design.md §11) ------------------------------------------------------
     @property
     def head_tp(self) -> int:
         """Head groups of one stage: ``tp // dcp`` (the dcp ranks of a head group hold the same heads)."""
@@ -225,7 +226,7 @@ class EngineGeometry:
     def holds(self, rank: int) -> dict[str, dict[str, Any]]:
         """Which global coordinates rank ``rank`` holds, per group and axis: ``layers`` (a slice of
         the group's layers), ``heads`` and ``tokens`` (a :class:`TokenShard`) for attention groups,
-        one channel slice per section for state groups (docs/design.md §10.1).
+        one channel slice per section for state groups (docs/design.md §11.1).
 
         >>> # 8 heads over TP 4: rank 3 holds heads [6, 8)
         """
@@ -338,10 +339,36 @@ class EngineGeometry:
     ) -> EngineGeometry:
         """Build the usual geometries: ``num_blocks`` logical blocks in every region
         (:func:`kvgeom.values.builder.engine_fields` says how each choice lays the pages out;
-        with ``topology``, regions are made per pipeline stage, docs/design.md §10.4)."""
+        with ``topology``, regions are made per pipeline stage, docs/design.md §11.4)."""
         return cls(**engine_fields(model, tp=tp, kernel_block_tokens=kernel_block_tokens, num_blocks=num_blocks,
                                    blocks_per_logical=blocks_per_logical, layout=layout, kv=kv, regions=regions,
                                    state_layout=state_layout, name=name, topology=topology))
+
+    @classmethod
+    def from_tensors(
+        cls,
+        model: ModelSpec,
+        *,
+        tp: int,
+        layers: Sequence[LayerTensors],
+        kernel_block_tokens: int | None = None,
+        blocks_per_logical: int | None = None,
+        regions: Sequence[Any] | None = None,
+        sizes: Mapping[str, int] | None = None,
+        state_layout: StateLayout | str | None = None,
+        name: str = "engine",
+    ) -> EngineGeometry:
+        """Read the geometry from the cache tensors of one rank (torch or numpy, duck-typed).
+
+        ``layers``: one :class:`~kvgeom.values.tensors.LayerTensors` per layer of every group
+        (tensor(s) plus an einops-style axis description such as ``"page kv token head dim"``).
+        Regions are the ``regions`` buffers given (in the executor's registration order) or the
+        allocations the views share. Raises :class:`~kvgeom.errors.GeometryError` naming the layer
+        and the axis (:mod:`kvgeom.values.tensors` lists the layouts and the rules).
+        """
+        return cls(**tensor_fields(model, tp=tp, layers=layers, kernel_block_tokens=kernel_block_tokens,
+                                   blocks_per_logical=blocks_per_logical, regions=regions, sizes=sizes,
+                                   state_layout=state_layout, name=name))
 
     def with_name(self, name: str) -> EngineGeometry:
         return attrs.evolve(self, name=name)
@@ -453,7 +480,7 @@ def _section_rows(e: EngineGeometry, gi: int) -> list[list[Any]]:
 
 def _held_rows(e: EngineGeometry) -> list[list[Any]] | None:
     """Per rank, the global slice of every sharded axis (``None`` when the ranks or the axes are too
-    many); layers and tokens only when the engine has stages or DCP (docs/design.md §10.1)."""
+    many); layers and tokens only when the engine has stages or DCP (docs/design.md §11.1)."""
     holds0 = e.holds(0)
     show = {"layers"} if e.topology.pp > 1 else set()
     show |= {"tokens"} if e.topology.dcp > 1 else set()

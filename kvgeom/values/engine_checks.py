@@ -11,7 +11,7 @@ layout's last head vector must end inside its page before any per-vector check r
 Worked number: HND, 2 heads of 256 B, K = 16, packed (strides 8192/4096/256):
 ``span = 8192 + 4096 + 15 * 256 + 256 = 16384``, exactly one 16384-byte page.
 
-The topology's rules (docs/design.md §10.5) come first: a layer partition of the model's layers,
+The topology's rules (docs/design.md §11.5) come first: a layer partition of the model's layers,
 ``dcp`` dividing ``tp``, ``interleave`` dividing K, heads divisible over the ``tp // dcp`` head
 groups, and with several stages every region used by the layers of exactly one stage.
 """
@@ -86,7 +86,7 @@ def _validate_topology(e: EngineFields) -> None:
 
 
 def _validate_region_stages(e: EngineFields) -> None:
-    """With several stages, every region is used by the layers of exactly one stage (§10.4)."""
+    """With several stages, every region is used by the layers of exactly one stage (§11.4)."""
     t = e.topology
     if t.pp == 1:
         return

@@ -10,7 +10,7 @@ Worked number: a Llama-3-70B-like model has one full-attention group of 80 layer
 of 128 bf16 values, so ``head_bytes = 128 * 2 = 256`` and one token of one layer is
 ``2 planes * 8 heads * 256 B = 4096 B`` across the whole TP group.
 
-The model also fixes the global layer order that pipeline stages partition (docs/design.md §10.1):
+The model also fixes the global layer order that pipeline stages partition (docs/design.md §11.1):
 ``global_layers[g][i]`` is the global index of layer ``i`` of group ``g``. By default the groups
 interleave, layer 0 of every group (in group order) before layer 1 of any::
 

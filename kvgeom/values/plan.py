@@ -14,7 +14,7 @@ Worked number: a copy row ``(p_rank=1, p_region=0, p_offset=8192, d_rank=0, d_re
 d_offset=4096, nbytes=4096)`` moves P rank 1's region-0 bytes [8192, 12288) into D rank 0's
 region-0 bytes [4096, 8192).
 
-Rank columns hold flat ranks (docs/design.md §10.1): ``prefill_tp``/``decode_tp`` are the TP sizes
+Rank columns hold flat ranks (docs/design.md §11.1): ``prefill_tp``/``decode_tp`` are the TP sizes
 of one stage, ``prefill_ranks``/``decode_ranks`` every rank of the engine (equal to the TP size
 for one stage, no DCP groups of their own and one replica). For P PP2 x TP4 -> D TP8 the plan has
 ``prefill_tp = 4`` and ``prefill_ranks = 8``.
@@ -253,7 +253,7 @@ class TransferPlan:
             if ranks % tp:
                 raise PlanError(f"TransferPlan.{side}_ranks", f"{ranks} ranks are not whole stages of tp={tp}",
                                 actual=ranks, expected=f"a multiple of {tp}",
-                                fix="ranks = pp * replicas * tp (docs/design.md §10.1)")
+                                fix="ranks = pp * replicas * tp (docs/design.md §11.1)")
         for name, cols in (("copies", self.copies), ("zeros", self.zeros)):
             if not isinstance(cols, Copies if name == "copies" else Zeros):
                 raise PlanError(f"TransferPlan.{name}", f"expected {'Copies' if name == 'copies' else 'Zeros'}, got "

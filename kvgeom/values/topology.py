@@ -1,5 +1,5 @@
 """An engine's topology: pipeline stages over the global layers, decode context parallel token
-shards inside each stage's TP group, and prefill context parallel replicas (docs/design.md §10).
+shards inside each stage's TP group, and prefill context parallel replicas (docs/design.md §11).
 
     Topology(pp=2)                          two stages, vLLM's default layer partition
     Topology(pp=2, partition=(24, 40))      explicit layers per stage (VLLM_PP_LAYER_PARTITION)
@@ -66,7 +66,7 @@ class Topology:
 @attrs.frozen
 class RankCoords:
     """Where flat rank ``rank`` sits: its stage, replica and TP rank, and inside the TP group its
-    DCP rank and head group (docs/design.md §10.1)."""
+    DCP rank and head group (docs/design.md §11.1)."""
 
     rank: int
     stage: int
