@@ -1,5 +1,15 @@
 """The exception family of kvgeom: every rejection is a ``ValueError`` that names its field.
 
+Bad input raises a :class:`KvGeomError` (a ``ValueError``); a broken invariant that kvgeom maintains
+itself raises :class:`InternalError`, which is deliberately *not* a ``ValueError``, so a connector's
+``except ValueError`` for bad input never swallows a planner bug::
+
+    Exception
+      ValueError
+        KvGeomError           GeometryError, RequestError, IncompatibleGeometry, SchemaError, PlanError,
+                              PlanBudgetExceeded
+      InternalError           a kvgeom bug (never bad input)
+
 Each error carries ``path`` (where the bad value sits, e.g. ``decode.groups[1].window_tokens``),
 ``actual`` (the value given), ``expected`` (what would have been accepted) and ``fix`` (what to
 change). ``str(err)`` puts all four in one line so a log line alone says what to do::
@@ -13,7 +23,7 @@ Values are written with :func:`value_text`, which never formats an integer of mo
 (Python refuses ``str()`` of an int beyond 4300 digits, and a hostile value may be that long).
 
 :class:`PlanBudgetExceeded` refuses a request whose plan would be too large to build
-(docs/design.md §10): it names the estimate, the budget and how to raise the budget.
+(docs/design.md §12): it names the estimate, the budget and how to raise the budget.
 
 Worked number: ``value_text(10**5000) == '<an integer of 16610 bits>'``.
 """
@@ -59,6 +69,19 @@ def _part(value: Any) -> str:
     return value_text(value, limit=400)
 
 
+def _text(path: str, message: str, expected: Any, fix: str) -> str:
+    """``"path: message (expected: ...; fix: ...)"``, the one line every kvgeom error prints."""
+    text = f"{path}: {message}"
+    extras = []
+    if expected is not None:
+        extras.append(f"expected: {_part(expected)}")
+    if fix:
+        extras.append(f"fix: {fix}")
+    if extras:
+        text += " (" + "; ".join(extras) + ")"
+    return text
+
+
 class KvGeomError(ValueError):
     """Root of every error kvgeom raises on bad input. A ``ValueError``, never an ``assert``.
 
@@ -81,14 +104,7 @@ class KvGeomError(ValueError):
         self.expected = expected
         self.fix = fix
         self.more: tuple[KvGeomError, ...] = tuple(more)
-        text = f"{path}: {message}"
-        extras = []
-        if expected is not None:
-            extras.append(f"expected: {_part(expected)}")
-        if fix:
-            extras.append(f"fix: {fix}")
-        if extras:
-            text += " (" + "; ".join(extras) + ")"
+        text = _text(path, message, expected, fix)
         if self.more:
             text += f" [+{len(self.more)} more: " + "; ".join(str(m) for m in self.more) + "]"
         super().__init__(text)
@@ -133,15 +149,30 @@ class PlanBudgetExceeded(KvGeomError):
     """A request whose plan (rows, bytes or planning steps) would exceed the planner's budget.
 
     Raised before any row is built, from an estimate in O(groups x ranks) arithmetic
-    (docs/design.md §10). ``actual`` is the estimate and ``expected`` the budget.
+    (docs/design.md §12). ``actual`` is the estimate and ``expected`` the budget.
     """
 
 
-class InternalError(KvGeomError):
-    """An invariant kvgeom maintains itself was broken: a bug in kvgeom, never bad input."""
+class InternalError(Exception):
+    """An invariant kvgeom maintains itself was broken: a bug in kvgeom, never bad input.
 
-    def __init__(self, what: str) -> None:
-        super().__init__("kvgeom", f"internal invariant broken: {what}", fix="report this as a kvgeom bug")
+    Not a ``ValueError`` (nor a :class:`KvGeomError`): code that catches bad input must not catch
+    planner bugs. It carries the same ``path``, ``message``, ``actual``, ``expected`` and ``fix``
+    fields as :class:`KvGeomError`, so a log line reads the same.
+    """
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (InternalError, (self.message,))
+    def __init__(self, what: str, *, path: str = "kvgeom", actual: Any = None, expected: Any = None) -> None:
+        self.what = what
+        self.path = path
+        self.message = f"internal invariant broken: {what}"
+        self.actual = actual
+        self.expected = expected
+        self.fix = "report this as a kvgeom bug"
+        super().__init__(_text(path, self.message, expected, self.fix))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keep the fields through pickling (multiprocessing)
+        return (_rebuild_internal, (self.what, self.path, self.actual, self.expected))
+
+
+def _rebuild_internal(what: str, path: str, actual: Any, expected: Any) -> InternalError:
+    return InternalError(what, path=path, actual=actual, expected=expected)

@@ -10,11 +10,13 @@
 No pickle: the NIXL metadata travels as base64 and everything else is plain JSON. Decoding checks
 everything before the payload is used: its size and nesting (bounded JSON, :func:`kvgeom.tools.parse_json`),
 the version, every field's type, the geometry (through :mod:`kvgeom.tools.serialize`), the configured
-maxima of a remote's sizes (:class:`HandshakeLimits`: TP, regions, pages per region), ``0 <= rank < tp``,
-one memory entry per region of the geometry and each exactly ``num_pages * page_bytes`` bytes,
-addresses that do not wrap around. Any failure raises :class:`HandshakeError` naming the field; a
-peer that advertises regions not fitting its own geometry is refused before any transfer
-(docs/design.md §6, §8 and §10: peer input is hostile).
+maxima of a remote's sizes (:class:`HandshakeLimits`: TP, ranks, regions, pages per region),
+one memory entry per region of the geometry and each exactly ``num_pages * page_bytes`` bytes
+(with pipeline stages: one per region of the rank's stage, docs/design.md §11.4), addresses that
+do not wrap around. ``rank`` is the flat rank ``0 <= rank < num_ranks`` (docs/design.md §11.1).
+Any failure raises :class:`HandshakeError` naming the field; a peer that advertises regions not
+fitting its own geometry is refused before any transfer (docs/design.md §6, §8 and §12: peer
+input is hostile).
 
 Worked number: a TP1 engine with one region of 64 pages x 16384 B must advertise exactly one
 region of ``64 * 16384 = 1048576`` bytes; advertising 1048575 fails with
@@ -32,6 +34,7 @@ import attrs
 import numpy as np
 
 from kvgeom import EngineGeometry, InternalError, SchemaError, value_text
+from kvgeom.lowering import rank_region_bytes
 from kvgeom.tools import from_dict, parse_json, to_dict
 from kvgeom.values import check_int, is_int
 
@@ -48,21 +51,23 @@ _KEYS = {"kvgeom_handshake", "role", "rank", "agent", "engine", "memory", "nixl_
 
 @attrs.frozen
 class HandshakeLimits:
-    """The largest sizes a peer may advertise (configured maxima, docs/design.md §10).
+    """The largest sizes a peer may advertise (configured maxima, docs/design.md §12).
 
     ``max_bytes``: the payload (an 80-layer engine's is about 30 KiB); ``max_tp``: the peer's TP
-    size, and so the ranks a link may be given; ``max_regions``: its regions; ``max_pages``: the
-    pages of one of its regions. A payload beyond any of them is refused before its geometry is
-    built (:class:`HandshakeError`).
+    size, and so the payloads one ``connect`` may be given; ``max_ranks``: all its ranks
+    (``pp * replicas * tp``); ``max_regions``: its regions; ``max_pages``: the pages of one of its
+    regions. A payload beyond any of them is refused before (or, for the ranks, as soon as) its
+    geometry is built (:class:`HandshakeError`).
     """
 
     max_bytes: int = 1 << 20
     max_tp: int = 1024
+    max_ranks: int = 1 << 14
     max_regions: int = 4096
     max_pages: int = 1 << 32
 
     def __attrs_post_init__(self) -> None:
-        for name in ("max_bytes", "max_tp", "max_regions", "max_pages"):
+        for name in ("max_bytes", "max_tp", "max_ranks", "max_regions", "max_pages"):
             check_int(f"HandshakeLimits.{name}", getattr(self, name), minimum=1, error=HandshakeError)
 
 
@@ -82,12 +87,28 @@ class RankInfo:
     metadata: bytes = attrs.field(repr=False)
 
     @property
+    def region_ids(self) -> tuple[int, ...]:
+        """The geometry's regions this rank holds (its pipeline stage's, docs/design.md §11.4)."""
+        return self.engine.rank_regions(self.rank)
+
+    def _by_region(self, column: int) -> np.ndarray:
+        out = np.zeros(len(self.engine.regions), np.uint64)
+        out[list(self.region_ids)] = [r[column] for r in self.regions]
+        return out
+
+    @property
     def bases(self) -> np.ndarray:
-        return np.array([r[0] for r in self.regions], np.uint64)
+        """Base address per region of the geometry (0 for regions this rank does not hold)."""
+        return self._by_region(0)
 
     @property
     def devices(self) -> np.ndarray:
-        return np.array([r[2] for r in self.regions], np.uint64)
+        return self._by_region(2)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Bytes per region of the geometry on this rank (0 for regions this rank does not hold)."""
+        return rank_region_bytes(self.engine, self.rank)
 
 
 def encode_rank(info: RankInfo) -> bytes:
@@ -166,7 +187,9 @@ def decode_rank(payload: bytes | bytearray | str, *, limits: HandshakeLimits = D
     except SchemaError as e:
         raise _fail("$.engine" + e.path[1:], e.message, actual=e.actual, expected=e.expected, fix=e.fix) from e
     _within("$.engine.tp", engine.tp, limits.max_tp, "ranks (tp)")
-    rank = _int("$.rank", doc["rank"], 0, engine.tp)
+    _within("$.engine.topology", engine.num_ranks, limits.max_ranks, "ranks (pp x replicas x tp)")
+    rank = _int("$.rank", doc["rank"], 0, engine.num_ranks)
+    held = engine.rank_regions(rank)
     mem = doc["memory"]
     if not isinstance(mem, dict) or set(mem) != {"mem_type", "regions"}:
         raise _fail("$.memory", "expected {mem_type, regions}", actual=sorted(mem) if isinstance(mem, dict) else mem,
@@ -177,12 +200,14 @@ def decode_rank(payload: bytes | bytearray | str, *, limits: HandshakeLimits = D
     regs = mem["regions"]
     if not isinstance(regs, list):
         raise _fail("$.memory.regions", "expected an array", actual=type(regs).__name__, expected="array")
-    if len(regs) != len(engine.regions):
-        raise _fail("$.memory.regions", f"{len(regs)} regions advertised for a geometry with {len(engine.regions)}",
-                    actual=len(regs), expected=len(engine.regions),
-                    fix="register one allocation per region of the geometry")
+    if len(regs) != len(held):
+        whose = f"a geometry with {len(engine.regions)}" if len(held) == len(engine.regions) else \
+            f"rank {rank}, whose pipeline stage holds {len(held)} of the geometry's {len(engine.regions)}"
+        raise _fail("$.memory.regions", f"{len(regs)} regions advertised for {whose}",
+                    actual=len(regs), expected=len(held),
+                    fix="register one allocation per region of the geometry the rank holds")
     regions: list[tuple[int, int, int]] = []
-    for i, (r, geo) in enumerate(zip(regs, engine.regions, strict=True)):
+    for i, (r, geo) in enumerate(zip(regs, [engine.regions[h] for h in held], strict=True)):
         p = f"$.memory.regions[{i}]"
         if not isinstance(r, dict) or set(r) != {"addr", "nbytes", "device"}:
             raise _fail(p, "expected {addr, nbytes, device}", actual=r, expected=["addr", "device", "nbytes"])

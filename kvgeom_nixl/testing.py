@@ -31,7 +31,7 @@ from kvgeom.tools import parse_pair_file
 from .agent import use_local_defaults
 from .endpoint import Endpoint
 from .errors import TransferFailed
-from .local import LocalDeployment, allocate_caches, check_caches, fill_caches
+from .local import LocalDeployment, allocate_caches, check_caches, fill_caches, rank_buffers
 from .transfer import wait_all
 
 __all__ = ["engine_process", "result_dict", "requested_device", "run_local"]
@@ -59,7 +59,7 @@ def engine_process(conn: Any, pair_file_text: str, side: str, device: str = "cpu
     else:
         fill_caches(pair, request, scratch, mine)
     del scratch
-    eps = [Endpoint(engine, side, r, mine[r]) for r in range(engine.tp)]
+    eps = [Endpoint(engine, side, r, rank_buffers(engine, mine, r)) for r in range(engine.num_ranks)]
     conn.send(("hello", [e.handshake() for e in eps]))
     links: list[Any] = []
     while True:

@@ -1,4 +1,4 @@
-"""The work budget (docs/design.md §10): the estimate bounds the real plan, and a plan beyond the budget is
+"""The work budget (docs/design.md §12): the estimate bounds the real plan, and a plan beyond the budget is
 refused before it is built.
 
 The property tests plan drawn pairs for real and compare: the estimate is never below the rows the
@@ -89,7 +89,7 @@ def test_fresh_shape_is_the_shape_of_fresh_request() -> None:
 
 
 def test_worked_number_whole_pages() -> None:
-    """docs/design.md §10: TP1 -> TP1, HND, K = 16, 80 layers of 8 heads x 256 B, M = 16384: 1024 segments,
+    """docs/design.md §12: TP1 -> TP1, HND, K = 16, 80 layers of 8 heads x 256 B, M = 16384: 1024 segments,
     the token, head and plane modes all fold (a whole 64 KiB page per row), so 1024 x 80 rows are
     estimated; the planner builds 80 (the consecutive pages of each layer collapse into one run)."""
     m = ModelSpec("m", [AttentionSpec("a", "full", 80, 8, 256)])

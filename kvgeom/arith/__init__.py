@@ -22,11 +22,14 @@ from .runs import (
 from .shard import (
     Slice,
     SourceSlice,
+    TokenShard,
     check_divisible,
     divisible,
+    layer_partition,
     local_count,
     owned_slice,
     sources,
+    stage_slices,
     tp_suggestions,
 )
 from .tokens import (
@@ -34,6 +37,7 @@ from .tokens import (
     SideTokens,
     locate,
     segments,
+    window_start,
 )
 
 __all__ = [
@@ -55,8 +59,12 @@ __all__ = [
     "tp_suggestions",
     "sources",
     "SourceSlice",
+    "layer_partition",
+    "stage_slices",
+    "TokenShard",
     "SideTokens",
     "Segments",
     "segments",
     "locate",
+    "window_start",
 ]

@@ -16,6 +16,7 @@ from .steps import (
 from .tiles import (
     TileTable,
     check_in_regions,
+    rank_region_bytes,
     tile_bytes,
     tile_index_pairs,
     tile_quantities,
@@ -37,4 +38,5 @@ __all__ = [
     "tile_table",
     "tile_index_pairs",
     "check_in_regions",
+    "rank_region_bytes",
 ]

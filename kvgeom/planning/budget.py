@@ -1,7 +1,7 @@
 """The work budget: how large a request's plan will be, estimated before any row is built.
 
 A geometry can come from a remote peer and a request from a connector on every step, so the
-planner bounds its work before doing it (docs/design.md §10). :func:`estimate_plan` mirrors the
+planner bounds its work before doing it (docs/design.md §12). :func:`estimate_plan` mirrors the
 planners in O(groups x ranks) arithmetic on the geometry and the request's *shape* (token ranges
 and block counts, never the ids); :meth:`PlanBudget.check` refuses an estimate over the budget
 with :class:`~kvgeom.errors.PlanBudgetExceeded`::
@@ -54,7 +54,7 @@ from ..values.layout import PageLayout
 from ..values.model import AttentionSpec, StateSpec
 from ..values.pair import EnginePair
 from ..values.request import ListingShape, RequestShape
-from .sides import SideView
+from .sides import SideView, stage_parts
 from .staged import arrival, is_identity, rearrange_modes
 
 __all__ = ["PlanBudget", "PlanEstimate", "DEFAULT_BUDGET", "estimate_plan", "ROW_BYTES", "SEGMENT_BYTES",
@@ -73,7 +73,7 @@ STEP_WORK = 2000  # one Python-level planner iteration costs about as much as th
 
 @attrs.frozen
 class PlanEstimate:
-    """Upper bounds of what planning one request builds and does (docs/design.md §10).
+    """Upper bounds of what planning one request builds and does (docs/design.md §12).
 
     ``copy_rows`` / ``zero_rows``: rows before coalescing; ``segments``: token segments cut;
     ``rearrange_pages``: page entries of the staged rearranges; ``steps``: Python-level planner
@@ -183,13 +183,28 @@ def _union_cuts(lo: int, hi: int, a: tuple[int, int], b: tuple[int, int]) -> int
 
 
 def _side_step(engine: EngineGeometry, view: SideView, cut_tokens: int = 0) -> tuple[int, bool]:
-    """(tokens between two possible cuts of a side, whether it cuts at every one of them): every kernel
-    page, or, when its pages are token-outermost, only the logical block boundaries where the ids jump."""
+    """(tokens between two possible cuts of a side, whether it cuts at every one of them): every DCP
+    chunk of a token-sharded side (docs/design.md §11.2), every kernel page, or, when its pages are
+    token-outermost, only the logical block boundaries where the ids jump (:class:`SideTokens`)."""
+    if engine.topology.dcp > 1:
+        return engine.topology.interleave, True
     if cut_tokens:
         return cut_tokens, True
     if view.linear():
         return engine.logical_block_tokens, False
     return engine.kernel_block_tokens, True
+
+
+def _stage_overlaps(pair: EnginePair, gi: int) -> int:
+    """Sum over D's stages of the P stages holding some of its layers of ``group`` (the planner's
+    ``stage_parts``): how many (D stage, P stage) pieces a D rank's layers split into, summed."""
+    P, D = pair.prefill, pair.decode
+    total = 0
+    for stage in range(D.topology.pp):
+        layers = D.stage_layers(gi, stage)
+        if layers.size:
+            total += len(stage_parts(P, gi, layers))
+    return total
 
 
 MAX_PERIOD_POINTS = 1 << 14  # cut points per period enumerated for exact segment lengths
@@ -319,14 +334,26 @@ class _AttentionFactors:
     step_p: tuple[int, bool]  # (cut step, cuts at every step)
     step_d: tuple[int, bool]
     step_z: tuple[int, bool]
-    copies: tuple[tuple[_Modes, int], ...]  # distinct copy blocks and how many (D rank, source) x planes x layers
-    sources: int  # (D rank, source, plane set) combinations: Python iterations per segment length
+    copies: tuple[tuple[_Modes, int], ...]  # distinct copy blocks and how many (replica, head group, source) x
+                                            # planes x layers carry each
+    sources: int  # Python iterations per segment length (D rank, stage piece, P DCP owner, source, plane set)
     zeros: _Modes
-    zero_times: int  # D ranks x plane sets x layers
+    zero_times: int  # D replicas x head groups x plane sets x layers
     zero_planes: int
+    zero_groups: int  # (D stage, DCP rank) groups the zero rows are built for
+    zero_members: int  # D ranks sharing one group's zero rows
+    owner_pairs: int  # (D DCP rank, P DCP rank) pairs the segments are split into
 
 
 def _attention_factors(pair: EnginePair, gi: int, staged: bool) -> _AttentionFactors:
+    """The planner's loops (:mod:`kvgeom.planning.attention`) summed over the ranks once per pair.
+
+    Over flat D ranks (docs/design.md §11.3) the rows add up simply: a D rank takes the layers of its
+    stage and the segments its DCP rank owns, so summed over the stages and the DCP ranks of one
+    (replica, head group) they are every layer of the group and every segment once. Rows are
+    therefore ``layers x D replicas x sum over head groups of (plane sets x rows of each source
+    block)`` per segment; the sources depend on the head group only.
+    """
     P, D = pair.prefill, pair.decode
     spec = pair.model.groups[gi]
     if not isinstance(spec, AttentionSpec):
@@ -339,31 +366,39 @@ def _attention_factors(pair: EnginePair, gi: int, staged: bool) -> _AttentionFac
     if not isinstance(arr, str) and not is_identity(*rearrange_modes(D, gi, arr)):
         applies = True
         d_layout, d_cut = arr.layout, arr.sub_tokens
-        rearranges = D.tp * spec.num_layers * (1 if arr.planes_in_page == 2 or spec.planes == 1 else 2)
+        # each D rank permutes the pages of its own stage's layers: replicas x tp ranks per stage
+        rearranges = D.topology.replicas * D.tp * spec.num_layers * (1 if arr.planes_in_page == 2 or spec.planes == 1
+                                                                    else 2)
     d_planes_share = ds.planes_share_region()
     planes_inner = spec.planes > 1 and ps.planes_share_region() and d_planes_share
     plane_sets = 1 if spec.planes == 1 or planes_inner else 2
     pl, dl = ps.layout, d_layout
+    reps, d_dcp, p_dcp = D.topology.replicas, D.topology.dcp, P.topology.dcp
     blocks: dict[_Modes, int] = {}
     n_sources = 0
-    for d in range(D.tp):
-        for src in sources(spec.num_kv_heads, p_tp=P.tp, p_replicated=spec.replicated, d_tp=D.tp, d_rank=d,
-                           d_replicated=spec.replicated):
+    for hg in range(D.head_tp):
+        srcs = sources(spec.num_kv_heads, p_tp=P.head_tp, p_replicated=spec.replicated, d_tp=D.head_tp, d_rank=hg,
+                       d_replicated=spec.replicated)
+        for src in srcs:
             others: list[Mode] = [(src.items.size, (pl.head_stride, dl.head_stride))]
             if planes_inner:
                 others.append((spec.planes, (pl.kv_stride, dl.kv_stride)))
             m = _Modes(spec.head_bytes, (pl.token_stride, dl.token_stride), tuple(others))
-            blocks[m] = blocks.get(m, 0) + plane_sets * spec.num_layers
-            n_sources += plane_sets
+            blocks[m] = blocks.get(m, 0) + plane_sets * spec.num_layers * reps
+        n_sources += len(srcs) * plane_sets
+    # Python iterations per segment length: per D rank (replicas x dcp per head group and stage), per
+    # (D stage, P stage) piece, per P DCP owner, per source, per plane set
+    iterations = n_sources * reps * d_dcp * p_dcp * _stage_overlaps(pair, gi)
     fz = SideView(D, gi).layout
     others_z: list[Mode] = [(D.local_heads(gi), (fz.head_stride,))]
     if spec.planes > 1 and d_planes_share:
         others_z.append((spec.planes, (fz.kv_stride,)))
     zero_planes = 1 if spec.planes == 1 or d_planes_share else 2
     return _AttentionFactors(applies, rearranges, _side_step(P, ps), _side_step(D, ds, d_cut),
-                             _side_step(D, SideView(D, gi)), tuple(blocks.items()), n_sources,
+                             _side_step(D, SideView(D, gi)), tuple(blocks.items()), iterations,
                              _Modes(spec.head_bytes, (fz.token_stride,), tuple(others_z)),
-                             D.tp * zero_planes * spec.num_layers, zero_planes)
+                             reps * D.head_tp * zero_planes * spec.num_layers, zero_planes,
+                             D.topology.pp * d_dcp, reps * D.head_tp, d_dcp * p_dcp)
 
 
 def _rows(modes: _Modes, counts: dict[int, int] | None, segs: int, tokens: int) -> int:
@@ -391,6 +426,7 @@ def _attention(pair: EnginePair, shape: RequestShape, gi: int, staged: bool) -> 
         segs, n, [(p0, step_p, every_p), (d0, step_d, every_d)])
     copy_rows = sum(times * _rows(m, counts, segs, n) for m, times in f.copies)
     steps = f.sources * lengths
+    scans = segs * f.owner_pairs  # one pass over the segments per (D DCP rank, P DCP rank) pair
     rearrange_pages = touched_segs = 0
     if f.staged and hi > lo:
         touched = ceil_div(hi - lo, D.kernel_block_tokens) + 1
@@ -398,7 +434,7 @@ def _attention(pair: EnginePair, shape: RequestShape, gi: int, staged: bool) -> 
         touched_segs = touched + 1
         steps += f.rearranges
     # zeros: D's own layout, once per zero interval, repeated for every D rank
-    zero_rows = zsegs = scans = 0
+    zero_rows = zsegs = 0
     zs = max(S, d0)
     intervals = [(zs, d1)] if hi <= lo else [(zs, lo), (max(hi, zs), d1)]
     step_z, every_z = f.step_z
@@ -410,8 +446,8 @@ def _attention(pair: EnginePair, shape: RequestShape, gi: int, staged: bool) -> 
         z_counts = _length_counts(z0, z1, [(d0, step_z)]) if every_z else None
         z_lengths = len(z_counts) if z_counts is not None else _distinct_lengths(k, z1 - z0, [(d0, step_z, every_z)])
         zero_rows += f.zero_times * _rows(f.zeros, z_counts, k, z1 - z0)
-        steps += f.zero_planes * z_lengths * (1 + D.tp)
-        scans += k * z_lengths
+        steps += f.zero_groups * f.zero_planes * z_lengths * (1 + f.zero_members)
+        scans += k * (z_lengths + f.zero_groups)
     segments = segs + zsegs + touched_segs
     scans += segs * lengths + touched_segs
     work = copy_rows + zero_rows + rearrange_pages + scans + steps * STEP_WORK
@@ -419,22 +455,27 @@ def _attention(pair: EnginePair, shape: RequestShape, gi: int, staged: bool) -> 
 
 
 def _state_factors(pair: EnginePair, gi: int) -> tuple[int, int]:
-    """(copy rows per paired slot, (section, D rank, source) iterations) of one state group."""
+    """(copy rows per paired slot, Python iterations) of one state group (:mod:`kvgeom.planning.state`):
+    every D rank copies its channel slice of every layer of its stage, so summed over the ranks it is
+    ``layers x D replicas x sum over tp ranks of the sources' rows``."""
     P, D = pair.prefill, pair.decode
     spec = pair.model.groups[gi]
     if not isinstance(spec, StateSpec):
         raise InternalError("a state group's factors")
     p_places, d_places = P.state_sections(gi), D.state_sections(gi)
+    reps = D.topology.replicas
+    overlaps = _stage_overlaps(pair, gi)
     rows = steps = 0
     for si, sec in enumerate(spec.sections):
         pp, dp = p_places[si], d_places[si]
         for d in range(D.tp):
-            for src in sources(sec.channels, p_tp=P.tp, p_replicated=sec.replicated, d_tp=D.tp, d_rank=d,
-                               d_replicated=sec.replicated):
+            srcs = sources(sec.channels, p_tp=P.tp, p_replicated=sec.replicated, d_tp=D.tp, d_rank=d,
+                           d_replicated=sec.replicated)
+            for src in srcs:
                 _, rest = fold_modes(sec.unit_bytes, [(src.items.size, (pp.channel_stride, dp.channel_stride)),
                                                       (sec.rows, (pp.row_stride, dp.row_stride))])
-                rows += spec.num_layers * math.prod(size for size, _ in rest)
-                steps += 1
+                rows += spec.num_layers * reps * math.prod(size for size, _ in rest)
+            steps += len(srcs) * reps * overlaps
     return rows, steps
 
 
@@ -471,13 +512,14 @@ def _factors(pair: EnginePair, key: Any, make: Callable[[], _T]) -> _T:
 
 
 def _coarse_steps(pair: EnginePair) -> int:
-    """A lower bound of the Python-level iterations (per D rank, per source) planning makes, in O(groups):
-    refused before :func:`estimate_plan` loops over the ranks of a remote claiming absurd TP sizes."""
+    """A lower bound of the Python-level iterations planning makes (per D rank, per P stage and per
+    source), in O(groups): refused before :func:`estimate_plan` loops over the ranks or stages of a
+    remote claiming absurd sizes."""
     P, D = pair.prefill, pair.decode
     total = 0
     for spec in pair.model.groups:
         n_axes = 1 if isinstance(spec, AttentionSpec) else len(spec.sections)
-        total += n_axes * D.tp * (1 + min(P.tp, D.tp))
+        total += n_axes * D.num_ranks * (1 + min(P.tp, D.tp)) + D.topology.pp * P.topology.pp
     return total
 
 

@@ -13,6 +13,7 @@ Worked number: 4096 direct copies cost ``4096 * 1.5 us = 6144 us``; staged with 
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 import attrs
@@ -27,6 +28,8 @@ from .staged import plan_staged_group
 from .state import plan_state_group
 
 __all__ = ["Strategy", "STRATEGIES", "CostModel", "DEFAULT_COST_MODEL", "plan_group"]
+
+logger = logging.getLogger(__name__)
 
 Strategy = Literal["direct", "staged", "auto"]
 STRATEGIES: tuple[str, ...] = ("direct", "staged", "auto")
@@ -59,6 +62,7 @@ def _auto(pair: EnginePair, request: Request, gi: int, cost_model: CostModel) ->
     """Count direct and staged rows without building them, then build only the cheaper plan."""
     staged_count = plan_staged_group(pair, request, gi, materialize=False)
     if not staged_count.rearranges:  # staged does not apply or equals direct
+        logger.debug("%s: auto: staged does not apply or changes nothing -> direct", pair.model.groups[gi].name)
         return plan_attention_group(pair, request, gi)
     n_staged = staged_count.rows_before_coalescing
     n_direct = plan_attention_group(pair, request, gi, materialize=False).rows_before_coalescing
@@ -70,7 +74,9 @@ def _auto(pair: EnginePair, request: Request, gi: int, cost_model: CostModel) ->
            f"({cost_model.descriptor_seconds * 1e6:g} us/descriptor, {cost_model.rearrange_bytes_per_second:.3g} B/s; "
            "copies counted before coalescing)")
     if cost_s < cost_d:
+        logger.debug("%s -> staged", why)
         return plan_staged_group(pair, request, gi).with_notes(Note(NoteKind.AUTO_STAGED, why + " -> staged"))
+    logger.debug("%s -> direct", why)
     return plan_attention_group(pair, request, gi).with_notes(Note(NoteKind.AUTO_DIRECT, why + " -> direct"))
 
 
@@ -81,5 +87,9 @@ def plan_group(pair: EnginePair, request: Request, gi: int, strategy: str, cost_
     if strategy == "direct":
         return plan_attention_group(pair, request, gi)
     if strategy == "staged":
-        return plan_staged_group(pair, request, gi)
+        out = plan_staged_group(pair, request, gi)
+        for n in out.notes:
+            if n.kind is NoteKind.STAGED_NOT_APPLICABLE:
+                logger.warning("staged asked for, direct planned instead: %s", n.text)
+        return out
     return _auto(pair, request, gi, cost_model)

@@ -20,12 +20,14 @@ consecutive on both sides, so they collapse into 1 row of 4 * 65536 = 262144 B b
 from __future__ import annotations
 
 import functools
+import logging
 
 import attrs
 
 from ..errors import IncompatibleGeometry, KvGeomError, value_text
 from ..values.engine import EngineGeometry
 from ..values.fields import check_instance
+from ..values.model import StateSpec
 from ..values.notes import Note, NoteKind
 from ..values.pair import EnginePair
 from ..values.plan import Copies, TransferPlan, Zeros
@@ -35,6 +37,8 @@ from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy, plan_gr
 from .coalesce import coalesce, coalesce_zeros
 
 __all__ = ["Pair", "plan_transfer", "plan_pair"]
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.frozen(repr=False)
@@ -74,7 +78,7 @@ def plan_transfer(
     :class:`~kvgeom.errors.IncompatibleGeometry` if the engines cannot be paired,
     :class:`~kvgeom.errors.RequestError` if the request does not fit them and
     :class:`~kvgeom.errors.PlanBudgetExceeded` if its plan would exceed ``budget``
-    (docs/design.md §10; ``budget=None`` plans whatever the size).
+    (docs/design.md §12; ``budget=None`` plans whatever the size).
     """
     for side, engine in (("prefill", prefill), ("decode", decode)):
         check_instance(f"plan_transfer.{side}", engine, EngineGeometry, error=IncompatibleGeometry,
@@ -110,13 +114,48 @@ def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direc
     zeros = [g.zeros for g in groups if len(g.zeros)] or [Zeros.empty()]
     raw_c = copies[0] if len(copies) == 1 else Copies.concat(copies)
     raw_z = zeros[0] if len(zeros) == 1 else Zeros.concat(zeros)
-    return TransferPlan(
+    topology = topology_notes(pair)
+    plan = TransferPlan(
         prefill_tp=pair.prefill.tp,
         decode_tp=pair.decode.tp,
         copies=coalesce(raw_c),
         zeros=coalesce_zeros(raw_z),
         rearranges=[r for g in groups for r in g.rearranges],
-        notes=(Note(NoteKind.STRATEGY, f"strategy {strategy}"),) + tuple(n for g in groups for n in g.notes),
+        notes=(Note(NoteKind.STRATEGY, f"strategy {strategy}"),) + topology + tuple(n for g in groups for n in g.notes),
         copies_before_coalescing=sum(g.rows_before_coalescing for g in groups),
         zeros_before_coalescing=len(raw_z),
+        prefill_ranks=pair.prefill.num_ranks,
+        decode_ranks=pair.decode.num_ranks,
     )
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("planned M=%d S=%d%s (%s): %d copies (%d before coalescing), %d B; %d zero rows, %d B; "
+                     "%d rearranges", request.computed_tokens, request.prefix_hit_tokens,
+                     " partial" if request.partial else "", strategy, len(plan.copies),
+                     plan.copies_before_coalescing, plan.bytes_copied, len(plan.zeros), plan.bytes_zeroed,
+                     len(plan.rearranges))
+    return plan
+
+
+def _side_topology(e: EngineGeometry) -> str:
+    t = e.topology
+    text = f"{e.topology.describe(e.tp)} ({e.num_ranks} ranks)"
+    if t.pp > 1:
+        layers = ", ".join(str(e.stage_global_layers(s)) for s in range(t.pp))
+        text += f", global layers per stage {layers}"
+    if t.dcp > 1:
+        text += f", token t on DCP rank (t // {t.interleave}) % {t.dcp} of its head group"
+    if t.replicas > 1:
+        text += f", {t.replicas} replicas (D ranks spread their reads over them)"
+    return text
+
+
+def topology_notes(pair: EnginePair) -> tuple[Note, ...]:
+    """One ``TOPOLOGY`` note when either side has stages, DCP or replicas (docs/design.md §11.3)."""
+    P, D = pair.prefill, pair.decode
+    if P.topology.trivial and D.topology.trivial:
+        return ()
+    text = f"topology: P {_side_topology(P)} -> D {_side_topology(D)}"
+    states = [s.name for s in pair.model.groups if isinstance(s, StateSpec)]
+    if states and (P.topology.dcp > 1 or D.topology.dcp > 1):
+        text += f"; state groups {states} are not sharded by token (SGLang's DCP leaves request state unchanged)"
+    return (Note(NoteKind.TOPOLOGY, text),)

@@ -13,7 +13,7 @@
 Worked number: ``kvgeom plan`` (preset ``gqa-tp2-tp4``, M=100, S=16) moves tokens [16, 100):
 84 tokens x 4 layers x 2 planes x 8 heads x 256 B = 1,376,256 B over the four D ranks.
 
-Bounded work (docs/design.md §10): every input is checked before the work it sizes. Output paths
+Bounded work (docs/design.md §12): every input is checked before the work it sizes. Output paths
 (``--svg``, ``--png``) are opened before planning; pair files are read to at most 4 MiB; the plan
 is estimated from the request's shape before any block list is built, and refused over the budget
 (``--budget-mb``, default 4096) with exit 2, and so is a simulation (``plan``) or cache
@@ -331,6 +331,8 @@ def _plan_json(header: dict[str, Any], pair: Pair, plan: TransferPlan, report: R
         "planned": True,
         "prefill": engine_line(pair.prefill),
         "decode": engine_line(pair.decode),
+        "prefill_ranks": plan.prefill_ranks,
+        "decode_ranks": plan.decode_ranks,
         "copies": len(plan.copies),
         "copies_before_coalescing": plan.copies_before_coalescing,
         "bytes": plan.bytes_copied,
@@ -516,6 +518,8 @@ def _fuzz_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest request drawn, in computed tokens (default 64)")
     parser.add_argument("--mismatch-probability", type=float, default=0.1, metavar="P",
                         help="share of pairs whose decode model differs (must be rejected; default 0.1)")
+    parser.add_argument("--topology-probability", type=float, default=0.3, metavar="P",
+                        help="share of engines drawn with pipeline stages, DCP or replicas (default 0.3)")
     parser.add_argument("--out", metavar="FILE", default=None,
                         help="also write each failure's pair file to FILE (FILE-2, FILE-3... for more)")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")

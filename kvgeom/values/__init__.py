@@ -8,6 +8,10 @@ from __future__ import annotations
 from .builder import (
     engine_fields,
 )
+from .coverage import (
+    coverage_problems,
+    needed_range,
+)
 from .engine import (
     EngineGeometry,
     engine_html,
@@ -16,6 +20,7 @@ from .engine import (
 )
 from .engine_checks import (
     MAX_PAGE_VECTORS,
+    MAX_RANKS,
     MAX_REGIONS,
     EngineFields,
     nested_extent,
@@ -57,6 +62,7 @@ from .model import (
     ModelSpec,
     StateSection,
     StateSpec,
+    default_layer_order,
 )
 from .notes import (
     Note,
@@ -93,6 +99,14 @@ from .request import (
     request_html,
     request_repr,
 )
+from .tensors import (
+    AXIS_NAMES,
+    LayerTensors,
+    TensorFacts,
+    parse_axes,
+    tensor_facts,
+    tensor_fields,
+)
 from .text import (
     MAX_RANK_ROWS,
     cut,
@@ -102,15 +116,22 @@ from .text import (
     html_table,
     text_table,
 )
+from .topology import (
+    RankCoords,
+    Topology,
+)
 
 __all__ = [
     "engine_fields",
+    "needed_range",
+    "coverage_problems",
     "EngineGeometry",
     "engine_line",
     "engine_repr",
     "engine_html",
     "MAX_PAGE_VECTORS",
     "MAX_REGIONS",
+    "MAX_RANKS",
     "EngineFields",
     "validate_engine",
     "nested_extent",
@@ -145,6 +166,9 @@ __all__ = [
     "StateSpec",
     "GroupSpec",
     "ModelSpec",
+    "default_layer_order",
+    "Topology",
+    "RankCoords",
     "NoteKind",
     "Note",
     "as_notes",
@@ -172,6 +196,12 @@ __all__ = [
     "RequestShape",
     "request_repr",
     "request_html",
+    "AXIS_NAMES",
+    "LayerTensors",
+    "TensorFacts",
+    "parse_axes",
+    "tensor_facts",
+    "tensor_fields",
     "format_ids",
     "format_bytes",
     "text_table",

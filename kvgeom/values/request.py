@@ -11,6 +11,10 @@ boundary). A sliding-window group lists only its tail window, so its ``first_tok
 side. A state group lists state slots with the number of tokens each slot's state has absorbed
 (usually one slot per side, the running state after ``M`` tokens).
 
+Every listing must cover what its side needs (:mod:`kvgeom.values.coverage`, checked with the
+pair): P ``[window start, M)`` and D ``[max(S, window start), M)``. A transfer that moves only part
+of the request on purpose says so with ``Request(..., partial=True)``.
+
 Worked number: M = 40, D lists 24-token blocks from token 24 (a prefix hit S = 24): D needs
 tokens [24, 40), 16 tokens, all inside its first listed block.
 """
@@ -139,16 +143,26 @@ def _group_requests(value: Any) -> tuple[GroupRequest, ...]:
     return as_tuple(value, "Request.groups", RequestError, max_len=MAX_GROUPS)
 
 
+def _partial_is_bool(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise RequestError("Request.partial", f"must be a bool, got {type(value).__name__} {value!r}",
+                           actual=value, expected="True or False", fix="pass partial=True or partial=False")
+
+
 @attrs.frozen(repr=False)
 class Request:
     """The whole request: ``M`` computed tokens, ``S`` prefix-hit tokens, one listing per group.
 
-    ``groups`` follows the model's group order.
+    ``groups`` follows the model's group order. ``partial`` (keyword only, default False) marks a
+    transfer that moves part of the request on purpose: its listings need not cover what each side
+    needs (docs/design.md §3.4); without it a short, long or misplaced listing is a
+    :class:`~kvgeom.errors.RequestError` when the request is checked against a pair.
     """
 
     computed_tokens: int = attrs.field(converter=as_int)
     groups: tuple[GroupRequest, ...] = attrs.field(converter=_group_requests)
     prefix_hit_tokens: int = attrs.field(default=0, converter=as_int)
+    partial: bool = attrs.field(default=False, kw_only=True, validator=_partial_is_bool)
 
     def __attrs_post_init__(self) -> None:
         check_int("Request.computed_tokens", self.computed_tokens, minimum=0, error=RequestError)
@@ -183,7 +197,7 @@ class Request:
 @attrs.frozen
 class ListingShape:
     """One side's listing of one group by size only: from ``first_token``, ``count`` blocks (attention)
-    or slots (state). What the planner's work estimate needs (docs/design.md §10), without the ids."""
+    or slots (state). What the planner's work estimate needs (docs/design.md §12), without the ids."""
 
     first_token: int
     count: int
@@ -249,7 +263,7 @@ def _request_rows(r: Request, pair: Any = None) -> list[list[Any]]:
 def _request_title(r: Request) -> str:
     n = len(r.groups)
     return (f"Request: M={r.computed_tokens} computed tokens, S={r.prefix_hit_tokens} prefix-hit tokens, "
-            f"{n} group{'s' if n != 1 else ''}")
+            f"{n} group{'s' if n != 1 else ''}" + (" (partial on purpose)" if r.partial else ""))
 
 
 def request_repr(r: Request, pair: Any = None) -> str:
