@@ -262,6 +262,20 @@ def small_model(r: random.Random, *, state: bool = False) -> Any:
     return ModelSpec("m", tuple(groups))
 
 
+def small_topology(r: random.Random, model: Any, tp: int, K: int) -> Any:
+    """One stage, no DCP, one replica most of the time; else a few stages, a DCP group, replicas
+    (docs/design.md §11) that fit ``model``, ``tp`` and ``K``."""
+    from kvgeom.tools.strategies import valid_dcps
+    from kvgeom.values import Topology
+
+    if r.random() < 0.7:
+        return None
+    pp = r.randint(1, min(3, model.num_global_layers))
+    dcp = r.choice(valid_dcps(model, tp, 4))
+    interleave = r.choice([i for i in range(1, K + 1) if K % i == 0]) if dcp > 1 else 1
+    return Topology(pp, None, dcp, interleave, r.randint(1, 2))
+
+
 def small_engine(r: random.Random, model: Any, name: str, *, tp: int | None = None, blocks: int = 12) -> Any:
     from kvgeom import EngineGeometry
     from kvgeom.building.presets import hybrid_blocks_per_logical
@@ -272,10 +286,13 @@ def small_engine(r: random.Random, model: Any, name: str, *, tp: int | None = No
     K = r.choice((1, 2, 4, 8))
     hybrid = any(g.kind.value == "state" for g in model.groups)
     ppl = hybrid_blocks_per_logical(model, tp=tp, kernel_block_tokens=K) if hybrid else r.choice((1, 2))
+    topology = small_topology(r, model, tp, K)
+    if hybrid and topology is not None and topology.dcp > 1:
+        topology = None  # vLLM refuses hybrids with DCP; keep the drawn engines realistic
     return EngineGeometry.build(
         model, tp=tp, kernel_block_tokens=K, num_blocks=blocks, blocks_per_logical=ppl,
         layout=r.choice(("HND", "NHD")), kv="packed" if hybrid else r.choice(("packed", "split", "inner")),
-        regions="shared" if hybrid else r.choice(("per_layer", "interleaved")), name=name)
+        regions="shared" if hybrid else r.choice(("per_layer", "interleaved")), name=name, topology=topology)
 
 
 def small_pair(r: random.Random) -> tuple[Any, Any]:
@@ -313,7 +330,7 @@ SIM_BYTES = 32 << 20  # simulate plans of engines up to this many bytes per side
 
 
 def _engine_bytes(e: Any) -> int:
-    return int(e.tp) * sum(int(r.num_pages) * int(r.page_bytes) for r in e.regions)
+    return int(e.total_bytes)
 
 
 def int_fields_wrong(obj: Any, path: str = "", depth: int = 0) -> str:
@@ -353,7 +370,9 @@ def plan_wrong(pair: Any, request: Any, plan: Any) -> str:
         eng = pair.side(side)
         sizes = [int(x.num_pages) * int(x.page_bytes) for x in eng.regions]
         for k in range(min(len(c), 4096)):
-            if int(rk[k]) >= eng.tp or int(rg[k]) >= len(sizes) or int(off[k]) + int(c.nbytes[k]) > sizes[int(rg[k])]:
+            rank, region = int(rk[k]), int(rg[k])
+            if rank >= eng.num_ranks or region not in eng.rank_regions(rank) or \
+                    int(off[k]) + int(c.nbytes[k]) > sizes[region]:
                 return f"copy row {k} leaves the {side} engine"
     if _engine_bytes(pair.prefill) <= SIM_BYTES and _engine_bytes(pair.decode) <= SIM_BYTES:
         report = simulate(pair, request, plan)
@@ -649,19 +668,23 @@ def _big_plan(r: random.Random) -> Case:
     head_bytes = r.choice((16, 2**20))
     big = {"tp": r.choice((1, 2, 2**20, 2**40, 8)), "kernel_block_tokens": r.choice((16, 2**20, 2**30)),
            "num_blocks": r.choice((8, 2**17, 2**40, 65537)), "blocks_per_logical": r.choice((1, 1, 2**20, 2**30))}
+    topo = r.choice((None, None, {"pp": 2}, {"replicas": 2**20}, {"replicas": 2**40}, {"pp": 2**20},
+                     {"dcp": 8, "interleave": 16}, {"dcp": 2**20}))
     tokens = r.choice((32, 10**6, 10**8, 2**40))
     long = r.random() < 0.5
 
     def call() -> Any:
+        from kvgeom.values import Topology
+
         model = ModelSpec("m", [AttentionSpec("attn", "full", layers, heads, head_bytes)])
         P = EngineGeometry.build(model, tp=8 if heads == 8 else 1, kernel_block_tokens=16, num_blocks=8,
                                  name="prefill")
-        D = EngineGeometry.build(model, name="decode", **big)
+        D = EngineGeometry.build(model, name="decode", topology=None if topo is None else Topology(**topo), **big)
         pair = Pair(P, D)
         req = fresh_request(pair, tokens if long else min(tokens, 8 * 16))
         return pair, req, plan_transfer(P, D, req)
 
-    return Case(f"big plan heads={heads} layers={layers} {big} M={tokens if long else min(tokens, 128)}", call,
+    return Case(f"big plan heads={heads} layers={layers} {big} {topo} M={tokens if long else min(tokens, 128)}", call,
                 lambda out: plan_wrong(out[0], out[1], out[2]))
 
 
@@ -1032,7 +1055,11 @@ def handshake_case(r: random.Random, honest: list[bytes]) -> tuple[list[bytes], 
     if what == "engine_size":
         eng = doc["engine"]
         key, value = r.choice((("tp", 2**40), ("tp", 4), ("kernel_block_tokens", 2**30),
-                               ("blocks_per_logical", 2**20)))
+                               ("blocks_per_logical", 2**20),
+                               ("topology", {"type": "Topology", "pp": 1, "partition": None, "dcp": 1,
+                                             "interleave": 1, "replicas": 2**20}),
+                               ("topology", {"type": "Topology", "pp": 2, "partition": None, "dcp": 2,
+                                             "interleave": 1, "replicas": 1})))
         eng[key] = value
         if r.random() < 0.5:
             eng["model"]["groups"][0]["num_kv_heads"] = r.choice((2**47 + 1, 2**20, 6))

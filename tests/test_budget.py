@@ -24,6 +24,7 @@ from kvgeom import (  # noqa: E402
     AttentionSpec,
     BlockList,
     EngineGeometry,
+    GeometryError,
     GroupRequest,
     KvGeomError,
     ModelSpec,
@@ -52,7 +53,7 @@ def _reverse_prefill(request: Request) -> Request:
         if isinstance(g.prefill, BlockList):
             g = GroupRequest(BlockList(tuple(reversed(g.prefill.block_ids)), g.prefill.first_token), g.decode)
         groups.append(g)
-    return Request(request.computed_tokens, groups, request.prefix_hit_tokens)
+    return Request(request.computed_tokens, groups, request.prefix_hit_tokens, partial=request.partial)
 
 
 @SETTINGS
@@ -121,11 +122,14 @@ def test_a_plan_beyond_the_budget_is_refused_before_it_is_built() -> None:
 
 
 def test_a_remote_claiming_absurd_tp_is_refused_in_constant_time() -> None:
-    """Defect 2 of issue 11: D claims tp = 2**40 (a multiple of its 2**20 heads): the estimate refuses
-    from an O(groups) count before any loop over the ranks."""
+    """Defect 2 of issue 11: a remote claiming tp = 2**40 is refused when its geometry is built (at most
+    2**20 ranks); one claiming 2**20 ranks is refused by the estimate, from an O(groups) count before
+    any loop over the ranks (the old planner looped over every one of them)."""
     m = ModelSpec("m", [AttentionSpec("a", "full", 1, 2**20, 16)])
+    with pytest.raises(GeometryError, match="rank count"):
+        EngineGeometry.build(m, tp=2**40, kernel_block_tokens=1, num_blocks=4, name="decode")
     P = EngineGeometry.build(m, tp=1, kernel_block_tokens=1, num_blocks=4, name="prefill")
-    D = EngineGeometry.build(m, tp=2**40, kernel_block_tokens=1, num_blocks=4, name="decode")
+    D = EngineGeometry.build(m, tp=2**20, kernel_block_tokens=1, num_blocks=4, name="decode")
     request = fresh_request(Pair(P, D), 4)
     t0 = time.perf_counter()
     with pytest.raises(PlanBudgetExceeded, match="planner steps"):
@@ -134,7 +138,7 @@ def test_a_remote_claiming_absurd_tp_is_refused_in_constant_time() -> None:
 
 
 def test_default_budget_and_its_validation() -> None:
-    assert (DEFAULT_BUDGET.max_bytes, DEFAULT_BUDGET.max_work, DEFAULT_BUDGET.max_steps) == (4 << 30, 1 << 28, 1 << 18)
+    assert (DEFAULT_BUDGET.max_bytes, DEFAULT_BUDGET.max_work, DEFAULT_BUDGET.max_steps) == (4 << 30, 1 << 28, 1 << 16)
     for bad in (0, -1, 1.5, None, 2**49):
         with pytest.raises(KvGeomError) as binfo:
             PlanBudget(max_bytes=bad)  # type: ignore[arg-type]

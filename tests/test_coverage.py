@@ -55,7 +55,8 @@ def test_the_issue_example_is_refused_naming_group_side_and_ranges() -> None:
     assert err.path == "Request.groups[0](attn).prefill"
     assert "lists tokens [0, 32)" in err.message and "needs [0, 50)" in err.message
     assert (err.actual, err.expected) == ((0, 32), (0, 50))
-    assert "Request.groups[0](attn).decode" in err.message  # the second problem is named too
+    # the second problem is named too, with its own expected and fix (issue 11: err.more, not the message)
+    assert [m.path for m in err.more] == ["Request.groups[0](attn).decode"] and "[+1 more: " in str(err)
     assert "4 prefill block(s) from token 0" in err.fix  # ceil(50 / 16) = 4
     with pytest.raises(RequestError):
         plan_transfer(pair16().prefill, pair16().decode, request)

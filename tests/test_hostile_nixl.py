@@ -150,7 +150,7 @@ def test_serve_pull_refuses_a_huge_remote_before_planning() -> None:
     P = EngineGeometry.build(m, tp=1, kernel_block_tokens=4, num_blocks=4, name="prefill")
     D = EngineGeometry.build(m, tp=2**20, kernel_block_tokens=4, num_blocks=4, name="decode")
     d_regions = [np.zeros(r.nbytes, np.uint8) for r in D.regions]  # one rank's memory, not 2**20 ranks'
-    with Endpoint(P, "prefill", 0, allocate_caches(P)[0], limits=HandshakeLimits(max_tp=2**21)) as p0, \
+    with Endpoint(P, "prefill", 0, allocate_caches(P)[0], limits=HandshakeLimits(max_tp=2**21, max_ranks=2**21)) as p0, \
             Endpoint(D, "decode", 0, d_regions) as d0:
         link = p0.connect([d0.handshake()])
         t0 = time.perf_counter()

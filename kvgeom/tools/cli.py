@@ -63,7 +63,7 @@ from ..values.text import format_bytes, text_table
 from .serialize import load_pair_file
 
 __all__ = ["main", "build_parser", "resolve_preset", "Command", "COMMANDS", "TRANSFER_ENTRY_POINTS", "OutputFile",
-           "simulation_bytes"]
+           "simulation_bytes", "simulation_steps"]
 NIXL_HINT = 'pip install torch==2.13.0 && pip install -e ".[nixl]"'
 MAX_LISTED = 10  # violations and notes shown in the human summary (--json lists all)
 
@@ -120,12 +120,30 @@ def _mib_above(nbytes: int) -> int:
 
 
 def _engine_bytes(engine: EngineGeometry) -> int:
-    return engine.tp * sum(r.nbytes for r in engine.regions)
+    return engine.total_bytes
 
 
 def simulation_bytes(pair: Pair) -> int:
     """What ``simulate`` allocates for a pair: P's memory, D's memory and D's expected bytes (plus masks)."""
     return _engine_bytes(pair.prefill) + 3 * _engine_bytes(pair.decode)
+
+
+def simulation_steps(pair: Pair) -> int:
+    """A lower bound of the simulator's Python-level steps: it fills and checks every (rank, layer, plane)."""
+    layers = sum(g.num_layers for g in pair.model.groups)
+    return 2 * layers * (pair.prefill.num_ranks + pair.decode.num_ranks)
+
+
+def _check_simulation(pair: Pair, budget: PlanBudget, fix: str) -> None:
+    """Refuse a simulation (or a local deployment's caches and check) beyond the budget's memory or steps."""
+    _check_memory("simulation", simulation_bytes(pair), budget, fix)
+    steps = simulation_steps(pair)
+    if steps > budget.max_steps:
+        raise PlanBudgetExceeded("simulation", f"the simulation would take at least {steps:,} steps (ranks x "
+                                 f"layers x planes), beyond the budget of {budget.max_steps:,}", actual=steps,
+                                 expected=f"<= {budget.max_steps}",
+                                 fix=f"{fix} (an engine of {pair.prefill.num_ranks} and one of {pair.decode.num_ranks} "
+                                     "ranks are hardly real)")
 
 
 def _preset_arguments(p: argparse.ArgumentParser) -> None:
@@ -191,7 +209,7 @@ def _load_pair(args: argparse.Namespace) -> tuple[dict[str, Any], Pair | None, A
                 raise e.__cause__ from None
             raise
         header = {"pair_file": args.pair, "preset": None}
-        _check_memory("simulation", simulation_bytes(pair), budget, "describe engines with fewer or smaller pages")
+        _check_simulation(pair, budget, "describe engines with fewer or smaller pages, layers or ranks")
         if request is None:
             tokens = args.tokens if args.tokens is not None else 256
             prefix = args.prefix or 0
@@ -209,7 +227,7 @@ def _load_pair(args: argparse.Namespace) -> tuple[dict[str, Any], Pair | None, A
     prefill, decode = preset.geometries(tokens, prefix, layers=args.layers)
     if not pairable(prefill, decode):
         return header, None, None, (prefill, decode)
-    _check_memory("simulation", simulation_bytes(Pair(prefill, decode)), budget, "plan fewer --tokens or --layers")
+    _check_simulation(Pair(prefill, decode), budget, "plan fewer --tokens or --layers")
     pair, request = preset.build(tokens, prefix, layers=args.layers, budget=budget, strategy=args.strategy)
     return header, pair, request, (pair.prefill, pair.decode)
 
@@ -467,6 +485,7 @@ def _run_transfer(args: argparse.Namespace) -> int:
         pair = Pair(prefill, decode)
         _check_memory("caches and check", _engine_bytes(prefill) + 2 * _engine_bytes(decode), budget,
                       "transfer fewer --tokens or --layers")
+        _check_simulation(pair, budget, "transfer fewer --tokens or --layers")
         shape = fresh_shape(pair, tokens, decode_tokens=preset.decode_tokens(tokens), prefix_hit_tokens=prefix)
         budget.check(estimate_plan(pair, shape, args.strategy, budget=budget))
     transfer_report = _executor()

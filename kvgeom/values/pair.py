@@ -206,11 +206,9 @@ class EnginePair:
             return
         problems = coverage_problems(self.model, self.prefill, self.decode, request)
         if problems:
-            first = problems[0]
-            more = f" (+{len(problems) - 1} more: " + "; ".join(f"{p.path}: {p.message}" for p in problems[1:]) \
-                + ")" if len(problems) > 1 else ""
-            raise RequestError(first.path, first.message + more, actual=first.actual, expected=first.expected,
-                               fix=first.fix)
+            first = problems[0]  # each further problem keeps its own expected and fix (err.more)
+            raise RequestError(first.path, first.message, actual=first.actual, expected=first.expected,
+                               fix=first.fix, more=problems[1:])
 
     def writable_blocks(self, request: Request) -> dict[int, tuple[int, ...]]:
         """Per group, the D block ids (state groups: slot ids) a transfer of ``request`` may write.
