@@ -918,6 +918,8 @@ def run_cli(argv: list[str], data: bytes | None, must_exit_2: bool, label: str, 
         return Outcome("ok", ms, mb, label=label)
     if rc == 0:
         return Outcome("wrong", ms, mb, "exit 0 for input that must be refused", label=label)
+    if rc == 1 and "transfer FAILED:" in out:  # kvgeom transfer: the transfer itself failed (a 1e-300 s timeout)
+        return Outcome("failed", ms, mb, out.split("transfer FAILED:", 1)[1].splitlines()[0][:300], label=label)
     if rc == 1 and "verdict: FAILED" in out:
         return Outcome("wrong", ms, mb, "a plan the simulator rejects", label=label)
     tail = (err.strip().splitlines() or ["?"])[-1]
@@ -977,6 +979,9 @@ class NixlBench:
             off += n + self.GUARD
         self.d = Endpoint(self.D, "decode", 0, self.d_views)
         self.rnd = np.random.default_rng(seed)
+        from kvgeom_nixl.probe import prober
+
+        prober().warm()  # started once per process: not part of any case's time
 
     def reset_d(self) -> None:
         """A new D endpoint (a new NIXL agent) over the same buffer: after a case poisoned the old one."""

@@ -6,8 +6,8 @@ and the notifications it received::
 
     RankAgent(name, region descs, mem_type)     nixl_agent + register_memory (once, whole regions)
       .metadata()                        -> bytes for the handshake
-      .probe(metadata) -> name           loaded into a scratch agent and unloaded: a blob NIXL
-                                         refuses never reaches this agent (see below)
+      .probe(metadata) -> name           loaded into a scratch agent (in the prober process) and
+                                         unloaded: a blob NIXL refuses never reaches this agent
       .add_peer(metadata) -> name        loaded into this agent (after a probe)
       .remove_peer(name)                 (also releases that peer's tables)
       .prepared(peer, tile) / .prepare(peer, tile, descs, mem_type)   one table per (agent, tile)
@@ -27,10 +27,11 @@ memory forever. Entries a transfer has claimed (it waits for them) are never evi
 **Loading a peer's metadata.** NIXL 1.5 loads a metadata blob in two steps, the UCX connection
 first and the memory sections second; when the second fails (a truncated or corrupted blob), the
 connection stays behind under the peer's agent name and no call removes it, so every later load
-of that peer, even an honest one, fails with ``NIXL_ERR_INVALID_PARAM``. The endpoint therefore
-:meth:`probe`s every blob in a scratch agent (UCX backend, no memory; about 15 ms to make, reused
-until a blob is refused) before :meth:`add_peer` loads it here; a refused blob, or one whose agent
-name is not the payload's, leaves this agent untouched.
+of that peer, even an honest one, fails with ``NIXL_ERR_INVALID_PARAM``; and one flipped byte in a
+section can crash the process. The endpoint therefore :meth:`probe`s every blob in a scratch
+agent of a separate prober process (:mod:`kvgeom_nixl.probe`) before :meth:`add_peer` loads it
+here; a refused or crashing blob, or one whose agent name is not the payload's, leaves this agent
+and this process untouched.
 
 NIXL's exception classes (``nixl._bindings``) share no base class, so :func:`nixl_errors` lists
 them and :func:`classify` maps one to a failure reason (``nixlRemoteDisconnectError`` ->
@@ -54,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ExecutorError
+from .probe import ProbeRefused, ProberUnavailable, prober
 
 logger = logging.getLogger(__name__)
 
@@ -179,21 +181,30 @@ class RankAgent:
         return bytes(self.nixl.get_agent_metadata())
 
     def probe(self, metadata: bytes) -> str:
-        """Load ``metadata`` into a scratch agent and unload it: the name NIXL would load it under, or the
-        NIXL error it would raise, without touching this agent (see the module docstring).
+        """Load ``metadata`` into a scratch agent and unload it: the name NIXL would load it under, or
+        :class:`~kvgeom_nixl.probe.ProbeRefused`, without touching this agent (see the module docstring).
 
-        One scratch agent serves every probe until a blob is refused (it may then hold that blob's
-        half-loaded connection) or this agent closes.
+        The scratch agent lives in the process's prober (:mod:`kvgeom_nixl.probe`), because a
+        hostile blob can crash NIXL. Where no prober process can be started, one scratch agent of
+        this process serves instead (it keeps this agent from being poisoned, not the process from
+        a crash), until a blob is refused or this agent closes.
         """
+        try:
+            return prober().probe(metadata)
+        except ProberUnavailable as e:
+            logger.warning("%s: probing peer metadata in process: %s", self.name, e)
         if self._probe is None:
             self._probe = make_agent(f"{self.name}-probe-{uuid.uuid4().hex[:8]}")
         try:
-            name = _name(self._probe.add_remote_agent(metadata))
-        except BaseException:
+            raw = self._probe.add_remote_agent(metadata)
+        except nixl_errors() as e:
             self._probe = None  # possibly poisoned for that peer's name: the next probe makes a fresh one
-            raise
-        self._probe.remove_remote_agent(name)
-        return name
+            raise ProbeRefused(f"{type(e).__name__}: {e}") from None
+        self._probe.remove_remote_agent(raw)
+        try:
+            return _name(raw)
+        except UnicodeDecodeError:
+            raise ProbeRefused("the metadata names an agent that is not UTF-8 text") from None
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer agent's metadata; returns the name NIXL loaded it under (raises NIXL errors).

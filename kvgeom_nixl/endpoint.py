@@ -73,6 +73,7 @@ from .errors import ExecutorError, HandshakeError
 from .handshake import DEFAULT_LIMITS, ROLES, HandshakeLimits, RankInfo, decode_rank, encode_rank
 from .lowering import MAX_TABLE_TILES, MODES, capped_table, copy_descs, table_descs
 from .memory import RankMemory
+from .probe import ProbeRefused
 from .receive import apply_receive_steps
 from .transfer import Transfer, TransferResult, wait_all
 
@@ -183,7 +184,11 @@ class Endpoint:
         loaded: list[str] = []
         try:
             for info in peers.values():
-                name = self.rank_agent.probe(info.metadata)
+                try:
+                    name = self.rank_agent.probe(info.metadata)
+                except ProbeRefused as e:
+                    raise HandshakeError(f"payloads[rank {info.rank}].nixl_metadata", f"NIXL refused the metadata: {e}",
+                                         fix="send the metadata get_agent_metadata() made, unmodified") from None
                 if name != info.agent:
                     raise HandshakeError(f"payloads[rank {info.rank}].agent", f"the NIXL metadata is agent "
                                          f"{value_text(name, 80)}, the payload says {value_text(info.agent, 80)}",

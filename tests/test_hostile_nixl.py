@@ -115,6 +115,27 @@ def test_truncated_metadata_does_not_poison_the_endpoint(bench: hostile.NixlBenc
         link.close()
 
 
+def test_metadata_that_crashes_nixl_is_refused_and_the_process_survives(bench: hostile.NixlBench) -> None:
+    """One flipped byte (a memory section's memory type, found by the hostile campaign) makes NIXL 1.5's
+    ``add_remote_agent`` crash the process (SIGSEGV). The blob is loaded in the prober process first
+    (kvgeom_nixl.probe): the prober crashes, the blob is refused, this process and its endpoint live on."""
+    doc = json.loads(bench.honest[0])
+    md = bytearray(base64.b64decode(doc["nixl_metadata"]))
+    tag = md.find(b"nixlSDList|t")
+    if tag < 0 or int.from_bytes(md[tag + 12:tag + 20], "little") != 4:
+        pytest.skip("this NIXL serializes its memory sections differently")
+    md[tag + 20 + 3] = 0x20  # the memory type becomes 0x20000000
+    doc["nixl_metadata"] = base64.b64encode(bytes(md)).decode()
+    with pytest.raises(HandshakeError, match="NIXL crashed on it|did not answer"):
+        bench.d.connect([json.dumps(doc).encode(), bench.honest[1]])
+    link = bench.d.connect(bench.honest)  # the next probe uses a restarted prober
+    try:
+        request = fresh_request(link.pair, 20, decode_first_block=1)
+        link.pull("after-crash", request, timeout_s=10).wait(peers=bench.p)
+    finally:
+        link.close()
+
+
 def test_metadata_of_another_agent_is_refused_before_it_is_loaded(bench: hostile.NixlBench) -> None:
     doc = json.loads(bench.honest[1])
     doc["nixl_metadata"] = json.loads(bench.honest[0])["nixl_metadata"]
