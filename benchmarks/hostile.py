@@ -135,11 +135,12 @@ def classify(case: Case, *, measure: bool = True, twice: bool = False) -> Outcom
     """Run ``case``: its outcome, wall ms and tracemalloc peak (MB).
 
     With ``twice`` (a case without side effects) the wall time comes from a first run without
-    tracemalloc (which slows object creation several-fold) and the peak from a second, traced run.
+    tracemalloc (which slows object creation several-fold) and, for a refusal, the peak from a
+    second, traced run.
     """
     if twice and measure:
         out = _run(case, traced=False)
-        if out.kind in ("typed", "ok"):
+        if out.kind == "typed":  # the table reports the memory of refusals
             mb = _run(case, traced=True).mb
             out = attrs.evolve(out, mb=mb)
         return out

@@ -202,12 +202,16 @@ def prober() -> MetadataProber:
 def _serve() -> int:
     """The child: answer every framed blob on stdin with ``{"ok", "name" | "error"}`` on stdout."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
+    # answers go to a private copy of stdout; fd 1 itself goes where stderr goes (UCX writes its error
+    # lines to stdout, which would corrupt the frames)
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
     from nixl._api import nixl_agent, nixl_agent_config
 
     def make_agent(name: str) -> Any:  # as kvgeom_nixl.agent.make_agent (this script imports no package)
         return nixl_agent(name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
 
-    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    inp, out = sys.stdin.buffer, answers
     n = 1
     agent: Any = make_agent(f"kvgeom-probe-{os.getpid()}-{n}")
     ready = json.dumps({"ready": True}).encode()
