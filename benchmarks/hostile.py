@@ -1210,6 +1210,8 @@ class Tally:
     max_mb: float = 0.0
     max_ms_label: str = ""
     max_mb_label: str = ""
+    over_ms: int = 0  # refusals slower than GOAL_MS
+    over_mb: int = 0  # refusals larger than GOAL_MB
     seconds: float = 0.0
     examples: dict[str, list[str]] = attrs.field(factory=dict)
 
@@ -1218,6 +1220,8 @@ class Tally:
         self.counts[out.kind] += 1
         self.outside += out.outside
         if out.kind == "typed":
+            self.over_ms += out.ms >= GOAL_MS
+            self.over_mb += out.mb >= GOAL_MB
             if out.ms > self.max_ms:
                 self.max_ms, self.max_ms_label = out.ms, f"#{index} {out.label}"[:160]
             if out.mb > self.max_mb:
@@ -1356,12 +1360,13 @@ ROW_NAMES = {"api": "API values (pairable, plan_transfer, constructors)", "files
 
 def render(tallies: Sequence[Tally], *, title: str = "") -> str:
     head = ["input", "tried", "ok", "typed", "transfer failed", "other", "hang", "wrong", "bytes outside D",
-            "max refusal ms", "max refusal MB"]
+            "max refusal ms", "max refusal MB", f"refusals >= {GOAL_MS:.0f} ms"]
     rows = [head]
     for t in tallies:
         rows.append([ROW_NAMES.get(t.name, t.name), f"{t.tried:,}", f"{t.counts['ok']:,}", f"{t.counts['typed']:,}",
                      f"{t.counts['failed']:,}", f"{t.counts['other']:,}", f"{t.counts['hang']:,}",
-                     f"{t.counts['wrong']:,}", f"{t.outside:,}", f"{t.max_ms:.1f}", f"{t.max_mb:.1f}"])
+                     f"{t.counts['wrong']:,}", f"{t.outside:,}", f"{t.max_ms:.1f}", f"{t.max_mb:.1f}",
+                     f"{t.over_ms:,}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [title] if title else []
     for k, row in enumerate(rows):

@@ -143,15 +143,19 @@ class Endpoint:
         """This rank's payload for the peer engine's :meth:`connect`."""
         return encode_rank(self.info())
 
-    def connect(self, payloads: Iterable[bytes | str | RankInfo]) -> Link:
+    def connect(self, payloads: Iterable[bytes | str | RankInfo], *, probe: bool = True) -> Link:
         """Validate the peer engine's payloads (one per peer rank it will use), load their NIXL
         metadata and build the :class:`Pair` once. Raises :class:`HandshakeError` or
-        :class:`~kvgeom.errors.IncompatibleGeometry` before anything is loaded."""
+        :class:`~kvgeom.errors.IncompatibleGeometry` before anything is loaded.
+
+        Every metadata blob is first loaded in the prober process (:mod:`kvgeom_nixl.probe`);
+        ``probe=False`` skips that, for payloads this process made itself (``LocalDeployment``)."""
         self._open()
         payloads = list(payloads)
-        if len(payloads) > self.limits.max_tp:
-            raise HandshakeError("payloads", f"{len(payloads)} peer payloads, beyond the configured maximum TP of "
-                                 f"{self.limits.max_tp}", actual=len(payloads), expected=f"<= {self.limits.max_tp}")
+        if len(payloads) > self.limits.max_ranks:
+            raise HandshakeError("payloads", f"{len(payloads)} peer payloads, beyond the configured maximum of "
+                                 f"{self.limits.max_ranks} ranks", actual=len(payloads),
+                                 expected=f"<= {self.limits.max_ranks}")
         infos = [p if isinstance(p, RankInfo) else decode_rank(p, limits=self.limits) for p in payloads]
         if not infos:
             raise HandshakeError("payloads", "no peer payloads given", expected="one per peer rank")
@@ -170,12 +174,12 @@ class Endpoint:
                 raise HandshakeError(f"payloads[{i}].rank", f"rank {info.rank} appears twice", actual=info.rank)
             peers[info.rank] = info
         pair = Pair(first.engine, self.engine) if self.role == "decode" else Pair(self.engine, first.engine)
-        self._load(peers)
+        self._load(peers, probe)
         link = Link(self, peers, pair)
         self._links = [lk for lk in self._links if not lk.closed] + [link]
         return link
 
-    def _load(self, peers: dict[int, RankInfo]) -> None:
+    def _load(self, peers: dict[int, RankInfo], probe: bool = True) -> None:
         """Load every peer's NIXL metadata, or none of it (a refusal unloads what was loaded).
 
         Every blob is probed in a scratch agent first (:meth:`RankAgent.probe`): a blob NIXL refuses, or
@@ -185,7 +189,7 @@ class Endpoint:
         try:
             for info in peers.values():
                 try:
-                    name = self.rank_agent.probe(info.metadata)
+                    name = self.rank_agent.probe(info.metadata) if probe else info.agent
                 except ProbeRefused as e:
                     raise HandshakeError(f"payloads[rank {info.rank}].nixl_metadata", f"NIXL refused the metadata: {e}",
                                          fix="send the metadata get_agent_metadata() made, unmodified") from None
@@ -194,6 +198,10 @@ class Endpoint:
                                          f"{value_text(name, 80)}, the payload says {value_text(info.agent, 80)}",
                                          actual=name, expected=info.agent)
                 loaded.append(self.rank_agent.add_peer(info.metadata))
+                if loaded[-1] != info.agent:  # only without a probe: the blob named another agent
+                    raise HandshakeError(f"payloads[rank {info.rank}].agent", f"the NIXL metadata is agent "
+                                         f"{value_text(loaded[-1], 80)}, the payload says {value_text(info.agent, 80)}",
+                                         actual=loaded[-1], expected=info.agent)
         except nixl_errors() as e:
             self._unload(loaded)
             raise HandshakeError("nixl_metadata", f"NIXL refused the metadata: {type(e).__name__}: {e}") from e

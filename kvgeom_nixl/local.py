@@ -98,8 +98,9 @@ class LocalDeployment:
                                telemetry=telemetry) for r in range(pair.decode.num_ranks)]
             p_payloads = [e.handshake() for e in self.p]
             d_payloads = [e.handshake() for e in self.d]
-            self.d_links: list[Link] = [e.connect(p_payloads) for e in self.d]
-            self.p_links: list[Link] = [e.connect(d_payloads) for e in self.p]
+            # payloads of endpoints this process just made: no prober needed (kvgeom_nixl.probe)
+            self.d_links: list[Link] = [e.connect(p_payloads, probe=False) for e in self.d]
+            self.p_links: list[Link] = [e.connect(d_payloads, probe=False) for e in self.p]
         except BaseException:
             self.close()
             raise

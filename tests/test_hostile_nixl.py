@@ -158,8 +158,8 @@ def test_handshake_maxima_refuse_absurd_remote_sizes(bench: hostile.NixlBench) -
         reg["num_pages"] = 2**33
     with pytest.raises(HandshakeError, match="pages in one region"):
         bench.d.connect([json.dumps(doc).encode()])
-    with pytest.raises(HandshakeError, match="beyond the configured maximum TP"):
-        Endpoint(bench.D, "decode", 0, bench.d_views, limits=HandshakeLimits(max_tp=1)).connect(bench.honest)
+    with pytest.raises(HandshakeError, match="beyond the configured maximum of 1 ranks"):
+        Endpoint(bench.D, "decode", 0, bench.d_views, limits=HandshakeLimits(max_ranks=1)).connect(bench.honest)
     with pytest.raises(HandshakeError, match="bytes, more than"):
         bench.d.connect([b" " * ((1 << 20) + 1)])
 
