@@ -58,7 +58,7 @@ CEILING_S = 10.0  # generous: the goal is < 100 ms per refusal (python -m benchm
 CEILING_MB = 200.0
 
 
-@settings(max_examples=400, deadline=None, derandomize=True, database=None,
+@settings(max_examples=1000, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(st.integers(0, 2**32 - 1))
 def test_fuzz_api_values(seed: int) -> None:

@@ -38,7 +38,7 @@ CEILING_S = 10.0
 CEILING_MB = 200.0
 
 
-@settings(max_examples=250, deadline=None, derandomize=True, database=None,
+@settings(max_examples=500, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @given(st.integers(0, 2**32 - 1))
 def test_fuzz_pair_files(tmp_path_factory: Any, seed: int) -> None:

@@ -76,7 +76,7 @@ def bench() -> Iterator[hostile.NixlBench]:
     b.close()
 
 
-@_fuzz(120)
+@_fuzz(250)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_fuzz_mutated_handshakes(bench: hostile.NixlBench, seed: int) -> None:
     r = random.Random(seed)
@@ -86,7 +86,7 @@ def test_fuzz_mutated_handshakes(bench: hostile.NixlBench, seed: int) -> None:
     assert out.outside == 0 and out.ms < CEILING_S * 1e3, out
 
 
-@_fuzz(30)
+@_fuzz(50)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_fuzz_lying_geometries_pulled_through_nixl(bench: hostile.NixlBench, seed: int) -> None:
     r = random.Random(seed)
