@@ -1,11 +1,15 @@
 """plan_transfer: two engine geometries and one request in, a :class:`TransferPlan` out.
 
 Pure addressing arithmetic: no torch, no NIXL, no device, no I/O. Per group it chooses the
-strategy (:mod:`kvgeom.planning.choose`), then coalesces every group's rows once::
+strategy (:mod:`kvgeom.planning.choose`), then coalesces every group's rows once; a packed plan
+is planned whole (:mod:`kvgeom.planning.packed`)::
 
     request --> plan_group(g) for every group --> coalesce --> TransferPlan(copies, zeros,
-                (attention: direct/staged/auto;                  rearranges, notes)
+                (attention: direct/staged;                       rearranges, notes)
                  state: direct)
+            --> plan_packed (every group) -----------------> TransferPlan(packs, wire, unpacks,
+                                                                           chunks, zeros, notes)
+            auto: per group the cheaper of direct and staged, then that whole plan against packed
 
 :class:`Pair` is the pair users build: the validated :class:`~kvgeom.values.pair.EnginePair`
 plus :meth:`Pair.plan`.
@@ -23,14 +27,16 @@ import functools
 
 import attrs
 
-from ..errors import KvGeomError
+from ..errors import KvGeomError, StagingCapacityError
 from ..values.engine import EngineGeometry
 from ..values.notes import Note, NoteKind
 from ..values.pair import EnginePair
 from ..values.plan import Copies, TransferPlan, Zeros
 from ..values.request import Request
-from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy, plan_group
+from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy, choose_group, plan_group
 from .coalesce import coalesce, coalesce_zeros
+from .group import GroupPlan
+from .packed import DEFAULT_STAGING_BYTES, PackedCount, count_packed, plan_packed
 
 __all__ = ["Pair", "plan_transfer", "plan_pair"]
 
@@ -41,9 +47,9 @@ class Pair(EnginePair):
     otherwise, naming the field), and the way to plan requests between them."""
 
     def plan(self, request: Request, *, strategy: Strategy = "direct",
-             cost_model: CostModel = DEFAULT_COST_MODEL) -> TransferPlan:
+             cost_model: CostModel = DEFAULT_COST_MODEL, staging_bytes: int = DEFAULT_STAGING_BYTES) -> TransferPlan:
         """Plan ``request`` for this pair (:func:`plan_pair`)."""
-        return plan_pair(self, request, strategy=strategy, cost_model=cost_model)
+        return plan_pair(self, request, strategy=strategy, cost_model=cost_model, staging_bytes=staging_bytes)
 
 
 @functools.lru_cache(maxsize=64)
@@ -58,24 +64,77 @@ def plan_transfer(
     *,
     strategy: Strategy = "direct",
     cost_model: CostModel = DEFAULT_COST_MODEL,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
 ) -> TransferPlan:
     """Plan ``request``'s transfer from ``prefill`` to ``decode``.
 
     The pair is checked once (and cached) before any request; raises
     :class:`~kvgeom.errors.IncompatibleGeometry` if the engines cannot be paired and
-    :class:`~kvgeom.errors.RequestError` if the request does not fit them.
+    :class:`~kvgeom.errors.RequestError` if the request does not fit them. ``staging_bytes`` is
+    the packed strategy's slot capacity per rank (docs/design.md §10.3).
     """
-    return plan_pair(_pair(prefill, decode), request, strategy=strategy, cost_model=cost_model)
+    return plan_pair(_pair(prefill, decode), request, strategy=strategy, cost_model=cost_model,
+                     staging_bytes=staging_bytes)
 
 
 def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direct",
-              cost_model: CostModel = DEFAULT_COST_MODEL) -> TransferPlan:
+              cost_model: CostModel = DEFAULT_COST_MODEL, staging_bytes: int = DEFAULT_STAGING_BYTES) -> TransferPlan:
     """:func:`plan_transfer` for an already built pair."""
     if strategy not in STRATEGIES:
         raise KvGeomError("strategy", f"unknown strategy {strategy!r}", actual=strategy,
                           expected=list(STRATEGIES), fix=f"use one of {', '.join(STRATEGIES)}")
     pair.check_request(request)
-    groups = [plan_group(pair, request, gi, strategy, cost_model) for gi in range(len(pair.model.groups))]
+    strategy_note = Note(NoteKind.STRATEGY, f"strategy {strategy}")
+    if strategy == "packed":
+        return _packed_plan(pair, request, staging_bytes, (strategy_note,))
+    if strategy == "auto":
+        return _auto_plan(pair, request, cost_model, staging_bytes, strategy_note)
+    groups = [plan_group(pair, request, gi, strategy) for gi in range(len(pair.model.groups))]
+    return _assemble(pair, groups, (strategy_note,))
+
+
+def _packed_plan(pair: EnginePair, request: Request, staging_bytes: int, notes: tuple[Note, ...]) -> TransferPlan:
+    parts = plan_packed(pair, request, staging_bytes)
+    return TransferPlan(
+        prefill_tp=pair.prefill.tp,
+        decode_tp=pair.decode.tp,
+        copies=Copies.empty(),
+        zeros=coalesce_zeros(parts.zeros),
+        notes=notes + parts.notes,
+        copies_before_coalescing=0,
+        zeros_before_coalescing=len(parts.zeros),
+        packs=parts.packs,
+        unpacks=parts.unpacks,
+        wire=parts.wire,
+        chunks=parts.chunks,
+        staging_bytes=parts.staging_bytes,
+    )
+
+
+def _auto_plan(pair: EnginePair, request: Request, cost_model: CostModel, staging_bytes: int,
+               strategy_note: Note) -> TransferPlan:
+    """Per group the cheaper of direct and staged, then that plan against the packed plan, each
+    counted by what it posts (docs/design.md §10.6)."""
+    choices = [choose_group(pair, request, gi, cost_model) for gi in range(len(pair.model.groups))]
+    unpacked = sum(c.cost for c in choices)
+    try:
+        count = count_packed(pair, request, staging_bytes)
+    except StagingCapacityError:  # packed cannot be planned with this capacity: not a candidate
+        count = PackedCount(0, 0, 0, 0)
+    packed = cost_model.packed_cost(count.wire_rows, count.bytes, count.operations)
+    why = (f"auto: direct/staged {unpacked * 1e6:.1f} us (posted copies of every group); packed "
+           f"{count.wire_rows} wire rows in {count.chunks} chunks + 2 x {count.bytes} B copied + "
+           f"{count.operations} operations = {packed * 1e6:.1f} us ({cost_model.describe()}); "
+           f"{count.bytes} B on the wire either way ({cost_model.wire_seconds(count.bytes) * 1e6:.1f} us)")
+    if count.wire_rows and packed < unpacked:
+        return _packed_plan(pair, request, staging_bytes, (strategy_note, Note(NoteKind.AUTO_PACKED, why + " -> packed")))
+    groups = [c.plan.with_notes(c.note) if c.note is not None else c.plan for c in choices]
+    kind = NoteKind.AUTO_STAGED if any(g.rearranges for g in groups) else NoteKind.AUTO_DIRECT
+    return _assemble(pair, groups, (strategy_note,), (Note(kind, why + " -> not packed"),))
+
+
+def _assemble(pair: EnginePair, groups: list[GroupPlan], first: tuple[Note, ...],
+              last: tuple[Note, ...] = ()) -> TransferPlan:
     copies = [g.copies for g in groups]
     zeros = [g.zeros for g in groups if len(g.zeros)] or [Zeros.empty()]
     raw_c = copies[0] if len(copies) == 1 else Copies.concat(copies)
@@ -86,7 +145,7 @@ def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direc
         copies=coalesce(raw_c),
         zeros=coalesce_zeros(raw_z),
         rearranges=[r for g in groups for r in g.rearranges],
-        notes=(Note(NoteKind.STRATEGY, f"strategy {strategy}"),) + tuple(n for g in groups for n in g.notes),
+        notes=first + tuple(n for g in groups for n in g.notes) + last,
         copies_before_coalescing=sum(g.rows_before_coalescing for g in groups),
         zeros_before_coalescing=len(raw_z),
     )

@@ -72,6 +72,14 @@ from .plan import (
     plan_rank_rows,
     plan_repr,
 )
+from .staging import (
+    STAGING_SIDES,
+    WIRE_COLUMNS,
+    Chunk,
+    ChunkPiece,
+    StagingStep,
+    WireCopies,
+)
 from .request import (
     BlockList,
     GroupRequest,
@@ -141,6 +149,12 @@ __all__ = [
     "plan_html",
     "plan_rank_rows",
     "plan_pair_bytes",
+    "StagingStep",
+    "WireCopies",
+    "WIRE_COLUMNS",
+    "ChunkPiece",
+    "Chunk",
+    "STAGING_SIDES",
     "BlockList",
     "StateSlots",
     "SideBlocks",
