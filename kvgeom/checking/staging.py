@@ -244,7 +244,7 @@ def packed_checks(pair: EnginePair, request: Request, plan: TransferPlan, p_allo
                              "an unpack element writes D bytes another unpack element or copy row also writes"))
     w = plan.wire
     wk = np.flatnonzero(~wire_bad)
-    for chunk in sorted({st.chunk for st in plan.packs} | {int(c) for c in w.chunk[wk]}):
+    for chunk in sorted({st.chunk for st in plan.packs + plan.unpacks} | {int(c) for c in w.chunk[wk]}):
         _chunk_checks(D, request, plan, chunk, pack_bad, unpack_bad, wk[w.chunk[wk] == chunk], sink)
     # two wire rows of one (chunk, P rank, D rank) that could merge
     if len(wk) > 1:
