@@ -22,9 +22,20 @@ from .errors import (
     PlanError,
     RequestError,
     SchemaError,
+    StagingCapacityError,
 )
 from .lowering import tile_bytes
-from .planning import STRATEGIES, CostModel, Pair, coalesce, coalesce_zeros, plan_pair, plan_transfer
+from .planning import (
+    DEFAULT_STAGING_BYTES,
+    STRATEGIES,
+    CostModel,
+    Pair,
+    coalesce,
+    coalesce_zeros,
+    min_staging_bytes,
+    plan_pair,
+    plan_transfer,
+)
 from .show import draw
 from .tools import SCHEMA_VERSION, dump_pair_file, load_pair_file
 from .values import (
@@ -32,6 +43,8 @@ from .values import (
     AttentionSpec,
     AttentionView,
     BlockList,
+    Chunk,
+    ChunkPiece,
     Compatibility,
     Copies,
     EngineGeometry,
@@ -51,8 +64,10 @@ from .values import (
     StateSection,
     StateSlots,
     StateSpec,
+    StagingStep,
     StateView,
     TransferPlan,
+    WireCopies,
     Zeros,
     incompatibilities,
     pairable,
@@ -61,12 +76,15 @@ from .values import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_STAGING_BYTES",
     "SCHEMA_VERSION",
     "STRATEGIES",
     "AttentionGroupGeometry",
     "AttentionSpec",
     "AttentionView",
     "BlockList",
+    "Chunk",
+    "ChunkPiece",
     "Compatibility",
     "Copies",
     "CostModel",
@@ -93,6 +111,8 @@ __all__ = [
     "SchemaError",
     "SectionPlacement",
     "Slice",
+    "StagingCapacityError",
+    "StagingStep",
     "StateGroupGeometry",
     "StateLayout",
     "StateSection",
@@ -102,6 +122,7 @@ __all__ = [
     "TransferPlan",
     "Violation",
     "ViolationKind",
+    "WireCopies",
     "Zeros",
     "coalesce",
     "coalesce_zeros",
@@ -110,6 +131,7 @@ __all__ = [
     "fresh_request",
     "incompatibilities",
     "load_pair_file",
+    "min_staging_bytes",
     "owned_slice",
     "pairable",
     "plan_pair",

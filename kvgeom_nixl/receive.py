@@ -36,6 +36,8 @@ from kvgeom import PlanError, Rearrange, Zeros
 from kvgeom.arith import run_bases
 from kvgeom.lowering import StridedRun, ZeroRows, rearrange_rows, strided_runs, zero_rows
 
+from .staging import host_copies
+
 __all__ = ["apply_zeros", "apply_rearranges", "apply_receive_steps"]
 
 
@@ -137,8 +139,9 @@ def apply_receive_steps(views: Sequence[Any], rearranges: Sequence[Rearrange], z
     if not rearranges and not len(zeros):
         return None
     if stream is None:
-        apply_rearranges(views, rearranges)
-        apply_zeros(views, zeros)
+        with host_copies(torch.device("cpu")):  # one torch thread for host copies (kvgeom_nixl.staging)
+            apply_rearranges(views, rearranges)
+            apply_zeros(views, zeros)
         return None
     with torch.cuda.stream(stream):
         apply_rearranges(views, rearranges)

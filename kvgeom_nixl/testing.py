@@ -31,7 +31,7 @@ from kvgeom.tools import parse_pair_file
 from .agent import use_local_defaults
 from .endpoint import Endpoint
 from .errors import TransferFailed
-from .local import LocalDeployment, allocate_caches, check_caches, fill_caches
+from .local import LocalDeployment, allocate_caches, check_caches, fill_caches, slot_bytes_for
 from .transfer import wait_all
 
 __all__ = ["engine_process", "result_dict", "requested_device", "run_local"]
@@ -116,7 +116,7 @@ def run_local(pair: Any, request: Any, *, push: bool = False, mode: str = "coale
     p_caches = allocate_caches(pair.prefill, device)
     d_caches = allocate_caches(pair.decode, device)
     fill_caches(pair, request, p_caches, d_caches)
-    with LocalDeployment(pair, p_caches, d_caches, telemetry=telemetry) as dep:
+    with LocalDeployment(pair, p_caches, d_caches, telemetry=telemetry, staging_bytes=slot_bytes_for(plan)) as dep:
         results = dep.run("req-0", request, plan, push=push, mode=mode, timeout_s=timeout_s)
     violations, checked = check_caches(pair, request, d_caches)
     return {"plan": plan, "results": results, "violations": violations, "checked": checked,

@@ -138,8 +138,9 @@ class StagedRows:
         return self._index(int(self.staged[layer]), self.page_staged, self.staging_elements)
 
 
-def staged_rows(step: StagingStep, region_bytes: Sequence[int], slot_bytes: int, slot_base: int = 0) -> StagedRows:
-    """``step`` as rows of ``grain`` bytes (``grain`` also divides ``slot_base`` and every region).
+def staged_rows(step: StagingStep, region_bytes: Sequence[int], slot_bytes: int) -> StagedRows:
+    """``step`` as rows of ``grain`` bytes (``grain`` also divides ``slot_bytes`` and every region, so
+    both can be viewed as rows).
 
     >>> from kvgeom.values.staging import StagingStep
     >>> st = StagingStep("prefill", 0, 0, 0, [0], [0], [0], [3, 1], [0, 512], 1024, (2,), (256,), (1024,), 256)
@@ -149,7 +150,7 @@ def staged_rows(step: StagingStep, region_bytes: Sequence[int], slot_bytes: int,
     """
     check_step(step, region_bytes, slot_bytes)
     cache, staging = step.pattern_offsets()
-    parts = [step.unit_bytes, step.page_bytes, slot_base, *region_bytes]
+    parts = [step.unit_bytes, step.page_bytes, slot_bytes, *region_bytes]
     for arr in (cache, staging, step.offsets, step.staged, step.page_staged):
         if arr.size:
             parts.append(int(np.gcd.reduce(arr)))

@@ -394,6 +394,10 @@ def _print_transfer(r: dict[str, Any]) -> None:
     rate = r["bytes_moved"] / r["transfer_s"] / 1e9 if r["transfer_s"] > 0 else 0.0
     print(f"  NIXL: {r['agents']} agents (connect {r['connect_s'] * 1e3:.1f} ms), {r['nixl_requests']} requests, "
           f"{r['descriptors']:,} descriptors posted{merged}")
+    if r.get("plan_packed"):
+        print(f"  packed: {r['plan_chunks']} chunks, {r['plan_wire_rows']} wire rows, slots of "
+              f"{format_bytes(r['staging_bytes'])}; pack {r['pack_s'] * 1e3:.2f} ms, wire {r['wire_s'] * 1e3:.2f} ms, "
+              f"unpack {r['unpack_s'] * 1e3:.2f} ms (summed over ranks)")
     print(f"  moved {format_bytes(r['bytes_moved'])} in {r['transfer_s'] * 1e3:.2f} ms ({rate:.2f} GB/s, "
           f"incl. first-contact wire-up and receive steps); zeroed {format_bytes(r['bytes_zeroed'])}, "
           f"{r['rearranges']} rearranges")
