@@ -374,6 +374,10 @@ class Link:
                            receive=ep.receive if self.local_is_decode else None, grace_s=ep.staging_grace_s)
         if mode == "prepped":
             t.fall_back("coalesced", "packed plans post their wire rows as coalesced lists")
+        try:
+            t.check_fit()
+        except PlanError as e:
+            t.fail("plan_error", f"{type(e).__name__}: {e}")
         return ep.track(t)
 
     def _transfer(self, kind: str, request_id: str, request: Request | None, plan: TransferPlan, mode: str,

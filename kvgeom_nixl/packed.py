@@ -90,12 +90,11 @@ class PackedTransfer(Transfer):
         self.wire_s = 0.0
         self.unpack_s = 0.0
         self.bytes_moved = self.wire.total_bytes
-        self._check_fit()
 
     # ---- checks before anything moves ----------------------------------------------------------------
-    def _check_fit(self) -> None:
-        """Every wire row fits this rank's slot and the peer's; raises PlanError (a plan from a peer is
-        untrusted, docs/design.md §8)."""
+    def check_fit(self) -> None:
+        """Every wire row fits this rank's slot and the peer's; raises :class:`PlanError` (a plan from
+        a peer is untrusted, docs/design.md §8), or :class:`ExecutorError` when a peer has no ring."""
         w = self.wire
         own_off = w.d_offset if self.on_decode else w.p_offset
         peer_off = w.p_offset if self.on_decode else w.d_offset

@@ -47,11 +47,11 @@ def _pair(p_tp: int, d_tp: int) -> tuple[Pair, Request]:
 class Child:
     """One engine in a spawned process, driven over a pipe (see kvgeom_nixl.testing)."""
 
-    def __init__(self, pair: Pair, request: Request, side: str) -> None:
+    def __init__(self, pair: Pair, request: Request, side: str, staging_bytes: int = 0) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=engine_process, args=(child_conn, dump_pair_file(pair, request), side, DEVICE),
-                                daemon=True)
+        self.proc = ctx.Process(target=engine_process, args=(child_conn, dump_pair_file(pair, request), side, DEVICE,
+                                                             staging_bytes), daemon=True)
         self.proc.start()
         child_conn.close()
         self.handshakes = self.recv("hello", 60)[1]
@@ -79,13 +79,13 @@ class Child:
             self.proc.join(5)
 
 
-def _connected(pair: Pair, request: Request, child_side: str,
-               stopper: list[Any]) -> tuple[Child, list[Endpoint], list[list[Any]], list[Any]]:
+def _connected(pair: Pair, request: Request, child_side: str, stopper: list[Any],
+               staging_bytes: int = 0) -> tuple[Child, list[Endpoint], list[list[Any]], list[Any]]:
     """A child process for ``child_side`` and this process's endpoints for the other side, linked
     both ways (handshakes over the pipe); everything is registered with ``stopper``."""
-    child = Child(pair, request, child_side)
+    child = Child(pair, request, child_side, staging_bytes)
     stopper.append(child)
-    eps, caches = _local(pair, request, "decode" if child_side == "prefill" else "prefill")
+    eps, caches = _local(pair, request, "decode" if child_side == "prefill" else "prefill", staging_bytes)
     stopper.extend(eps)
     links = [e.connect(child.handshakes) for e in eps]
     child.send("connect", [e.handshake() for e in eps])
@@ -93,13 +93,13 @@ def _connected(pair: Pair, request: Request, child_side: str,
     return child, eps, caches, links
 
 
-def _local(pair: Pair, request: Request, side: str) -> tuple[list[Endpoint], list[list[Any]]]:
+def _local(pair: Pair, request: Request, side: str, staging_bytes: int = 0) -> tuple[list[Endpoint], list[list[Any]]]:
     engine = pair.side(side)
     p = allocate_caches(pair.prefill, DEVICE if side == "prefill" else "cpu")
     d = allocate_caches(pair.decode, DEVICE if side == "decode" else "cpu")
     fill_caches(pair, request, p, d)
     mine = p if side == "prefill" else d
-    return [Endpoint(engine, side, r, mine[r]) for r in range(engine.tp)], mine
+    return [Endpoint(engine, side, r, mine[r], staging_bytes=staging_bytes) for r in range(engine.tp)], mine
 
 
 @pytest.fixture
@@ -175,3 +175,43 @@ def test_prefill_process_killed_mid_transfer(stopper: list[Any]) -> None:
     violations, _ = check_caches(pair, request, d_caches)
     kinds = {v.kind.value for v in violations}
     assert "not_zeroed" in kinds and kinds <= {"not_zeroed", "missing", "wrong_data"}, kinds
+
+
+PACKED_SLOT = 64 << 10  # a chunk of the request below stages at most 64 KiB on a rank: several chunks
+
+
+def test_packed_pull_across_processes_then_the_prefill_process_dies(stopper: list[Any]) -> None:
+    """Child: P TP2 with staging rings, serving a packed pull in several chunks; then it dies while a
+    second packed pull waits for its first chunk: the pull fails at its deadline and frees its slots."""
+    pair, request = _pair(2, 1)
+    child, eps, d_caches, links = _connected(pair, request, "prefill", stopper, PACKED_SLOT)
+    plan = links[0].plan(request, strategy="packed")
+    assert len(plan.chunks) >= 3 and len(plan.wire) <= 2 * len(plan.chunks)
+    child.send("serve_pull", "k1", "coalesced", 20.0, "packed")
+    results = wait_all([lk.pull("k1", request, plan=plan, timeout_s=20) for lk in links], peers=eps)
+    served = child.recv("done", 30)[1]
+    assert sum(r["bytes_moved"] for r in served) == sum(r.bytes_moved for r in results) == plan.bytes_copied
+    assert sum(r.descriptors for r in results) == len(plan.wire) and sum(r["chunks"] for r in served) >= 3
+    assert check_caches(pair, request, d_caches)[0] == []
+    t = links[0].pull("k2", request, plan=plan, timeout_s=2.0)  # slots announced; the child does not serve
+    child.send("die")
+    child.proc.join(10)
+    with pytest.raises(TransferFailed) as ei:
+        t.wait(peers=eps)
+    assert ei.value.reason in ("timeout", "peer_disconnected") and not eps[0].in_flight
+    time.sleep(0.05)
+    assert eps[0].staging is not None and eps[0].staging.free() == eps[0].staging.slots
+
+
+def test_packed_push_across_processes(stopper: list[Any]) -> None:
+    """Child: D TP2 with staging rings accepting a packed push (it checks its own bytes)."""
+    pair, request = _pair(1, 2)
+    child, eps, _, links = _connected(pair, request, "decode", stopper, PACKED_SLOT)
+    plan = links[0].plan(request, strategy="packed")
+    assert len(plan.chunks) >= 2
+    child.send("accept_push", "k3", "coalesced", 20.0, "packed")
+    pushed = wait_all([lk.push("k3", request, plan=plan, timeout_s=20) for lk in links], peers=eps)
+    _, accepted, verdict = child.recv("done", 30)
+    assert sum(r.bytes_moved for r in pushed) == plan.bytes_copied and sum(r.pack_s > 0 for r in pushed) == 1
+    assert sum(r["bytes_zeroed"] for r in accepted) == plan.bytes_zeroed
+    assert verdict[0] == 0, verdict[2]
