@@ -83,7 +83,8 @@ class LocalDeployment:
         self.pair = pair
         self.p: list[Endpoint] = []
         self.d: list[Endpoint] = []
-        staging = {"staging_bytes": staging_bytes, "staging_slots": staging_slots, "staging_grace_s": staging_grace_s}
+        staging: dict[str, Any] = {"staging_bytes": staging_bytes, "staging_slots": staging_slots,
+                                   "staging_grace_s": staging_grace_s}
         try:
             self.p = [Endpoint(pair.prefill, "prefill", r, p_caches[r], telemetry=telemetry, **staging)
                       for r in range(pair.prefill.tp)]

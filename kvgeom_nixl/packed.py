@@ -31,7 +31,7 @@ import numpy as np
 
 from kvgeom import PlanError, Request, TransferPlan
 
-from .agent import RankAgent, notification, nixl_errors
+from .agent import RankAgent, nixl_errors, notification
 from .errors import ExecutorError
 from .handshake import RankInfo
 from .staging import StagingBuffer

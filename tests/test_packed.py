@@ -21,6 +21,7 @@ import pytest
 from kvgeom import (
     AttentionSpec,
     BlockList,
+    Copies,
     EngineGeometry,
     GroupRequest,
     ModelSpec,
@@ -31,7 +32,6 @@ from kvgeom import (
     TransferPlan,
     ViolationKind,
     Zeros,
-    Copies,
     fresh_request,
     simulate,
 )

@@ -108,12 +108,16 @@ def packed_bounds(P: EngineGeometry, D: EngineGeometry, plan: TransferPlan,
     slot_bad = ~rank_bad & ((w.chunk >= chunks) | (w.p_offset + w.nbytes > slot) | (w.d_offset + w.nbytes > slot))
     for kind, bad in ((ViolationKind.OUT_OF_BOUNDS, rank_bad), (ViolationKind.STAGING_OUT_OF_SLOT, slot_bad)):
         rows = np.flatnonzero(bad)
-        sink.add(kind, len(rows), int(w.nbytes[rows].sum()), lambda i, rows=rows, kind=kind: Violation(
-            kind, "decode", int(w.d_rank[rows[i]]), -1, int(w.d_offset[rows[i]]), int(w.nbytes[rows[i]]), "",
-            f"wire row {int(rows[i])} (chunk {int(w.chunk[rows[i]])}, P{int(w.p_rank[rows[i]])} "
-            f"[{int(w.p_offset[rows[i]])}, +{int(w.nbytes[rows[i]])}) -> D{int(w.d_rank[rows[i]])} "
-            f"[{int(w.d_offset[rows[i]])}, +{int(w.nbytes[rows[i]])})) leaves "
-            + ("its engines" if kind is ViolationKind.OUT_OF_BOUNDS else f"the {slot} B slots of {chunks} chunks")))
+
+        def make(i: int, rows: np.ndarray = rows, kind: ViolationKind = kind) -> Violation:
+            r = int(rows[i])
+            where = "its engines" if kind is ViolationKind.OUT_OF_BOUNDS else f"the {slot} B slots of {chunks} chunks"
+            return Violation(kind, "decode", int(w.d_rank[r]), -1, int(w.d_offset[r]), int(w.nbytes[r]), "",
+                             f"wire row {r} (chunk {int(w.chunk[r])}, P{int(w.p_rank[r])} [{int(w.p_offset[r])}, "
+                             f"+{int(w.nbytes[r])}) -> D{int(w.d_rank[r])} [{int(w.d_offset[r])}, +{int(w.nbytes[r])})) "
+                             f"leaves {where}")
+
+        sink.add(kind, len(rows), int(w.nbytes[rows].sum()), make)
     masks.append(rank_bad | slot_bad)
     return masks[0], masks[1], masks[2]
 
@@ -191,7 +195,7 @@ def _confined(sink: Sink, kind: ViolationKind, engine: EngineGeometry, request: 
             at = int(starts.ravel()[hit[0]])
 
             def make(i: int, st: StagingStep = st, k: int = k, lam: int = lam, region: int = region,
-                     at: int = at, n: int = hit.size) -> Violation:
+                     at: int = at, n: int = hit.size, pb: int = pb) -> Violation:
                 return Violation(kind, st.side, st.rank, region, at, st.unit_bytes,
                                  describe(engine, request, st.side, st.rank, region, at),
                                  f"{what} step {k} layer entry {lam}: {n} elements touch pages this request does "
@@ -237,26 +241,47 @@ def packed_checks(pair: EnginePair, request: Request, plan: TransferPlan, p_allo
             hit = _overlaps(starts, ends)
             if hit.size:
                 at = int(starts[hit[0]])
-                sink.add(ViolationKind.OVERLAPPING_WRITE, int(hit.size), int((ends[hit] - starts[hit]).sum()),
-                         lambda i, rank=rank, region=region, at=at: Violation(
-                             ViolationKind.OVERLAPPING_WRITE, "decode", rank, region, at, 0,
-                             describe(D, request, "decode", rank, region, at),
-                             "an unpack element writes D bytes another unpack element or copy row also writes"))
+
+                def overlap(i: int, rank: int = rank, region: int = region, at: int = at) -> Violation:
+                    return Violation(ViolationKind.OVERLAPPING_WRITE, "decode", rank, region, at, 0,
+                                     describe(D, request, "decode", rank, region, at),
+                                     "an unpack element writes D bytes another unpack element or copy row also writes")
+
+                sink.add(ViolationKind.OVERLAPPING_WRITE, int(hit.size), int((ends[hit] - starts[hit]).sum()), overlap)
     w = plan.wire
     wk = np.flatnonzero(~wire_bad)
     for chunk in sorted({st.chunk for st in plan.packs + plan.unpacks} | {int(c) for c in w.chunk[wk]}):
         _chunk_checks(D, request, plan, chunk, pack_bad, unpack_bad, wk[w.chunk[wk] == chunk], sink)
     # two wire rows of one (chunk, P rank, D rank) that could merge
     if len(wk) > 1:
-        key = np.stack([w.chunk[wk], w.p_rank[wk], w.d_rank[wk]], axis=1)
-        ends = {tuple(k) + (int(po) + int(n), int(do) + int(n)) for k, po, do, n in
-                zip(key.tolist(), w.p_offset[wk], w.d_offset[wk], w.nbytes[wk])}
-        merge = [int(r) for r, k, po, do in zip(wk, key.tolist(), w.p_offset[wk], w.d_offset[wk])
-                 if tuple(k) + (int(po), int(do)) in ends]
-        sink.add(ViolationKind.NOT_MINIMAL, len(merge), 0, lambda i: Violation(
-            ViolationKind.NOT_MINIMAL, "decode", int(w.d_rank[merge[i]]), -1, int(w.d_offset[merge[i]]),
-            int(w.nbytes[merge[i]]), "", f"wire row {merge[i]} starts where another row of its (chunk, P rank, "
-            "D rank) ends on both sides: they could merge"))
+        key = np.stack([w.chunk[wk], w.p_rank[wk], w.d_rank[wk]], axis=1).tolist()
+        row_ends = {tuple(k) + (int(po) + int(n), int(do) + int(n)) for k, po, do, n in
+                    zip(key, w.p_offset[wk], w.d_offset[wk], w.nbytes[wk])}
+        merge = [int(r) for r, k, po, do in zip(wk, key, w.p_offset[wk], w.d_offset[wk])
+                 if tuple(k) + (int(po), int(do)) in row_ends]
+
+        def mergeable(i: int) -> Violation:
+            r = merge[i]
+            return Violation(ViolationKind.NOT_MINIMAL, "decode", int(w.d_rank[r]), -1, int(w.d_offset[r]),
+                             int(w.nbytes[r]), "", f"wire row {r} starts where another row of its (chunk, P rank, "
+                             "D rank) ends on both sides: they could merge")
+
+        sink.add(ViolationKind.NOT_MINIMAL, len(merge), 0, mergeable)
+
+
+def _staging_overlap(sink: Sink, side: str, rank: int, chunk: int, starts: np.ndarray, ends: np.ndarray,
+                     what: str) -> None:
+    """STAGING_OVERLAP for the writes ``[starts, ends)`` of one slot (one per byte range written twice)."""
+    hit = _overlaps(starts, ends)
+    if not hit.size:
+        return
+    at = int(starts[hit[0]])
+
+    def make(i: int) -> Violation:
+        return Violation(ViolationKind.STAGING_OVERLAP, side, rank, -1, at, 0, f"chunk {chunk} slot",
+                         f"{what} of chunk {chunk} write {side} rank {rank}'s slot byte {at} twice")
+
+    sink.add(ViolationKind.STAGING_OVERLAP, int(hit.size), int((ends[hit] - starts[hit]).sum()), make)
 
 
 def _chunk_checks(D: EngineGeometry, request: Request, plan: TransferPlan, chunk: int, pack_bad: np.ndarray,
@@ -273,13 +298,7 @@ def _chunk_checks(D: EngineGeometry, request: Request, plan: TransferPlan, chunk
     for rank, parts in written_p.items():
         s = np.concatenate([a for a, _ in parts])
         e = np.concatenate([b for _, b in parts])
-        hit = _overlaps(s, e)
-        if hit.size:
-            at = int(s[hit[0]])
-            sink.add(ViolationKind.STAGING_OVERLAP, int(hit.size), int((e[hit] - s[hit]).sum()),
-                     lambda i, rank=rank, at=at: Violation(
-                         ViolationKind.STAGING_OVERLAP, "prefill", rank, -1, at, 0, f"chunk {chunk} slot",
-                         f"pack elements of chunk {chunk} write P rank {rank}'s slot byte {at} twice"))
+        _staging_overlap(sink, "prefill", rank, chunk, s, e, "pack elements")
         merged_p[rank] = _merged(s, e)
     # wire rows: reads of P slots, writes of D slots
     written_d: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
@@ -289,22 +308,15 @@ def _chunk_checks(D: EngineGeometry, request: Request, plan: TransferPlan, chunk
         have = merged_p.get(p, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
         if _uncovered(np.array([a]), np.array([a + n]), *have).size:
             gap = _first_gap(a, a + n, *have)
-            sink.add(ViolationKind.STALE_STAGING, 1, 0, lambda i, r=r, p=p, gap=gap: Violation(
-                ViolationKind.STALE_STAGING, "prefill", p, -1, gap[0], gap[1] - gap[0], f"chunk {chunk} slot",
-                f"wire row {r} reads P rank {p}'s slot bytes [{gap[0]}, {gap[1]}), which no pack of chunk {chunk} "
-                "wrote"))
+            sink.one(Violation(ViolationKind.STALE_STAGING, "prefill", p, -1, gap[0], gap[1] - gap[0],
+                               f"chunk {chunk} slot", f"wire row {r} reads P rank {p}'s slot bytes [{gap[0]}, "
+                               f"{gap[1]}), which no pack of chunk {chunk} wrote"))
         written_d.setdefault(d, []).append((np.array([int(w.d_offset[r])]), np.array([int(w.d_offset[r]) + n])))
     merged_d = {}
     for rank, parts in written_d.items():
         s = np.concatenate([a for a, _ in parts])
         e = np.concatenate([b for _, b in parts])
-        hit = _overlaps(s, e)
-        if hit.size:
-            at = int(s[hit[0]])
-            sink.add(ViolationKind.STAGING_OVERLAP, int(hit.size), int((e[hit] - s[hit]).sum()),
-                     lambda i, rank=rank, at=at: Violation(
-                         ViolationKind.STAGING_OVERLAP, "decode", rank, -1, at, 0, f"chunk {chunk} slot",
-                         f"wire rows of chunk {chunk} write D rank {rank}'s slot byte {at} twice"))
+        _staging_overlap(sink, "decode", rank, chunk, s, e, "wire rows")
         merged_d[rank] = _merged(s, e)
     for k, st in enumerate(plan.unpacks):
         if unpack_bad[k] or st.chunk != chunk:
@@ -318,14 +330,33 @@ def _chunk_checks(D: EngineGeometry, request: Request, plan: TransferPlan, chunk
                 first = int(staging[miss[0]])
             stale += int(miss.size)
         if stale:
-            sink.add(ViolationKind.STALE_STAGING, 1, stale * st.unit_bytes, lambda i, st=st, k=k, first=first,
-                     stale=stale: Violation(
-                         ViolationKind.STALE_STAGING, "decode", st.d_rank, -1, first, st.unit_bytes,
-                         f"chunk {chunk} slot", f"unpack step {k}: {stale} elements read D rank {st.d_rank}'s slot "
-                         f"bytes no wire row of chunk {chunk} wrote (first at {first})"))
+            sink.one(Violation(ViolationKind.STALE_STAGING, "decode", st.d_rank, -1, first, st.unit_bytes,
+                               f"chunk {chunk} slot", f"unpack step {k}: {stale} elements read D rank {st.d_rank}'s "
+                               f"slot bytes no wire row of chunk {chunk} wrote (first at {first})"),
+                     stale * st.unit_bytes)
 
 
 # ---- applying -----------------------------------------------------------------------------------------
+
+def _extents(plan: TransferPlan, chunk: int, rows: np.ndarray, pack_bad: np.ndarray,
+             unpack_bad: np.ndarray) -> dict[tuple[str, int], int]:
+    """Per (side, rank), the end of the slot bytes ``chunk`` touches (never past staging_bytes: rows
+    and steps beyond were set aside), so a simulated slot is only as long as its chunk needs."""
+    extent: dict[tuple[str, int], int] = {}
+
+    def need(side: str, rank: int, end: int) -> None:
+        extent[(side, rank)] = max(extent.get((side, rank), 0), end)
+
+    for steps, bad in ((plan.packs, pack_bad), (plan.unpacks, unpack_bad)):
+        for k, st in enumerate(steps):
+            if not bad[k] and st.chunk == chunk:
+                need(st.side, st.rank, st.staging_span()[1])
+    w = plan.wire
+    for r in rows.tolist():
+        need("prefill", int(w.p_rank[r]), int(w.p_offset[r] + w.nbytes[r]))
+        need("decode", int(w.d_rank[r]), int(w.d_offset[r] + w.nbytes[r]))
+    return extent
+
 
 def apply_packed(plan: TransferPlan, pmem: Memory, dmem: Memory,
                  masks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
@@ -338,24 +369,13 @@ def apply_packed(plan: TransferPlan, pmem: Memory, dmem: Memory,
     w = plan.wire
     chunks = sorted({st.chunk for st in plan.packs} | {st.chunk for st in plan.unpacks} | set(w.chunk.tolist()))
     for chunk in chunks:
-        # each slot is as long as the bytes its chunk touches (never past staging_bytes: those were set aside)
-        extent: dict[tuple[str, int], int] = {}
-
-        def need(side: str, rank: int, end: int) -> None:
-            extent[(side, rank)] = max(extent.get((side, rank), 0), end)
-
-        for steps, bad in ((plan.packs, pack_bad), (plan.unpacks, unpack_bad)):
-            for k, st in enumerate(steps):
-                if not bad[k] and st.chunk == chunk:
-                    need(st.side, st.rank, st.staging_span()[1])
         rows = np.flatnonzero((w.chunk == chunk) & ~wire_bad)
-        for r in rows.tolist():
-            need("prefill", int(w.p_rank[r]), int(w.p_offset[r] + w.nbytes[r]))
-            need("decode", int(w.d_rank[r]), int(w.d_offset[r] + w.nbytes[r]))
+        extent = _extents(plan, chunk, rows, pack_bad, unpack_bad)
         p_slots: dict[int, np.ndarray] = {}
         d_slots: dict[int, np.ndarray] = {}
 
-        def slot_of(slots: dict[int, np.ndarray], side: str, rank: int) -> np.ndarray:
+        def slot_of(slots: dict[int, np.ndarray], side: str, rank: int, extent: dict[tuple[str, int], int] = extent,
+                    chunk: int = chunk) -> np.ndarray:
             if rank not in slots:
                 buf = np.zeros(extent[(side, rank)], np.uint8)
                 fill_pattern(buf, SALT_STAGING, rank + (0 if side == "prefill" else 1 << 16), chunk)

@@ -25,7 +25,6 @@ of 4 tokens (a second class); per layer ``10 * 8192 + 4096 = 86,016 B``, so its 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import attrs
 import numpy as np
@@ -361,7 +360,6 @@ class _Builder:
         layer range of a group shares its token range)."""
         key = (g, a, b)
         if key not in self._tokens:
-            P, D = self.pair.prefill, self.pair.decode
             lg = self.request.groups[g]
             if not (isinstance(lg.prefill, BlockList) and isinstance(lg.decode, BlockList)):
                 raise InternalError("an attention group lists BlockLists")

@@ -44,9 +44,9 @@ from hypothesis.errors import InvalidArgument
 from ..arith.ints import ceil_div
 from ..arith.shard import divisible
 from ..building.presets import hybrid_blocks_per_logical
+from ..errors import InternalError, KvGeomError
 from ..planning.packed import min_staging_bytes, plan_packed
 from ..planning.transfer import Pair
-from ..errors import InternalError, KvGeomError
 from ..values.engine import EngineGeometry
 from ..values.fields import check_int
 from ..values.layout import AttentionView, Region, StateView

@@ -72,14 +72,6 @@ from .plan import (
     plan_rank_rows,
     plan_repr,
 )
-from .staging import (
-    STAGING_SIDES,
-    WIRE_COLUMNS,
-    Chunk,
-    ChunkPiece,
-    StagingStep,
-    WireCopies,
-)
 from .request import (
     BlockList,
     GroupRequest,
@@ -88,6 +80,14 @@ from .request import (
     StateSlots,
     request_html,
     request_repr,
+)
+from .staging import (
+    STAGING_SIDES,
+    WIRE_COLUMNS,
+    Chunk,
+    ChunkPiece,
+    StagingStep,
+    WireCopies,
 )
 from .text import (
     MAX_RANK_ROWS,

@@ -227,14 +227,12 @@ def _rearranges(value: Any) -> tuple[Rearrange, ...]:
     return out
 
 
-def _steps(name: str) -> Any:
-    def convert(value: Any) -> tuple[StagingStep, ...]:
-        out = tuple(value)
-        for i, r in enumerate(out):
-            if not isinstance(r, StagingStep):
-                raise PlanError(f"TransferPlan.{name}[{i}]", f"expected StagingStep, got {type(r).__name__}", actual=r)
-        return out
-    return convert
+def _steps(name: str, value: Any) -> tuple[StagingStep, ...]:
+    out = tuple(value)
+    for i, r in enumerate(out):
+        if not isinstance(r, StagingStep):
+            raise PlanError(f"TransferPlan.{name}[{i}]", f"expected StagingStep, got {type(r).__name__}", actual=r)
+    return out
 
 
 def _chunks(value: Any) -> tuple[Chunk, ...]:
@@ -262,8 +260,10 @@ class TransferPlan:
     notes: tuple[Note, ...] = attrs.field(default=(), converter=as_notes)
     copies_before_coalescing: int = -1
     zeros_before_coalescing: int = -1
-    packs: tuple[StagingStep, ...] = attrs.field(default=(), converter=_steps("packs"), kw_only=True)
-    unpacks: tuple[StagingStep, ...] = attrs.field(default=(), converter=_steps("unpacks"), kw_only=True)
+    packs: tuple[StagingStep, ...] = attrs.field(default=(), converter=lambda v: _steps("packs", v),
+                                                   kw_only=True)
+    unpacks: tuple[StagingStep, ...] = attrs.field(default=(), converter=lambda v: _steps("unpacks", v),
+                                                     kw_only=True)
     wire: WireCopies = attrs.field(factory=WireCopies.empty, kw_only=True)
     chunks: tuple[Chunk, ...] = attrs.field(default=(), converter=_chunks, kw_only=True)
     staging_bytes: int = attrs.field(default=0, kw_only=True)

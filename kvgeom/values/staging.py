@@ -55,10 +55,6 @@ def _array(name: str, value: Any) -> np.ndarray:
     return out
 
 
-def _arr(name: str) -> Any:
-    return lambda v: _array(f"StagingStep.{name}", v)
-
-
 @attrs.frozen(eq=False, repr=False)
 class StagingStep:
     """One pack step (``side="prefill"``: P cache -> P staging, on ``p_rank``) or unpack step
@@ -72,11 +68,11 @@ class StagingStep:
     chunk: int
     p_rank: int
     d_rank: int
-    regions: np.ndarray = attrs.field(converter=_arr("regions"))
-    offsets: np.ndarray = attrs.field(converter=_arr("offsets"))
-    staged: np.ndarray = attrs.field(converter=_arr("staged"))
-    pages: np.ndarray = attrs.field(converter=_arr("pages"))
-    page_staged: np.ndarray = attrs.field(converter=_arr("page_staged"))
+    regions: np.ndarray = attrs.field(converter=lambda v: _array("StagingStep.regions", v))
+    offsets: np.ndarray = attrs.field(converter=lambda v: _array("StagingStep.offsets", v))
+    staged: np.ndarray = attrs.field(converter=lambda v: _array("StagingStep.staged", v))
+    pages: np.ndarray = attrs.field(converter=lambda v: _array("StagingStep.pages", v))
+    page_staged: np.ndarray = attrs.field(converter=lambda v: _array("StagingStep.page_staged", v))
     page_bytes: int
     shape: tuple[int, ...] = attrs.field(converter=int_tuple)
     cache_strides: tuple[int, ...] = attrs.field(converter=int_tuple)
@@ -176,18 +172,16 @@ class StagingStep:
 _ARRAYS = ("regions", "offsets", "staged", "pages", "page_staged")
 
 
-def _wire_column(name: str) -> Any:
-    def convert(v: Any) -> np.ndarray:
-        arr = np.asarray(v)
-        if arr.size == 0:
-            arr = arr.reshape(0)
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise PlanError(f"WireCopies.{name}", f"must be a vector of integers, got shape {arr.shape} dtype "
-                            f"{arr.dtype}", actual=str(arr.dtype), expected="int64", fix="build columns with int64")
-        out = np.ascontiguousarray(arr, dtype=np.int64).view()
-        out.setflags(write=False)
-        return out
-    return convert
+def _wire_column(name: str, v: Any) -> np.ndarray:
+    arr = np.asarray(v)
+    if arr.size == 0:
+        arr = arr.reshape(0)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise PlanError(f"WireCopies.{name}", f"must be a vector of integers, got shape {arr.shape} dtype "
+                        f"{arr.dtype}", actual=str(arr.dtype), expected="int64", fix="build columns with int64")
+    out = np.ascontiguousarray(arr, dtype=np.int64).view()
+    out.setflags(write=False)
+    return out
 
 
 @attrs.frozen(eq=False, repr=False)
@@ -195,12 +189,12 @@ class WireCopies:
     """Wire rows as int64 columns: ``nbytes`` from P rank ``p_rank``'s slot of ``chunk`` at
     ``p_offset`` to D rank ``d_rank``'s slot of ``chunk`` at ``d_offset`` (one NIXL descriptor each)."""
 
-    chunk: np.ndarray = attrs.field(converter=_wire_column("chunk"))
-    p_rank: np.ndarray = attrs.field(converter=_wire_column("p_rank"))
-    p_offset: np.ndarray = attrs.field(converter=_wire_column("p_offset"))
-    d_rank: np.ndarray = attrs.field(converter=_wire_column("d_rank"))
-    d_offset: np.ndarray = attrs.field(converter=_wire_column("d_offset"))
-    nbytes: np.ndarray = attrs.field(converter=_wire_column("nbytes"))
+    chunk: np.ndarray = attrs.field(converter=lambda v: _wire_column("chunk", v))
+    p_rank: np.ndarray = attrs.field(converter=lambda v: _wire_column("p_rank", v))
+    p_offset: np.ndarray = attrs.field(converter=lambda v: _wire_column("p_offset", v))
+    d_rank: np.ndarray = attrs.field(converter=lambda v: _wire_column("d_rank", v))
+    d_offset: np.ndarray = attrs.field(converter=lambda v: _wire_column("d_offset", v))
+    nbytes: np.ndarray = attrs.field(converter=lambda v: _wire_column("nbytes", v))
 
     def __attrs_post_init__(self) -> None:
         n = len(self.chunk)
