@@ -75,6 +75,15 @@ def apply_zeros(views: Sequence[Any], zeros: Zeros) -> None:
     there are few (whole blocks), one batched index op per region when there are many (tails)."""
     if not len(zeros):
         return
+    with host_copies(_device(views)):  # one torch thread for host copies (kvgeom_nixl.staging)
+        _apply_zeros(views, zeros)
+
+
+def _device(views: Sequence[Any]) -> torch.device:
+    return next((v.device for v in views if v is not None), torch.device("cpu"))
+
+
+def _apply_zeros(views: Sequence[Any], zeros: Zeros) -> None:
     for region in np.unique(zeros.d_region).tolist():
         view = _check_view(views[region], region)
         rows = zero_rows(zeros, region, int(view.numel()))  # raises PlanError for a row past the region
@@ -117,6 +126,11 @@ def apply_rearranges(views: Sequence[Any], rearranges: Sequence[Rearrange]) -> N
     ``clone`` (the read) and one ``copy_`` (the write) per run; scattered pages move with one
     index_select / index_put over every unit of every page.
     """
+    with host_copies(_device(views)):  # one torch thread for host copies (kvgeom_nixl.staging)
+        _apply_rearranges(views, rearranges)
+
+
+def _apply_rearranges(views: Sequence[Any], rearranges: Sequence[Rearrange]) -> None:
     for r in rearranges:
         if not r.pages:
             continue
@@ -139,9 +153,8 @@ def apply_receive_steps(views: Sequence[Any], rearranges: Sequence[Rearrange], z
     if not rearranges and not len(zeros):
         return None
     if stream is None:
-        with host_copies(torch.device("cpu")):  # one torch thread for host copies (kvgeom_nixl.staging)
-            apply_rearranges(views, rearranges)
-            apply_zeros(views, zeros)
+        apply_rearranges(views, rearranges)
+        apply_zeros(views, zeros)
         return None
     with torch.cuda.stream(stream):
         apply_rearranges(views, rearranges)
