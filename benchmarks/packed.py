@@ -184,8 +184,8 @@ def run_packed_planning(config: Config, progress: Progress = quiet) -> list[Meas
         pair, request = get_preset(name).build(M)
         progress(f"plan packed {name} M={M}")
         pair.plan(request, strategy="packed")
-        med = interleaved_medians({"packed": lambda: pair.plan(request, strategy="packed"),
-                                   "direct": lambda: pair.plan(request, strategy="direct")}, config.plan_repeats)
+        med = interleaved_medians({s: (lambda s=s, pair=pair, request=request: pair.plan(request, strategy=s))
+                                   for s in ("packed", "direct")}, config.plan_repeats)
         plan = pair.plan(request, strategy="packed")
         steps = sum(len(s.pages) + len(s.regions) for s in plan.packs + plan.unpacks)
         out.append(measurement("plan", f"plan/packed/{name}/{M}", med["packed"], "s", med["direct"],

@@ -306,3 +306,46 @@ def test_auto_packs_a_large_layout_mismatch_and_not_a_small_equal_pair() -> None
     small = same.plan(fresh_request(same, 100), strategy="auto")
     assert not small.packed and any(n.kind is NoteKind.AUTO_DIRECT for n in small.notes)
     assert small == same.plan(fresh_request(same, 100), strategy="direct")
+
+
+def test_auto_weighs_packed_by_the_design_worked_number() -> None:
+    """docs/design.md §5: one layer, 2 heads of 256 B, P HND K=4 (blocks 5, 1) -> D NHD K=8 (block 3),
+    M = 8. Direct 32 copies = 48 us; staged 2 copies + 8192 B rearranged = 8.46 us; packed 1 wire
+    row + 2 x 8192 B copied + 2 operations = 1.5 + 2.048 + 40 = 43.5 us: staged stays."""
+    from kvgeom import CostModel
+
+    m = ModelSpec("m", [AttentionSpec("attn", "full", 1, 2, 256)])
+    pair = Pair(EngineGeometry.build(m, tp=1, kernel_block_tokens=4, num_blocks=8, name="prefill"),
+                EngineGeometry.build(m, tp=1, kernel_block_tokens=8, num_blocks=8, layout="NHD", name="decode"))
+    req = Request(8, [GroupRequest(BlockList([5, 1]), BlockList([3]))])
+    cm = CostModel()
+    assert cm.cost(32, 0) * 1e6 == pytest.approx(48.0)
+    assert cm.cost(2, 8192) * 1e6 == pytest.approx(2 * 1.5 + 8192 / 1.5e9 * 1e6)
+    assert cm.packed_cost(1, 8192, 2) * 1e6 == pytest.approx(1.5 + 2 * 8192 / 8e9 * 1e6 + 2 * 20)
+    plan = pair.plan(req, strategy="auto")
+    assert plan.rearranges and not plan.packed
+    kinds_ = [n.kind for n in plan.notes]
+    assert kinds_.count(NoteKind.AUTO_STAGED) == 2  # the group's choice, then the plan's (not packed)
+    # a descriptor cost 100x higher makes the one wire row win
+    dear = pair.plan(req, strategy="auto", cost_model=CostModel(descriptor_seconds=150e-6))
+    assert dear.packed and NoteKind.AUTO_PACKED in [n.kind for n in dear.notes]
+    assert simulate(pair, req, dear).ok
+
+
+def test_posted_counts_what_coalescing_leaves() -> None:
+    """The review's case: staged rows of consecutive P pages merge when they land in consecutive
+    sub-pages, so counting before coalescing overstates staged; posted() counts after."""
+    from kvgeom import CostModel, coalesce
+    from kvgeom.planning import posted
+
+    m = ModelSpec("m", [AttentionSpec("attn", "full", 1, 2, 256)])
+    pair = Pair(EngineGeometry.build(m, tp=1, kernel_block_tokens=4, num_blocks=16, name="prefill"),
+                EngineGeometry.build(m, tp=1, kernel_block_tokens=8, num_blocks=8, layout="NHD", name="decode"))
+    req = fresh_request(pair, 64)
+    staged = posted(pair, req, 0, "staged", CostModel())
+    rows = pair.plan(req, strategy="staged")
+    assert staged.exact and staged.count == len(rows.copies) == len(coalesce(rows.copies))
+    # 16 consecutive P pages land in the 16 consecutive sub-pages of 8 consecutive D pages: one run
+    assert rows.copies_before_coalescing == 16 and staged.count == 1
+    estimate = posted(pair, req, 0, "staged", CostModel(exact_rows=0))
+    assert not estimate.exact and estimate.count == 16  # past exact_rows: the count before coalescing

@@ -48,16 +48,20 @@ STRATEGIES: tuple[str, ...] = ("direct", "staged", "auto", "packed")
 
 @attrs.frozen
 class CostModel:
-    """What ``strategy="auto"`` weighs (docs/design.md §10.6); the defaults are :meth:`cpu`.
+    """What ``strategy="auto"`` weighs (docs/design.md §10.6); the defaults are :meth:`cpu`,
+    measured on the project's 2-core CPU machine (``python -m benchmarks.costs`` and ``python -m
+    benchmarks --only transfer,packed``; the VM is noisy, so each default sits inside the spread):
 
-    * ``descriptor_seconds``: NIXL's cost per posted descriptor (1.38-2.1 us in-process over UCX
-      on this 2-core machine, ``python -m benchmarks --only transfer``; 3-5 us per RDMA request on
-      real NICs).
-    * ``rearrange_bytes_per_second``: the staged strategy's in-place torch rearrange (two passes).
-    * ``copy_bytes_per_second``: one strided gather or scatter pass of pack or unpack (torch).
-    * ``op_seconds``: launching one pack or unpack operation (a torch op on CPU, a kernel on CUDA).
-    * ``wire_bytes_per_second``: the bytes NIXL moves once descriptors are posted (the same for
-      every strategy; it only makes the totals honest).
+    * ``descriptor_seconds`` 1.5 us: NIXL's cost per posted descriptor, in-process over UCX
+      (measured 1.26-2.1 us; real NICs pay 3-5 us per RDMA request).
+    * ``rearrange_bytes_per_second`` 1.5 GB/s: the staged strategy's in-place torch rearrange
+      (measured 0.6-3.2 GB/s).
+    * ``copy_bytes_per_second`` 8 GB/s: one pack or unpack pass (torch, one thread; measured
+      5.8 GB/s for 256-byte head vectors changing layout, 16 GB/s for 4 KiB runs).
+    * ``op_seconds`` 20 us: one pack or unpack operation, planning its views included (measured 23 us).
+    * ``wire_bytes_per_second`` 15 GB/s: the bytes NIXL moves once posted (7 GB/s from 4 KiB-page
+      memory, 15-18 GB/s between huge-page staging rings); the same for every strategy, it only
+      makes the totals in the notes honest.
     * ``exact_rows``: candidates with at most this many rows before coalescing are built and
       coalesced to count their posted descriptors exactly.
     """
