@@ -153,7 +153,9 @@ class Config:
         return self.big_repeats if tokens >= self.big_tokens else self.plan_repeats
 
 
-PLAN_PRESETS = ("llama3-70b-tp8-tp4", "deepseek-v3-tp8-tp1", "kimi-linear-tp8-tp1", "qwen-swa-tp2-tp4")
+PLAN_PRESETS = ("llama3-70b-tp8-tp4", "deepseek-v3-tp8-tp1", "kimi-linear-tp8-tp1", "qwen-swa-tp2-tp4",
+                # topologies (docs/design.md §11) next to their one-stage neighbours
+                "llama3-70b-tp4-tp8", "llama3-70b-pp2tp4-tp8", "deepseek-v3-tp8-dcp8", "kimi-linear-pp2tp4-tp1")
 PLAN_SYNTHETIC = ("syn-tp1-tp1", "syn-tp4-tp1", "syn-tp2-tp4-k16-k32", "syn-nhd-hnd-staged")
 DESC_PRESETS = ("llama3-70b-tp8-tp4", "llama3-70b-tp4-tp8", "deepseek-v3-tp8-tp1", "qwen-swa-tp2-tp4",
                 "kimi-linear-tp8-tp1", "nemotron-h-tp1-tp4")

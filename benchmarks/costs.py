@@ -10,7 +10,7 @@
 
 It prints the numbers and the ``CostModel(...)`` to pass to the planner (``--json``: one object).
 ``scripts/gpu-check`` runs it with ``--device cuda``; the CUDA defaults of ``CostModel.cuda()``
-are estimates until such a run replaces them (docs/design.md §10.6).
+are estimates until such a run replaces them (docs/design.md §12.6).
 
 Worked number: 4096 descriptors in 7.0 ms against one in 0.9 ms gives (7.0 - 0.9) / 4096 = 1.5 us.
 """

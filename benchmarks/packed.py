@@ -1,4 +1,4 @@
-"""Packed transfers (docs/design.md §10) against ``numpy.copyto`` of the same bytes, with the direct
+"""Packed transfers (docs/design.md §12) against ``numpy.copyto`` of the same bytes, with the direct
 and staged plans of the same request next to them, all in one run.
 
     pair at M tokens (fresh blocks): plans direct, staged, packed       descriptors: copies vs wire rows

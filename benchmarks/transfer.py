@@ -153,7 +153,8 @@ def _allocate(engine: Any, pages: str) -> list[list[Any]]:
 
     if pages == "4k":
         return allocate_caches(engine)
-    return [[torch.from_numpy(np.empty(r.nbytes, np.uint8)) for r in engine.regions] for _ in range(engine.tp)]
+    return [[torch.from_numpy(np.empty(r.nbytes if i in engine.rank_regions(rank) else 0, np.uint8))
+             for i, r in enumerate(engine.regions)] for rank in range(engine.num_ranks)]
 
 
 def _fill(caches: list[list[Any]], value: int) -> None:

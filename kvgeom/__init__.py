@@ -1,18 +1,25 @@
 """kvgeom: plan and check KV-cache transfers between engines whose cache geometries differ.
 
 Pure arithmetic on integers and numpy arrays: importing kvgeom never imports torch or nixl. The
-subpackages are layers, each importing only the ones below it (docs/design.md §2)::
+subpackages are layers, each importing only the ones below it (docs/design.md §2); engines may
+have pipeline stages, DCP token shards and replicas (``Topology``, docs/design.md §11)::
 
-    errors <- arith <- values <- {planning, lowering, checking} <- {building, show} <- tools
+    errors <- arith <- values <- {planning, lowering, checking} <- {building, show, conformance} <- tools
 
 This face re-exports the public names; ``kvgeom_nixl`` (the executor) imports only these and the
 faces of the subpackages.
+
+Logging: every module logs to ``logging.getLogger(__name__)``, children of the ``kvgeom`` logger
+(debug: pair checks and strategy decisions; warning: fallbacks). The package adds only a
+``NullHandler``; configure ``logging`` in your application to see them.
 """
 
 from __future__ import annotations
 
-from .arith import Slice, owned_slice, sources
-from .building import fresh_request, verify
+import logging
+
+from .arith import Slice, TokenShard, layer_partition, owned_slice, sources
+from .building import fresh_request, request_from_block_tables, verify
 from .checking import Memory, Report, Violation, ViolationKind, simulate
 from .errors import (
     GeometryError,
@@ -51,10 +58,12 @@ from .values import (
     EnginePair,
     GroupKind,
     GroupRequest,
+    LayerTensors,
     ModelSpec,
     Note,
     NoteKind,
     PageLayout,
+    RankCoords,
     Rearrange,
     Region,
     Request,
@@ -66,6 +75,7 @@ from .values import (
     StateSlots,
     StateSpec,
     StateView,
+    Topology,
     TransferPlan,
     WireCopies,
     Zeros,
@@ -96,6 +106,7 @@ __all__ = [
     "IncompatibleGeometry",
     "InternalError",
     "KvGeomError",
+    "LayerTensors",
     "Memory",
     "ModelSpec",
     "Note",
@@ -103,6 +114,7 @@ __all__ = [
     "PageLayout",
     "Pair",
     "PlanError",
+    "RankCoords",
     "Rearrange",
     "Region",
     "Report",
@@ -119,6 +131,8 @@ __all__ = [
     "StateSlots",
     "StateSpec",
     "StateView",
+    "TokenShard",
+    "Topology",
     "TransferPlan",
     "Violation",
     "ViolationKind",
@@ -130,14 +144,18 @@ __all__ = [
     "dump_pair_file",
     "fresh_request",
     "incompatibilities",
+    "layer_partition",
     "load_pair_file",
     "min_staging_bytes",
     "owned_slice",
     "pairable",
     "plan_pair",
     "plan_transfer",
+    "request_from_block_tables",
     "simulate",
     "sources",
     "tile_bytes",
     "verify",
 ]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -1,5 +1,14 @@
 """The exception family of kvgeom: every rejection is a ``ValueError`` that names its field.
 
+Bad input raises a :class:`KvGeomError` (a ``ValueError``); a broken invariant that kvgeom maintains
+itself raises :class:`InternalError`, which is deliberately *not* a ``ValueError``, so a connector's
+``except ValueError`` for bad input never swallows a planner bug::
+
+    Exception
+      ValueError
+        KvGeomError           GeometryError, RequestError, IncompatibleGeometry, SchemaError, PlanError
+      InternalError           a kvgeom bug (never bad input)
+
 Each error carries ``path`` (where the bad value sits, e.g. ``decode.groups[1].window_tokens``),
 ``actual`` (the value given), ``expected`` (what would have been accepted) and ``fix`` (what to
 change). ``str(err)`` puts all four in one line so a log line alone says what to do::
@@ -24,6 +33,19 @@ __all__ = [
 ]
 
 
+def _text(path: str, message: str, expected: Any, fix: str) -> str:
+    """``"path: message (expected: ...; fix: ...)"``, the one line every kvgeom error prints."""
+    text = f"{path}: {message}"
+    extras = []
+    if expected is not None:
+        extras.append(f"expected: {expected}")
+    if fix:
+        extras.append(f"fix: {fix}")
+    if extras:
+        text += " (" + "; ".join(extras) + ")"
+    return text
+
+
 class KvGeomError(ValueError):
     """Root of every error kvgeom raises on bad input. A ``ValueError``, never an ``assert``."""
 
@@ -41,15 +63,7 @@ class KvGeomError(ValueError):
         self.actual = actual
         self.expected = expected
         self.fix = fix
-        text = f"{path}: {message}"
-        extras = []
-        if expected is not None:
-            extras.append(f"expected: {expected}")
-        if fix:
-            extras.append(f"fix: {fix}")
-        if extras:
-            text += " (" + "; ".join(extras) + ")"
-        super().__init__(text)
+        super().__init__(_text(path, message, expected, fix))
 
     def __reduce__(self) -> tuple[Any, ...]:  # keep the fields through pickling (multiprocessing)
         return (_rebuild, (type(self), self.path, self.message, self.actual, self.expected, self.fix))
@@ -86,11 +100,26 @@ class StagingCapacityError(KvGeomError):
     attention layer, or one state section of one layer) on some rank."""
 
 
-class InternalError(KvGeomError):
-    """An invariant kvgeom maintains itself was broken: a bug in kvgeom, never bad input."""
+class InternalError(Exception):
+    """An invariant kvgeom maintains itself was broken: a bug in kvgeom, never bad input.
 
-    def __init__(self, what: str) -> None:
-        super().__init__("kvgeom", f"internal invariant broken: {what}", fix="report this as a kvgeom bug")
+    Not a ``ValueError`` (nor a :class:`KvGeomError`): code that catches bad input must not catch
+    planner bugs. It carries the same ``path``, ``message``, ``actual``, ``expected`` and ``fix``
+    fields as :class:`KvGeomError`, so a log line reads the same.
+    """
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (InternalError, (self.message,))
+    def __init__(self, what: str, *, path: str = "kvgeom", actual: Any = None, expected: Any = None) -> None:
+        self.what = what
+        self.path = path
+        self.message = f"internal invariant broken: {what}"
+        self.actual = actual
+        self.expected = expected
+        self.fix = "report this as a kvgeom bug"
+        super().__init__(_text(path, self.message, expected, self.fix))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keep the fields through pickling (multiprocessing)
+        return (_rebuild_internal, (self.what, self.path, self.actual, self.expected))
+
+
+def _rebuild_internal(what: str, path: str, actual: Any, expected: Any) -> InternalError:
+    return InternalError(what, path=path, actual=actual, expected=expected)

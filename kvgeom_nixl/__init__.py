@@ -14,9 +14,14 @@ The executor never computes geometry: copies, zeros and rearranges come from the
     agent      RankAgent: one rank's NIXL agent (the only module that imports NIXL)
     lowering   descriptors for the coalesced and prepped modes     receive    torch receive steps
     handshake  the versioned payload      memory    registrable regions      errors    typed errors
+
+Logging: children of the ``kvgeom_nixl`` logger (info: one summary per finished transfer;
+warning: failed transfers and the prepped -> coalesced fallback). Only a ``NullHandler`` is added.
 """
 
 from __future__ import annotations
+
+import logging
 
 from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, Link
 from .errors import ExecutorError, HandshakeError, RegistrationError, TransferFailed
@@ -48,3 +53,5 @@ __all__ = [
     "encode_rank",
     "wait_all",
 ]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -18,7 +18,7 @@ and the notifications it received::
 
 Notifications carry ``kvgeom1|<kind>|<args...>|<request id>``: ``pulled`` and ``pushed`` (no args,
 direct plans); ``slot`` (chunk, slot), ``packed`` (chunk, slot), ``chunk_pulled`` and ``landed``
-(chunk) and ``abort`` (none) for packed plans (docs/design.md §10.5). Args are integers below
+(chunk) and ``abort`` (none) for packed plans (docs/design.md §12.5). Args are integers below
 2**32; anything else a peer sends is ignored. A notification no transfer has claimed yet stays in
 the inbox.
 

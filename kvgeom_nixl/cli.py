@@ -43,13 +43,14 @@ def transfer_report(preset_name: str, tokens: int, prefix: int, *, layers: int |
         "command": "transfer", "preset": preset_name, "tokens": tokens, "prefix": prefix, "layers": layers,
         "strategy": strategy, "direction": "push" if push else "pull", "mode": mode,
         "prefill": engine_line(pair.prefill), "decode": engine_line(pair.decode),
-        "agents": pair.prefill.tp + pair.decode.tp,
+        "agents": pair.prefill.num_ranks + pair.decode.num_ranks,
         "plan_copies": len(plan.copies), "plan_bytes": plan.bytes_copied, "plan_zeros": len(plan.zeros),
         "plan_zero_bytes": plan.bytes_zeroed, "plan_rearranges": len(plan.rearranges),
         "plan_packed": plan.packed, "plan_chunks": len(plan.chunks), "plan_wire_rows": len(plan.wire),
         "staging_bytes": slot_bytes_for(plan),
-        "cache_bytes": pair.prefill.tp * sum(r.nbytes for r in pair.prefill.regions)
-        + pair.decode.tp * sum(r.nbytes for r in pair.decode.regions),
+        "cache_bytes": sum(pair.prefill.regions[i].nbytes for r in range(pair.prefill.num_ranks)
+                           for i in pair.prefill.rank_regions(r))
+        + sum(pair.decode.regions[i].nbytes for r in range(pair.decode.num_ranks) for i in pair.decode.rank_regions(r)),
         "failure": None, "violations": [], "verified": False, "notes": [n.text for n in plan.notes],
     }
     p_caches = allocate_caches(pair.prefill)

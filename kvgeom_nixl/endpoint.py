@@ -27,6 +27,11 @@ docs/design.md §8; every copy is checked to stay in its regions before posting
 
 Worked number: P TP2 -> D TP1 on 4 fresh blocks, HND, pull: D rank 0 posts 2 NIXL requests (one
 per P rank); each P rank counts 1 consumer (``plan.consumers() == [1, 1]``).
+
+With pipeline stages, DCP and replicas (docs/design.md §11) ranks are flat: a D rank connects to
+the handshakes of every P rank of every stage, posts requests only to the P ranks its rows name
+(those holding its layers and tokens), and a P rank pushes only its stage's layers. For P PP2 x
+TP1 -> D TP2 each D rank posts 2 requests, one per P stage.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from kvgeom import (
     plan_pair,
     tile_bytes,
 )
-from kvgeom.lowering import check_in_regions, tile_index_pairs, tile_rows
+from kvgeom.lowering import check_in_regions, tile_index_pairs
 
 from .agent import RankAgent, classify, nixl_errors, notification
 from .errors import ExecutorError, HandshakeError
@@ -81,20 +86,21 @@ class Endpoint:
                  staging_slots: int = DEFAULT_SLOTS, staging_grace_s: float = DEFAULT_GRACE_S) -> None:
         if role not in ROLES:
             raise ExecutorError("role", f"unknown role {role!r}", actual=role, expected=list(ROLES))
-        if not 0 <= rank < engine.tp:
-            raise ExecutorError("rank", f"rank {rank} outside tp={engine.tp}", actual=rank,
-                                expected=f"0 <= rank < {engine.tp}")
+        if not 0 <= rank < engine.num_ranks:
+            what = f"tp={engine.tp}" if engine.topology.trivial else f"the engine's {engine.num_ranks} ranks"
+            raise ExecutorError("rank", f"rank {rank} outside {what}", actual=rank,
+                                expected=f"0 <= rank < {engine.num_ranks}")
         self.engine = engine
         self.role = role
         self.rank = rank
-        self.memory = RankMemory(engine, regions, mem_type=mem_type, device=device)
+        self.memory = RankMemory(engine, regions, mem_type=mem_type, device=device, rank=rank)
         self.telemetry = telemetry
         self.name = agent_name or f"kvgeom-{role}-{rank}-{uuid.uuid4().hex[:12]}"
         self.closed = False
         self._links: list[Link] = []
         self._inflight: list[Transfer] = []
         self._stream: Any = None
-        # packed plans (docs/design.md §10.5): one staging ring on the cache's device, registered with the regions
+        # packed plans (docs/design.md §12.5): one staging ring on the cache's device, registered with the regions
         self.staging = StagingBuffer(self.memory, staging_bytes, staging_slots) if staging_bytes else None
         self.staging_grace_s = staging_grace_s
         descs = self.memory.descs()
@@ -256,7 +262,7 @@ class Endpoint:
     def __repr__(self) -> str:
         links = sum(not lk.closed for lk in self._links)
         state = "closed" if self.closed else f"{links} links, {len(self.in_flight)} in flight"
-        return f"Endpoint({self.name}: {self.engine.name} {self.role} rank {self.rank}/{self.engine.tp}, {state})"
+        return f"Endpoint({self.name}: {self.engine.name} {self.role} rank {self.rank}/{self.engine.num_ranks}, {state})"
 
 
 class Link:
@@ -299,7 +305,7 @@ class Link:
     def pull(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
              mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct") -> Transfer:
         """D rank: post READs of this rank's rows from every P rank it needs; returns at once (a
-        packed plan announces its first slots and pulls chunk by chunk, docs/design.md §10.5)."""
+        packed plan announces its first slots and pulls chunk by chunk, docs/design.md §12.5)."""
         self._require("decode", "pull")
         plan = self._plan(request, plan, strategy)
         if plan.packed:
@@ -357,7 +363,7 @@ class Link:
     # ---- one request -----------------------------------------------------------------------
     def _packed(self, kind: str, request_id: str, request: Request | None, plan: TransferPlan, mode: str,
                 timeout_s: float) -> Transfer:
-        """A packed request (docs/design.md §10.5); a plan this pair cannot run raises before anything moves."""
+        """A packed request (docs/design.md §12.5); a plan this pair cannot run raises before anything moves."""
         ep = self.endpoint
         mode = self._mode(mode)
         if ep.staging is None:
@@ -391,18 +397,25 @@ class Link:
     def _post(self, t: Transfer, copies: Copies, op: str, notif: bytes) -> None:
         """Lower this rank's ``copies`` to one NIXL request per peer rank and post them.
 
-        A bad plan or a NIXL refusal fails ``t`` (what was posted is released); a plan that needs
-        a peer rank this link was not given raises :class:`ExecutorError` before anything is posted.
+        Every row is checked against the regions the two ranks hold (a region of another pipeline
+        stage has 0 bytes there, docs/design.md §11.4) before anything is posted. A bad plan or a
+        NIXL refusal fails ``t`` (what was posted is released); a plan that needs a peer rank this
+        link was not given raises :class:`ExecutorError` before anything is posted.
         """
         agent = self.endpoint.rank_agent
         try:
-            check_in_regions(copies, [r.nbytes for r in self.pair.prefill.regions],
-                             [r.nbytes for r in self.pair.decode.regions])
             peer_col, lreg, loff, rreg, roff = self._sides(copies)
             peers = [self._peer(int(p)) for p in np.unique(peer_col)]  # every peer the rows need, first
-            prepped = self._tile_indices(t, copies, peer_col) if t.mode == "prepped" and len(copies) else None
+            rows_of = {info.rank: np.flatnonzero(peer_col == info.rank) for info in peers}
             for info in peers:
-                rows = np.flatnonzero(peer_col == info.rank)
+                mine = copies.take(rows_of[info.rank])
+                if self.local_is_decode:
+                    check_in_regions(mine, info.sizes, self.endpoint.memory.sizes)
+                else:
+                    check_in_regions(mine, self.endpoint.memory.sizes, info.sizes)
+            prepped = self._tile_indices(t, copies, rows_of) if t.mode == "prepped" and len(copies) else None
+            for info in peers:
+                rows = rows_of[info.rank]
                 nbytes = int(copies.nbytes[rows].sum())
                 if prepped is None:
                     local = copy_descs(self.endpoint.memory.bases, self.endpoint.memory.devices, lreg[rows],
@@ -411,11 +424,10 @@ class Link:
                     h = agent.post_coalesced(op, local, remote, info.mem_type, info.agent, notif)
                     t.add_request(h, descriptors=len(rows), nbytes=nbytes)
                 else:
-                    tile_peer, local_idx, remote_idx = prepped
-                    sel = tile_peer == info.rank
-                    h = agent.post_prepped(op, self._local_table(), local_idx[sel], self._remote_table(info),
-                                           remote_idx[sel], notif)
-                    t.add_request(h, descriptors=int(sel.sum()), nbytes=nbytes)
+                    local_idx, remote_idx = prepped[info.rank]
+                    h = agent.post_prepped(op, self._local_table(), local_idx, self._remote_table(info),
+                                           remote_idx, notif)
+                    t.add_request(h, descriptors=len(local_idx), nbytes=nbytes)
         except nixl_errors() as e:
             t.fail(classify(e), f"posting: {type(e).__name__}: {e}")
         except (PlanError, RuntimeError, KeyError) as e:
@@ -431,34 +443,39 @@ class Link:
         return copies.d_rank, copies.p_region, copies.p_offset, copies.d_region, copies.d_offset
 
     def _tile_indices(self, t: Transfer, copies: Copies,
-                      peer_col: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """Mode prepped: (peer of each pair, local indices, peer indices) into the two sides' tables,
-        or ``None`` (``t`` falls back to coalesced) when the plan is off the tile grid or a table
-        is too large."""
+                      rows_of: dict[int, np.ndarray]) -> dict[int, tuple[np.ndarray, np.ndarray]] | None:
+        """Mode prepped: per peer rank, (local indices, peer indices) into the two ranks' tables, or
+        ``None`` (``t`` falls back to coalesced) when the plan is off the tile grid or a table is
+        too large. Each rank's table has tiles only for the regions it holds."""
         tile = self.tile_bytes
+        me = self.endpoint.rank
+        out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         try:
-            p_idx, d_idx = tile_index_pairs(copies, tile, p_table=capped_table(self.pair.prefill, tile),
-                                            d_table=capped_table(self.pair.decode, tile))
-            tile_peer = peer_col[tile_rows(copies, tile)]
+            for peer, rows in rows_of.items():
+                p_rank, d_rank = (peer, me) if self.local_is_decode else (me, peer)
+                p_idx, d_idx = tile_index_pairs(copies.take(rows), tile,
+                                                p_table=capped_table(self.pair.prefill, tile, p_rank),
+                                                d_table=capped_table(self.pair.decode, tile, d_rank))
+                out[peer] = (d_idx, p_idx) if self.local_is_decode else (p_idx, d_idx)
         except PlanError as e:
             t.fall_back("coalesced", e.message)
             return None
-        return (tile_peer, d_idx, p_idx) if self.local_is_decode else (tile_peer, p_idx, d_idx)
+        return out
 
     def _local_table(self) -> Any:
         """This rank's prepared table (shared by every link of the endpoint)."""
         mem = self.endpoint.memory
-        return self._prepared("", self.endpoint.engine, mem.bases, mem.devices, mem.mem_type)
+        return self._prepared("", self.endpoint.engine, self.endpoint.rank, mem.bases, mem.devices, mem.mem_type)
 
     def _remote_table(self, info: RankInfo) -> Any:
-        return self._prepared(info.agent, info.engine, info.bases, info.devices, info.mem_type)
+        return self._prepared(info.agent, info.engine, info.rank, info.bases, info.devices, info.mem_type)
 
-    def _prepared(self, agent_name: str, engine: EngineGeometry, bases: np.ndarray, devices: np.ndarray,
+    def _prepared(self, agent_name: str, engine: EngineGeometry, rank: int, bases: np.ndarray, devices: np.ndarray,
                   mem_type: str) -> Any:
         agent = self.endpoint.rank_agent
         handle = agent.prepared(agent_name, self.tile_bytes)
         if handle is None:
-            descs = table_descs(bases, devices, capped_table(engine, self.tile_bytes))
+            descs = table_descs(bases, devices, capped_table(engine, self.tile_bytes, rank))
             handle = agent.prepare(agent_name, self.tile_bytes, descs, mem_type)
         return handle
 
@@ -493,6 +510,11 @@ class Link:
                                 f"TP{self.pair.prefill.tp}->TP{self.pair.decode.tp} pair",
                                 actual=(plan.prefill_tp, plan.decode_tp),
                                 expected=(self.pair.prefill.tp, self.pair.decode.tp))
+        if (plan.prefill_ranks, plan.decode_ranks) != (self.pair.prefill.num_ranks, self.pair.decode.num_ranks):
+            raise ExecutorError("plan", f"plan for {plan.prefill_ranks} -> {plan.decode_ranks} ranks on a pair of "
+                                f"{self.pair.prefill.num_ranks} -> {self.pair.decode.num_ranks} ranks",
+                                actual=(plan.prefill_ranks, plan.decode_ranks),
+                                expected=(self.pair.prefill.num_ranks, self.pair.decode.num_ranks))
         return plan
 
     # ---- teardown --------------------------------------------------------------------------

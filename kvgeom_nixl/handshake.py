@@ -12,7 +12,9 @@
 No pickle: the NIXL metadata travels as base64 and everything else is plain JSON. Decoding checks
 everything before the payload is used: the version, every field's type, the geometry (through
 :mod:`kvgeom.tools.serialize`), ``0 <= rank < tp``, one memory entry per region of the geometry and each
-exactly ``num_pages * page_bytes`` bytes, addresses that do not wrap around. Any failure raises
+exactly ``num_pages * page_bytes`` bytes (with pipeline stages: one per region of the rank's
+stage, docs/design.md §11.4), addresses that do not wrap around. ``rank`` is the flat rank
+``0 <= rank < num_ranks`` (docs/design.md §11.1). Any failure raises
 :class:`HandshakeError` naming the field; a peer that advertises regions not fitting its own
 geometry is refused before any transfer (docs/design.md §6 and §8: peer input is hostile).
 
@@ -32,6 +34,7 @@ import attrs
 import numpy as np
 
 from kvgeom import EngineGeometry, SchemaError
+from kvgeom.lowering import rank_region_bytes
 from kvgeom.tools import from_dict, to_dict
 from kvgeom.values import is_int
 
@@ -62,12 +65,28 @@ class RankInfo:
     staging: tuple[int, int, int, int, int] | None = None  # (addr, nbytes, device, slot_bytes, slots)
 
     @property
+    def region_ids(self) -> tuple[int, ...]:
+        """The geometry's regions this rank holds (its pipeline stage's, docs/design.md §11.4)."""
+        return self.engine.rank_regions(self.rank)
+
+    def _by_region(self, column: int) -> np.ndarray:
+        out = np.zeros(len(self.engine.regions), np.uint64)
+        out[list(self.region_ids)] = [r[column] for r in self.regions]
+        return out
+
+    @property
     def bases(self) -> np.ndarray:
-        return np.array([r[0] for r in self.regions], np.uint64)
+        """Base address per region of the geometry (0 for regions this rank does not hold)."""
+        return self._by_region(0)
 
     @property
     def devices(self) -> np.ndarray:
-        return np.array([r[2] for r in self.regions], np.uint64)
+        return self._by_region(2)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Bytes per region of the geometry on this rank (0 for regions this rank does not hold)."""
+        return rank_region_bytes(self.engine, self.rank)
 
 
 def encode_rank(info: RankInfo) -> bytes:
@@ -149,7 +168,8 @@ def decode_rank(payload: bytes | bytearray | str) -> RankInfo:
         raise
     except SchemaError as e:
         raise _fail("$.engine" + e.path[1:], e.message, actual=e.actual, expected=e.expected, fix=e.fix) from e
-    rank = _int("$.rank", doc["rank"], 0, engine.tp)
+    rank = _int("$.rank", doc["rank"], 0, engine.num_ranks)
+    held = engine.rank_regions(rank)
     mem = doc["memory"]
     if not isinstance(mem, dict) or set(mem) != {"mem_type", "regions"}:
         raise _fail("$.memory", "expected {mem_type, regions}", actual=sorted(mem) if isinstance(mem, dict) else mem,
@@ -160,12 +180,14 @@ def decode_rank(payload: bytes | bytearray | str) -> RankInfo:
     regs = mem["regions"]
     if not isinstance(regs, list):
         raise _fail("$.memory.regions", "expected an array", actual=type(regs).__name__, expected="array")
-    if len(regs) != len(engine.regions):
-        raise _fail("$.memory.regions", f"{len(regs)} regions advertised for a geometry with {len(engine.regions)}",
-                    actual=len(regs), expected=len(engine.regions),
-                    fix="register one allocation per region of the geometry")
+    if len(regs) != len(held):
+        whose = f"a geometry with {len(engine.regions)}" if len(held) == len(engine.regions) else \
+            f"rank {rank}, whose pipeline stage holds {len(held)} of the geometry's {len(engine.regions)}"
+        raise _fail("$.memory.regions", f"{len(regs)} regions advertised for {whose}",
+                    actual=len(regs), expected=len(held),
+                    fix="register one allocation per region of the geometry the rank holds")
     regions: list[tuple[int, int, int]] = []
-    for i, (r, geo) in enumerate(zip(regs, engine.regions, strict=True)):
+    for i, (r, geo) in enumerate(zip(regs, [engine.regions[h] for h in held], strict=True)):
         p = f"$.memory.regions[{i}]"
         if not isinstance(r, dict) or set(r) != {"addr", "nbytes", "device"}:
             raise _fail(p, "expected {addr, nbytes, device}", actual=r, expected=["addr", "device", "nbytes"])

@@ -13,7 +13,9 @@ VRAM; fills and checks stage through host copies (the simulator is numpy).
 
 Worked number: the default preset (P TP2 -> D TP4, 100 tokens) makes 2 + 4 = 6 agents, 4 D links
 (each to both P ranks) and 2 P links (each to the 4 D ranks); a pull posts one NIXL request per
-(D rank, P rank) pair that has rows: 4 here, as each D rank's heads live on one P rank.
+(D rank, P rank) pair that has rows: 4 here, as each D rank's heads live on one P rank. With
+pipeline stages every rank of every stage gets an agent (``num_ranks``), registering only the
+regions of its stage.
 """
 
 from __future__ import annotations
@@ -32,16 +34,27 @@ from .packed import DEFAULT_GRACE_S
 from .staging import DEFAULT_SLOTS
 from .transfer import Transfer, TransferResult, wait_all
 
-__all__ = ["allocate_caches", "fill_caches", "check_caches", "host_memory", "LocalDeployment", "slot_bytes_for",
-           "summarize"]
+__all__ = ["allocate_caches", "rank_buffers", "fill_caches", "check_caches", "host_memory", "LocalDeployment",
+           "slot_bytes_for", "summarize"]
 
 Caches = list[list[torch.Tensor]]
 
 
 def allocate_caches(engine: Any, device: str | torch.device = "cpu") -> Caches:
-    """One flat ``uint8`` tensor per region per rank (uninitialised)."""
+    """One flat ``uint8`` tensor per region per rank (uninitialised); a region of another pipeline
+    stage is an empty tensor on that rank (docs/design.md §11.4)."""
     dev = torch.device(device)
-    return [[torch.empty(r.nbytes, dtype=torch.uint8, device=dev) for r in engine.regions] for _ in range(engine.tp)]
+    out: Caches = []
+    for rank in range(engine.num_ranks):
+        held = set(engine.rank_regions(rank))
+        out.append([torch.empty(r.nbytes if i in held else 0, dtype=torch.uint8, device=dev)
+                    for i, r in enumerate(engine.regions)])
+    return out
+
+
+def rank_buffers(engine: Any, caches: Caches, rank: int) -> list[torch.Tensor]:
+    """The tensors rank ``rank`` registers: one per region it holds (``engine.rank_regions(rank)``)."""
+    return [caches[rank][i] for i in engine.rank_regions(rank)]
 
 
 def host_memory(engine: Any, caches: Caches) -> Memory:
@@ -86,10 +99,10 @@ class LocalDeployment:
         staging: dict[str, Any] = {"staging_bytes": staging_bytes, "staging_slots": staging_slots,
                                    "staging_grace_s": staging_grace_s}
         try:
-            self.p = [Endpoint(pair.prefill, "prefill", r, p_caches[r], telemetry=telemetry, **staging)
-                      for r in range(pair.prefill.tp)]
-            self.d = [Endpoint(pair.decode, "decode", r, d_caches[r], telemetry=telemetry, **staging)
-                      for r in range(pair.decode.tp)]
+            self.p = [Endpoint(pair.prefill, "prefill", r, rank_buffers(pair.prefill, p_caches, r),
+                               telemetry=telemetry, **staging) for r in range(pair.prefill.num_ranks)]
+            self.d = [Endpoint(pair.decode, "decode", r, rank_buffers(pair.decode, d_caches, r),
+                               telemetry=telemetry, **staging) for r in range(pair.decode.num_ranks)]
             p_payloads = [e.handshake() for e in self.p]
             d_payloads = [e.handshake() for e in self.d]
             self.d_links: list[Link] = [e.connect(p_payloads) for e in self.d]

@@ -49,9 +49,10 @@ def table_descs(bases: np.ndarray, devices: np.ndarray, table: TileTable) -> np.
     return out
 
 
-def capped_table(engine: EngineGeometry, tile: int) -> TileTable:
-    """One rank's tile table (:func:`kvgeom.lowering.tile_table`), refused past :data:`MAX_TABLE_TILES`."""
-    table = tile_table(engine, tile)
+def capped_table(engine: EngineGeometry, tile: int, rank: int | None = None) -> TileTable:
+    """One rank's tile table (:func:`kvgeom.lowering.tile_table`: only the regions it holds),
+    refused past :data:`MAX_TABLE_TILES`."""
+    table = tile_table(engine, tile, rank)
     if table.num_tiles > MAX_TABLE_TILES:
         raise PlanError("tile table", f"{table.num_tiles} tiles of {tile} B for one rank",
                         actual=table.num_tiles, expected=f"<= {MAX_TABLE_TILES}",

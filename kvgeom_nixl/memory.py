@@ -12,6 +12,9 @@ long as the memory is registered; receive steps work on flat ``uint8`` *views* o
 
 Worked number: a region of 64 pages x 16384 B needs a 1 MiB buffer, e.g.
 ``torch.empty(64, 2, 2, 16, 128, dtype=torch.bfloat16)`` (64 * 2 * 2 * 16 * 128 * 2 B = 1048576 B).
+With pipeline stages a rank holds only its stage's regions (``engine.rank_regions(rank)``,
+docs/design.md §11.4): it passes one buffer for each of those, in that order, and the arrays
+indexed by region (``bases``, ``devices``, ``sizes``, ``byte_views``) are 0 / None for the others.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import attrs
 import numpy as np
 
 from kvgeom import EngineGeometry
+from kvgeom.lowering import rank_region_bytes
 
 from .errors import RegistrationError
 
@@ -95,19 +99,24 @@ def _region(path: str, buf: Any, want: int, mem_type: str | None, device: int | 
 
 
 class RankMemory:
-    """The regions of one rank, checked against its geometry, in region order."""
+    """The regions one rank holds (all of them, or its pipeline stage's), checked against its
+    geometry, in region order."""
 
     def __init__(self, engine: EngineGeometry, buffers: Sequence[Any], *, mem_type: str | None = None,
-                 device: int | None = None) -> None:
+                 device: int | None = None, rank: int = 0) -> None:
         bufs = list(buffers)
-        if len(bufs) != len(engine.regions):
-            raise RegistrationError("regions", f"{len(bufs)} buffers for an engine with {len(engine.regions)} regions",
-                                    actual=len(bufs), expected=len(engine.regions),
-                                    fix="pass one buffer per region, in the geometry's region order")
+        self.region_ids: tuple[int, ...] = engine.rank_regions(rank)
+        if len(bufs) != len(self.region_ids):
+            what = f"an engine with {len(self.region_ids)} regions" if engine.topology.pp == 1 else \
+                f"the {len(self.region_ids)} regions rank {rank}'s pipeline stage holds ({list(self.region_ids)})"
+            raise RegistrationError("regions", f"{len(bufs)} buffers for {what}",
+                                    actual=len(bufs), expected=len(self.region_ids),
+                                    fix="pass one buffer per region the rank holds, in the geometry's region order")
         self.engine = engine
+        self.sizes: tuple[int, ...] = rank_region_bytes(engine, rank)
         self.regions: tuple[RegionMemory, ...] = tuple(
-            _region(f"regions[{i}]", b, r.nbytes, mem_type, device) for i, (b, r) in
-            enumerate(zip(bufs, engine.regions, strict=True)))
+            _region(f"regions[{i}]", b, engine.regions[r].nbytes, mem_type, device) for i, (b, r) in
+            enumerate(zip(bufs, self.region_ids, strict=True)))
         kinds = {r.mem_type for r in self.regions}
         if len(kinds) > 1:
             raise RegistrationError("regions", f"regions mix memory types {sorted(kinds)}", actual=sorted(kinds),
@@ -127,18 +136,28 @@ class RankMemory:
         out[:, 2] = [r.device for r in self.regions]
         return out
 
+    def _by_region(self, values: list[int]) -> np.ndarray:
+        out = np.zeros(len(self.engine.regions), np.uint64)
+        out[list(self.region_ids)] = values
+        return out
+
     @property
     def bases(self) -> np.ndarray:
-        return np.array([r.addr for r in self.regions], np.uint64)
+        """Base address per region of the geometry (0 for regions of other stages)."""
+        return self._by_region([r.addr for r in self.regions])
 
     @property
     def devices(self) -> np.ndarray:
-        return np.array([r.device for r in self.regions], np.uint64)
+        return self._by_region([r.device for r in self.regions])
 
     def byte_views(self) -> list[Any]:
-        """Flat ``torch.uint8`` views of every region (``None`` for raw VRAM pointers)."""
+        """Flat ``torch.uint8`` views per region of the geometry (``None`` for raw VRAM pointers and
+        for regions of other stages)."""
         if self._views is None:
-            self._views = [_byte_view(r) for r in self.regions]
+            views: list[Any] = [None] * len(self.engine.regions)
+            for rid, r in zip(self.region_ids, self.regions, strict=True):
+                views[rid] = _byte_view(r)
+            self._views = views
         return self._views
 
     def device(self) -> Any:

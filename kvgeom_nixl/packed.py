@@ -1,4 +1,4 @@
-"""One packed request on one rank: chunks pipelined through the staging ring (docs/design.md §10.5).
+"""One packed request on one rank: chunks pipelined through the staging ring (docs/design.md §12.5).
 
     D rank (pull | accept_push)                           P rank (serve_pull | push)
     for each chunk c with wire rows to this rank, in order, while a slot is free:

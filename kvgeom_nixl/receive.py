@@ -61,7 +61,8 @@ def _zero_index(rows: ZeroRows, device: torch.device) -> torch.Tensor:
 def _check_view(view: Any, region: int) -> torch.Tensor:
     if view is None:
         raise PlanError(f"d_region {region}", "receive steps need a tensor view of the region (registered from a raw "
-                        "VRAM pointer)", fix="register that region from a torch tensor")
+                        "VRAM pointer, or a region of another pipeline stage that this rank does not hold)",
+                        fix="register that region from a torch tensor; plan for this rank's own regions")
     return view  # type: ignore[no-any-return]
 
 

@@ -1,5 +1,5 @@
 """One rank's staging buffer (a ring of slots) and the torch ops that pack into it and unpack from it
-(docs/design.md §10.5). No geometry here: every view and index comes from :mod:`kvgeom.lowering`.
+(docs/design.md §12.5). No geometry here: every view and index comes from :mod:`kvgeom.lowering`.
 
     StagingBuffer(slots x slot_bytes)   host: numpy memory (huge pages), CUDA: torch.empty on the device
       | slot 0 | slot 1 | ... |          a slot belongs to one (request id, chunk) at a time

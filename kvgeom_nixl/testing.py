@@ -31,7 +31,7 @@ from kvgeom.tools import parse_pair_file
 from .agent import use_local_defaults
 from .endpoint import Endpoint
 from .errors import TransferFailed
-from .local import LocalDeployment, allocate_caches, check_caches, fill_caches, slot_bytes_for
+from .local import LocalDeployment, allocate_caches, check_caches, fill_caches, rank_buffers, slot_bytes_for
 from .transfer import wait_all
 
 __all__ = ["engine_process", "result_dict", "requested_device", "run_local"]
@@ -60,7 +60,8 @@ def engine_process(conn: Any, pair_file_text: str, side: str, device: str = "cpu
     else:
         fill_caches(pair, request, scratch, mine)
     del scratch
-    eps = [Endpoint(engine, side, r, mine[r], staging_bytes=staging_bytes) for r in range(engine.tp)]
+    eps = [Endpoint(engine, side, r, rank_buffers(engine, mine, r), staging_bytes=staging_bytes)
+           for r in range(engine.num_ranks)]
     conn.send(("hello", [e.handshake() for e in eps]))
     links: list[Any] = []
     while True:

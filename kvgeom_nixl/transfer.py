@@ -23,6 +23,7 @@ a request still PROC at t = 5.001 s fails with reason ``timeout`` (waiting for N
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
@@ -35,6 +36,8 @@ from .agent import RankAgent, classify, nixl_errors
 from .errors import TransferFailed
 
 __all__ = ["Transfer", "TransferResult", "wait_all", "Driver", "ReceiveSteps"]
+
+logger = logging.getLogger(__name__)
 
 ReceiveSteps = Callable[[Sequence[Rearrange], Zeros], Any]
 """Runs a D rank's rearranges and zeros on its regions; returns a CUDA event, or ``None`` when done."""
@@ -162,7 +165,9 @@ class Transfer:
 
     def fall_back(self, mode: str, why: str) -> None:
         """Posted in ``mode`` instead of the mode asked for (recorded as a PREPPED_FALLBACK note)."""
-        self.notes.append(Note(NoteKind.PREPPED_FALLBACK, f"{self.mode} mode unavailable ({why}); posted {mode}"))
+        text = f"{self.mode} mode unavailable ({why}); posted {mode}"
+        logger.warning("%s %r on %s rank %d: %s", self.kind, self.request_id, self.role, self.rank, text)
+        self.notes.append(Note(NoteKind.PREPPED_FALLBACK, text))
         self.mode = mode
 
     def fail(self, reason: str, detail: str) -> None:
@@ -174,6 +179,8 @@ class Transfer:
         blocks = _invalid_blocks(self.request) if self.role == "decode" else {}
         self.failure = TransferFailed(self.request_id, reason, detail, invalid_blocks=blocks, kind=self.kind,
                                       role=self.role, rank=self.rank)
+        logger.warning("%s %r on %s rank %d failed (%s): %s", self.kind, self.request_id, self.role, self.rank,
+                       reason, detail)
         if self.notif_kind:  # a late notification of this attempt must not complete a retry: use a new id
             self.agent.drop(self.notif_kind, self.request_id)
 
@@ -188,6 +195,11 @@ class Transfer:
             return
         except KvGeomError as e:
             self.fail("plan_error", f"{type(e).__name__}: {e}")
+            return
+        except InternalError as e:  # a kvgeom bug, not bad input: still release every handle, and say so
+            logger.error("%s %r on %s rank %d: kvgeom internal error: %s", self.kind, self.request_id, self.role,
+                         self.rank, e)
+            self.fail("plan_error", f"kvgeom internal error: {e}")
             return
         except (RuntimeError, IndexError) as e:  # torch errors in the receive steps, NIXL "ERR" states
             self.fail("receive_error" if self.state != "posted" else "nixl_error", f"{type(e).__name__}: {e}")
@@ -241,6 +253,10 @@ class Transfer:
         self.result = TransferResult(self.request_id, self.kind, self.role, self.rank, self.mode, self.bytes_moved,
                                      self.descriptors, self.nixl_requests, self.nixl_descs, zeroed, rearranges,
                                      time.perf_counter() - self.started, tuple(self.notes))
+        r = self.result
+        logger.info("%s %r on %s rank %d done: %d B in %d descriptors (%d NIXL requests, mode %s), %d B zeroed, "
+                    "%d rearranges, %.3f ms", r.kind, r.request_id, r.role, r.rank, r.bytes_moved, r.descriptors,
+                    r.nixl_requests, r.mode, r.bytes_zeroed, r.rearranges, r.wall_s * 1e3)
 
     def _release(self) -> None:
         for h in self.handles:

@@ -96,6 +96,32 @@ def test_plan_presets_verify(capsys: pytest.CaptureFixture[str], argv: list[str]
     assert doc["verified"] is True and doc["bytes"] == expected_bytes
 
 
+@pytest.mark.parametrize(("argv", "expected_bytes", "sources"), [
+    # P PP2 x TP4 -> D TP8: head d of D rank d lives on P tp rank d // 2 of both stages (flat 4 * stage + tp)
+    (["--preset", "llama3-70b-pp2tp4-tp8", "--layers", "2", "--tokens", "64"], 64 * 2 * 2 * 8 * 256,
+     [[d // 2, 4 + d // 2] for d in range(8)]),
+    # MLA TP8 -> TP8 DCP8 with 64-token chunks: 600 tokens reach every D rank, rank d reads from P rank d
+    (["--preset", "deepseek-v3-tp8-dcp8", "--layers", "2", "--tokens", "600"], 600 * 2 * 1152,
+     [[d] for d in range(8)]),
+    # DCP4 -> DCP2 on TP8: keys q = d // 2 + d % 2 pick head group (q % 2) * 4, tokens by parity; D keeps
+    # tp // dcp = 4 copies of the latent (one per head group), each split over its 2 DCP ranks
+    (["--preset", "deepseek-v3-dcp4-dcp2", "--layers", "2"], 4 * 300 * 2 * 1152,
+     [[0, 2], [5, 7], [4, 6], [1, 3], [0, 2], [5, 7], [4, 6], [1, 3]]),
+    # KimiLinear PP2 x TP4 -> TP1, default 2 layers per group (6 global layers, 3 per stage):
+    # latents 1000 tokens x 2 layers x 1152 B + 2 KDA groups x 2 layers x a whole TP1 state of
+    # 3 conv sections x 4096 channels x 3 rows x 2 B + 32 heads x 128 x 128 x 4 B = 2,170,880 B
+    (["--preset", "kimi-linear-pp2tp4-tp1"], 1000 * 2 * 1152 + 2 * 2 * (3 * 4096 * 3 * 2 + 32 * 128 * 128 * 4),
+     [list(range(8))]),
+])
+def test_plan_topology_presets_verify(capsys: pytest.CaptureFixture[str], argv: list[str], expected_bytes: int,
+                                      sources: list[list[int]]) -> None:
+    rc, doc = _json(capsys, "plan", *argv, "--json")
+    assert rc == 0, doc["violations"]
+    assert doc["verified"] is True and doc["bytes"] == expected_bytes
+    assert [r["p_ranks"] for r in doc["per_decode_rank"]] == sources
+    assert "topology" in doc["note_kinds"]
+
+
 def test_plan_unpairable_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = _run(capsys, "plan", "--preset", "unpairable-fp8")
     assert rc == 2
@@ -142,7 +168,7 @@ def test_plan_other_strategies(capsys: pytest.CaptureFixture[str], strategy: str
 
 
 def test_plan_packed_json_and_summary(capsys: pytest.CaptureFixture[str]) -> None:
-    """The default preset packed (docs/design.md §10.2): 4 wire rows; each D rank stages
+    """The default preset packed (docs/design.md §12.2): 4 wire rows; each D rank stages
     84 tokens x 4 layers x 2 planes x 2 heads x 256 B, each P rank twice that; a 400 KiB slot cuts
     the request in chunks."""
     rc, out, _ = _run(capsys, "plan", "--strategy", "packed", "--json")

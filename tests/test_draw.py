@@ -246,3 +246,42 @@ def test_top_level_draw_is_the_drawing_function() -> None:
     pair, request = get_preset("gqa-tp2-tp4").build(tokens=32)
     fig = kvgeom.draw(pair.plan(request), pair, request)
     assert fig.axes
+
+
+def test_pipeline_stages_show_which_p_stage_feeds_which_d_layers() -> None:
+    """P PP2 x TP2 -> D TP1, 4 layers of 4 heads: D's layers 0-1 come from P ranks 0, 1 (stage 0, heads
+    split by tp rank) and layers 2-3 from P ranks 2, 3 (stage 1); the legend names each P rank's stage."""
+    from kvgeom import Topology
+
+    m = gqa(layers=4)
+    P = EngineGeometry.build(m, tp=2, kernel_block_tokens=4, num_blocks=8, name="prefill", topology=Topology(pp=2))
+    D = EngineGeometry.build(m, tp=1, kernel_block_tokens=4, num_blocks=8, name="decode")
+    pair = Pair(P, D)
+    req = fresh_request(pair, 8)
+    plan = pair.plan(req)
+    cm = transfer_cells(plan, pair, req, rank=0)
+    by_label = {r.label: set(r.codes.tolist()) for r in cm.rows}
+    # heads 0-1 live on P tp rank 0, heads 2-3 on tp rank 1; flat rank = stage * 2 + tp rank
+    assert by_label == {"d0 attn L0-1 K,V h0-1": {0 * S, 0 * S + 1}, "d0 attn L0-1 K,V h2-3": {1 * S, 1 * S + 1},
+                        "d0 attn L2-3 K,V h0-1": {2 * S, 2 * S + 1}, "d0 attn L2-3 K,V h2-3": {3 * S, 3 * S + 1}}
+    prefill = transfer_cells(plan, pair, req, side="prefill", rank=3)
+    assert [r.label for r in prefill.rows] == ["p3[s1] attn L2-3 K,V h2-3"]  # stage 1 holds layers 2-3 only
+    fig = draw(plan, pair, req)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "P rank 3 (stage 1, tp 1)" in labels
+
+
+def test_dcp_ranks_draw_only_their_tokens() -> None:
+    """D TP2 DCP2, interleave 1, MLA: D rank 1 holds the odd tokens; its even token cells are not listed."""
+    from kvgeom import Topology
+
+    m = ModelSpec("mla", [AttentionSpec("mla", "mla", 1, 1, 8)])
+    P = EngineGeometry.build(m, tp=1, kernel_block_tokens=4, num_blocks=4, name="prefill")
+    D = EngineGeometry.build(m, tp=2, kernel_block_tokens=2, num_blocks=4, name="decode", topology=Topology(dcp=2))
+    pair = Pair(P, D)
+    req = fresh_request(pair, 6)  # D blocks of 2 * 2 = 4 tokens: [0, 8) listed, 6 and 7 zeroed
+    plan = pair.plan(req)
+    (row,) = transfer_cells(plan, pair, req, rank=1).rows
+    assert row.label == "d1 mla L0 latent tokens t % 2 == 1"
+    # tokens 0..7: odd ones on rank 1; tokens 1, 3 from P block position 0, 5 from position 1, 7 zeroed
+    assert row.codes.tolist() == [NOT_LISTED, 0, NOT_LISTED, 0, NOT_LISTED, 1, NOT_LISTED, ZEROED]

@@ -97,6 +97,28 @@ def test_fuzz_shrinks_a_planted_bug_to_the_smallest_trigger(monkeypatch: pytest.
     assert simulate(pair, request, plan_transfer(pair.prefill, pair.decode, request)).ok
 
 
+def _drop_last_copy_of_pipeline_pairs(prefill: Any, decode: Any, request: Any, *, strategy: str = "direct") -> Any:
+    if prefill.topology.pp > 1:
+        return _drop_last_copy(prefill, decode, request, strategy=strategy)
+    return plan_transfer(prefill, decode, request, strategy=strategy)  # type: ignore[arg-type]
+
+
+def test_fuzz_draws_topologies_and_shrinks_a_bug_only_pipeline_stages_trigger(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/design.md §11: the default draw gives some engines stages, DCP or replicas, so a bug that
+    only a P with two pipeline stages triggers is found, and shrunk to such a pair with one token and
+two layers."""
+    monkeypatch.setattr(kfuzz, "plan_transfer", _drop_last_copy_of_pipeline_pairs)
+    result = kfuzz.fuzz(300, seed=7, strategies=("direct",), mismatch_probability=0.0)
+    assert not result.ok and result.topology_pairs > 0
+    (failure,) = result.failures.values()
+    t = failure.transfer
+    assert t.pair.prefill.topology.pp == 2 and t.pair.decode.topology.trivial
+    assert t.request.computed_tokens == 1 and t.pair.prefill.model.num_global_layers == 2  # a layer per stage
+    pair, request = parse_pair_file(json.loads(failure.reproducer()))  # the topology travels in the pair file
+    assert request is not None and pair.prefill.topology == t.pair.prefill.topology
+    assert simulate(pair, request, plan_transfer(pair.prefill, pair.decode, request)).ok
+
+
 def test_fuzz_command_exits_1_with_a_reproducer_that_kvgeom_plan_reads(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(kfuzz, "plan_transfer", _drop_last_copy)

@@ -150,8 +150,9 @@ def test_unpaired_state_slots_are_noted_and_not_moved() -> None:
     model = ModelSpec("m", [StateSpec("s", 1, [StateSection("x", 4, 2)])])
     e = EngineGeometry.build(model, tp=1, kernel_block_tokens=4, num_blocks=8)
     pair = Pair(e.with_name("prefill"), e.with_name("decode"))
-    # prefix caching of states: P holds states after 4, 8, 12 tokens; D lists 8 and 10
-    req = Request(12, [GroupRequest(StateSlots([1, 2, 3], [4, 8, 12]), StateSlots([5, 6], [8, 10]))])
+    # prefix caching of states: P holds states after 4, 8, 12 tokens; D lists 8 and 10 (not the running
+    # state after 12: a partial transfer on purpose)
+    req = Request(12, [GroupRequest(StateSlots([1, 2, 3], [4, 8, 12]), StateSlots([5, 6], [8, 10]))], partial=True)
     plan = pair.plan(req)
     assert plan.copies.as_array().tolist() == [[0, 0, 2 * 8, 0, 0, 5 * 8, 8]]
     assert any(n.kind is NoteKind.STATE_UNPAIRED and "after 10 tokens" in n.text for n in plan.notes)

@@ -3,7 +3,7 @@
 Every import in kvgeom/ and kvgeom_nixl/ is read from the source with ``ast`` (module level,
 function level and ``TYPE_CHECKING`` blocks alike) and checked against the layer order::
 
-    errors < arith < values < {planning, lowering, checking} < {building, show} < tools
+    errors < arith < values < {planning, lowering, checking} < {building, show, conformance} < tools
            < kvgeom (the root face, __main__) < kvgeom_nixl
 
 A module may import modules of its own unit (no cycles) and of lower layers only; siblings on one
@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "kvgeom.checking": 3,
     "kvgeom.building": 4,
     "kvgeom.show": 4,
+    "kvgeom.conformance": 4,
     "kvgeom.tools": 5,
     "kvgeom": 6,
     "kvgeom_nixl": 7,

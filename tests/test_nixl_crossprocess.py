@@ -2,7 +2,10 @@
 
 The child hosts every rank of one engine (kvgeom_nixl.testing.engine_process); the parent hosts
 the other. Bytes are verified with the simulator on the D side. Each child costs ~2 s to start
-(torch + NIXL import, UCX load), so there are three.
+(torch + NIXL import, UCX load), so there are five: three on TP pairs, and two on topologies
+(docs/design.md §11): P PP2 x TP1 -> D TP2 (every stage's ranks hand over their handshakes, each
+D rank pulls layers 0-1 from stage 0 and 2-3 from stage 1), and an MLA pair P TP2 DCP2 -> D TP1
+(the D rank gathers even tokens from P rank 0 and odd ones from P rank 1).
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ from kvgeom import (  # noqa: E402
     ModelSpec,
     Pair,
     Request,
+    Topology,
     dump_pair_file,  # noqa: E402
     fresh_request,
     plan_pair,  # noqa: E402
 )
 from kvgeom_nixl import Endpoint, TransferFailed, wait_all  # noqa: E402
-from kvgeom_nixl.local import allocate_caches, check_caches, fill_caches  # noqa: E402
+from kvgeom_nixl.local import allocate_caches, check_caches, fill_caches, rank_buffers  # noqa: E402
 from kvgeom_nixl.testing import engine_process, requested_device  # noqa: E402
 
 DEVICE = requested_device()
@@ -99,7 +103,8 @@ def _local(pair: Pair, request: Request, side: str, staging_bytes: int = 0) -> t
     d = allocate_caches(pair.decode, DEVICE if side == "decode" else "cpu")
     fill_caches(pair, request, p, d)
     mine = p if side == "prefill" else d
-    return [Endpoint(engine, side, r, mine[r], staging_bytes=staging_bytes) for r in range(engine.tp)], mine
+    return [Endpoint(engine, side, r, rank_buffers(engine, mine, r), staging_bytes=staging_bytes)
+            for r in range(engine.num_ranks)], mine
 
 
 @pytest.fixture
@@ -175,6 +180,49 @@ def test_prefill_process_killed_mid_transfer(stopper: list[Any]) -> None:
     violations, _ = check_caches(pair, request, d_caches)
     kinds = {v.kind.value for v in violations}
     assert "not_zeroed" in kinds and kinds <= {"not_zeroed", "missing", "wrong_data"}, kinds
+
+
+def test_pull_from_two_pipeline_stages_across_processes(stopper: list[Any]) -> None:
+    """Child: P PP2 x TP1 (rank 0 = layers 0-1, rank 1 = layers 2-3) serving pulls. Parent: D TP2 pulling."""
+    m = ModelSpec("m", [AttentionSpec("attn", "full", 4, 4, 128)])
+    pair = Pair(EngineGeometry.build(m, tp=1, kernel_block_tokens=16, num_blocks=16, name="prefill",
+                                     topology=Topology(pp=2)),
+                EngineGeometry.build(m, tp=2, kernel_block_tokens=8, num_blocks=32, name="decode", layout="NHD"))
+    request = fresh_request(pair, 190, prefill_first_block=1, decode_first_block=3)
+    child, eps, d_caches, links = _connected(pair, request, "prefill", stopper)
+    plan = plan_pair(pair, request)
+    assert [plan.sources_of(d) for d in range(2)] == [(0, 1), (0, 1)] and plan.consumers().tolist() == [2, 2]
+    child.send("serve_pull", "pp", "coalesced", 20.0)
+    results = wait_all([lk.pull("pp", request, plan=plan, timeout_s=20) for lk in links], peers=eps)
+    served = child.recv("done", 30)[1]
+    assert [r.nixl_requests for r in results] == [2, 2]  # one request per P stage
+    assert sorted(r["rank"] for r in served) == [0, 1]
+    # each stage served its 2 layers: tokens x 2 layers x 2 planes x 4 heads x 128 B in total over both D ranks
+    assert [r["bytes_moved"] for r in sorted(served, key=lambda r: r["rank"])] == [190 * 2 * 2 * 4 * 128] * 2
+    violations, checked = check_caches(pair, request, d_caches)
+    assert violations == [] and checked == 2 * sum(r.nbytes for r in pair.decode.regions)
+
+
+def test_push_from_dcp_ranks_across_processes(stopper: list[Any]) -> None:
+    """Child: D TP1 MLA accepting pushes (it checks its own bytes). Parent: P TP2 DCP2, each rank
+    pushing the tokens it holds (even ones on rank 0, odd ones on rank 1, interleave 1)."""
+    m = ModelSpec("mla", [AttentionSpec("mla", "mla", 2, 1, 128)])
+    pair = Pair(EngineGeometry.build(m, tp=2, kernel_block_tokens=8, num_blocks=16, name="prefill",
+                                     topology=Topology(dcp=2)),
+                EngineGeometry.build(m, tp=1, kernel_block_tokens=16, num_blocks=16, name="decode"))
+    request = fresh_request(pair, 75, prefill_first_block=1, decode_first_block=2)
+    child, eps, _, links = _connected(pair, request, "decode", stopper)
+    plan = plan_pair(pair, request)
+    assert plan.sources_of(0) == (0, 1)
+    child.send("accept_push", "dcp", "coalesced", 20.0)
+    pushed = wait_all([lk.push("dcp", request, plan=plan, timeout_s=20) for lk in links], peers=eps)
+    _, accepted, verdict = child.recv("done", 30)
+    # 38 even and 37 odd tokens of 75, 2 layers of 128 B latents
+    assert sorted(r.bytes_moved for r in pushed) == [37 * 2 * 128, 38 * 2 * 128]
+    assert [r["rank"] for r in accepted] == [0]
+    n_violations, checked, first = verdict
+    assert n_violations == 0, first
+    assert checked == sum(r.nbytes for r in pair.decode.regions)
 
 
 PACKED_SLOT = 64 << 10  # a chunk of the request below stages at most 64 KiB on a rank: several chunks

@@ -1,4 +1,4 @@
-"""Packed plans through real NIXL agents in one process (docs/design.md §10.5): staging rings,
+"""Packed plans through real NIXL agents in one process (docs/design.md §12.5): staging rings,
 pipelined chunks, pull and push, the slot protocol, and failures that free every slot.
 
 Every successful case fills P with the simulator's coordinate hashes and D with its stale pattern

@@ -1,4 +1,4 @@
-"""The packed strategy (docs/design.md §10): hand-built packed plans the simulator passes, one wrong
+"""The packed strategy (docs/design.md §12): hand-built packed plans the simulator passes, one wrong
 plan per staging violation kind, the planner's plans against arithmetic, chunks and capacity.
 
 Geometry used by the hand-built cases (``PAIR``): one full-attention layer of 2 KV heads of 8 B,
@@ -187,7 +187,7 @@ def test_step_element_addresses_are_the_documented_formula() -> None:
 # ---- the planner on presets -------------------------------------------------------------------------
 
 def test_default_preset_worked_number() -> None:
-    """docs/design.md §10.2: D rank 1 holds heads [2, 4), all from P rank 0, tokens [16, 100)."""
+    """docs/design.md §12.2: D rank 1 holds heads [2, 4), all from P rank 0, tokens [16, 100)."""
     pair, req = get_preset("gqa-tp2-tp4").build(100, 16)
     plan = pair.plan(req, strategy="packed")
     block = 4 * (10 * 2 * 2 * 8 * 256 + 2 * 2 * 4 * 256)

@@ -23,7 +23,11 @@ from kvgeom import (
 from kvgeom.building import DEFAULT_PRESET, PRESETS, UnknownPreset, get_preset, hybrid_blocks_per_logical
 
 PAIRABLE = [name for name, p in PRESETS.items() if p.pairable]
-SMALL = {"layers": 1}  # keep the tests fast: one layer per group
+SMALL = {"layers": 1}  # keep the tests fast: one layer per group (a pipeline-parallel preset: one per stage)
+
+
+def _small(name: str) -> dict[str, int]:
+    return {"layers": max(SMALL["layers"], PRESETS[name].min_layers)}
 
 
 def test_required_presets_exist() -> None:
@@ -40,14 +44,14 @@ def test_required_presets_exist() -> None:
 @pytest.mark.parametrize("name", PAIRABLE)
 def test_pairable_presets_build(name: str) -> None:
     preset = PRESETS[name]
-    pair, request = preset.build(**SMALL)
+    pair, request = preset.build(**_small(name))
     assert isinstance(pair, Pair)
     pair.check_request(request)  # fits both engines
     assert request.computed_tokens == preset.default_tokens
     assert pairable(pair.prefill, pair.decode).ok
     assert (pair.prefill.name, pair.decode.name) == ("prefill", "decode")
     for spec in pair.model.groups:
-        assert spec.num_layers == 1
+        assert spec.num_layers == _small(name)["layers"]
 
 
 @pytest.mark.parametrize("name", PAIRABLE)
@@ -62,7 +66,7 @@ def test_default_layers_build(name: str) -> None:
 @pytest.mark.parametrize("name", PAIRABLE)
 def test_block_pools_are_a_few_times_the_request(name: str) -> None:
     """Every listed id is in range; pools hold the request, the leading ids and one spare block."""
-    pair, request = PRESETS[name].build(**SMALL)
+    pair, request = PRESETS[name].build(**_small(name))
     for side, first in (("prefill", 1), ("decode", 2)):
         ids = []
         for g in request.groups:

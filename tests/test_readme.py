@@ -77,3 +77,29 @@ def test_readme_strategies_example_runs_against_the_planner() -> None:
     scope = {"__name__": "readme", "my_connector_plan": plan_transfer}
     exec(compile(code, str(README), "exec"), scope)  # our own README
     settings(max_examples=20, deadline=None, derandomize=True, database=None)(scope["test_my_connector"])()
+
+
+def _run_block(marker: str) -> str:
+    (code,) = [b for b in _blocks("python") if marker in b]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, str(README), "exec"), {"__name__": "readme"})  # our own README
+    return out.getvalue()
+
+
+def test_readme_connector_walkthrough_runs() -> None:
+    """tensors -> geometry -> handshake -> request from block tables -> plan -> per-rank rows."""
+    pytest.importorskip("torch", reason="the walkthrough reads torch cache tensors")
+    out = _run_block("request_from_block_tables(pair, 100")
+    assert "Request.groups[0](attn).prefill -> lists tokens [0, 64)" in out and "needs [0, 100)" in out
+    assert out.count("copies from P ranks") == 4
+
+
+def test_readme_vllm_config_example_runs() -> None:
+    out = _run_block("engine_from_vllm_config(config")
+    assert "64 regions" in out
+
+
+def test_readme_conformance_example_catches_the_stale_tail() -> None:
+    out = _run_block("check_connector(pair, request, rows")
+    assert out.startswith("does not conform") and out.count("not_zeroed: ") == 2

@@ -18,6 +18,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, Union
 
+import attrs
 import numpy as np
 import pytest
 
@@ -308,8 +309,11 @@ def test_zero_over_a_prefix_token_is_clobbered() -> None:
 
 
 def test_tokens_beyond_the_p_listing_must_be_zero() -> None:
-    # P lists only blocks 5 and 1 (tokens [0, 8)) although M = 12: D block 0 (tokens 8..11) gets zeros
-    req = Request(12, [GroupRequest(BlockList(P_IDS[:2]), BlockList(D_IDS))])
+    # P lists only blocks 5 and 1 (tokens [0, 8)) although M = 12: D block 0 (tokens 8..11) gets zeros.
+    # A listing that short is refused unless the request is partial on purpose.
+    req = Request(12, [GroupRequest(BlockList(P_IDS[:2]), BlockList(D_IDS))], partial=True)
+    with pytest.raises(RequestError, match=r"prefill: lists tokens \[0, 8\).*needs \[0, 12\)"):
+        tiny_pair().check_request(Request(12, req.groups))
     rows = [r for r in WHOLE if r[5] != D_IDS[2] * PAGE]
     zero_rows = [(0, L, D_IDS[2] * PAGE, PAGE) for L in range(2)]
     assert_ok(simulate(tiny_pair(), req, whole_plan(rows, zero_rows)))
@@ -478,7 +482,8 @@ def test_state_from_the_wrong_position_is_wrong_data() -> None:
 
 
 def test_unpaired_state_slot_stays_untouched() -> None:
-    req = state_request(d_tokens=13)  # no P state after 13 tokens: nothing to send
+    # no P state after 13 tokens: nothing to send (a D state past M is refused unless partial on purpose)
+    req = attrs.evolve(state_request(d_tokens=13), partial=True)
     assert_ok(simulate(mamba_pair(), req, make_plan(1, 1, [])))
     report = simulate(mamba_pair(), req, make_plan(1, 1, [(0, 0, 3 * 136, 0, 0, 5 * 136, 136)]))
     assert kinds(report) == {V.CLOBBERED}

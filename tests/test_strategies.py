@@ -67,7 +67,7 @@ def test_every_pair_is_rejected_consistently_or_planned_correctly(strategy: str)
 
 def test_packed_plans_in_drawn_chunks_are_correct() -> None:
     """The property for the packed strategy at a drawn staging capacity: chunks by layers, token ranges
-    and state sections, each a complete pack -> wire -> unpack unit (docs/design.md §10.3)."""
+    and state sections, each a complete pack -> wire -> unpack unit (docs/design.md §12.3)."""
 
     @settings(FAST, max_examples=200)
     @given(kst.packed_transfers(transfers=kst.transfers(pairs=kst.pairs(mismatch_probability=0.0))))

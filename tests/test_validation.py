@@ -105,8 +105,10 @@ def hybrid_pair() -> Pair:
     return Pair(build(HYBRID, tp=1, num_blocks=6, name="prefill"), build(HYBRID, tp=2, num_blocks=6))
 
 
-def attn_request(*, m: int = 20, s: int = 0, p: BlockList | None = None, d: BlockList | None = None) -> Request:
-    return Request(m, (GroupRequest(p or BlockList((0, 1, 2, 3, 4)), d or BlockList((0, 1, 2))),), s)
+def attn_request(*, m: int = 20, s: int = 0, p: BlockList | None = None, d: BlockList | None = None,
+                 partial: bool = False) -> Request:
+    return Request(m, (GroupRequest(p or BlockList((0, 1, 2, 3, 4)), d or BlockList((0, 1, 2))),), s,
+                   partial=partial)
 
 
 def hybrid_request(*, p_state: Any = None, d_state: Any = None, p_tokens: int = 20) -> Request:
@@ -322,8 +324,9 @@ CASES: list[Case] = [
     ("check-prefix-on-d-boundary", lambda: pair().check_request(attn_request(s=8, d=BlockList((1, 2), 8))),
      lambda: pair().check_request(attn_request(s=4, d=BlockList((1, 2), 0))), RequestError,
      "Request.prefix_hit_tokens"),
-    ("check-first-token-boundary", lambda: pair().check_request(attn_request(p=BlockList((0, 1), 4))),
-     lambda: pair().check_request(attn_request(p=BlockList((0, 1), 2))), RequestError,
+    # P listing from token 4 does not cover [0, 20): a partial transfer on purpose, so only the boundary rule applies
+    ("check-first-token-boundary", lambda: pair().check_request(attn_request(p=BlockList((0, 1), 4), partial=True)),
+     lambda: pair().check_request(attn_request(p=BlockList((0, 1), 2), partial=True)), RequestError,
      "Request.groups[0](attn).prefill.first_token"),
     ("check-attention-listing", lambda: pair().check_request(attn_request()),
      lambda: pair().check_request(Request(20, (GroupRequest(StateSlots((0,), (20,)), StateSlots((0,), (20,))),))),

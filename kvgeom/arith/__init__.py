@@ -20,17 +20,21 @@ from .runs import (
 from .shard import (
     Slice,
     SourceSlice,
+    TokenShard,
     check_divisible,
     divisible,
+    layer_partition,
     local_count,
     owned_slice,
     sources,
+    stage_slices,
 )
 from .tokens import (
     Segments,
     SideTokens,
     locate,
     segments,
+    window_start,
 )
 
 __all__ = [
@@ -49,8 +53,12 @@ __all__ = [
     "check_divisible",
     "sources",
     "SourceSlice",
+    "layer_partition",
+    "stage_slices",
+    "TokenShard",
     "SideTokens",
     "Segments",
     "segments",
     "locate",
+    "window_start",
 ]

@@ -12,6 +12,13 @@ Worked number: N = 8 heads, T = 4, rank 3 holds heads [3*8/4, 4*8/4) = [6, 8).
 The bytes that move between a P rank and a D rank are the intersection of their slices;
 :func:`sources` picks, for every item a D rank holds, exactly one P rank that holds it, spreading
 replicated items over their holders by D rank.
+
+The other two axes of docs/design.md §11.1 are sliced here too: layers by pipeline stage
+(:func:`layer_partition`, vLLM's ``get_pp_indices`` rule) and tokens by decode context parallel
+rank (:class:`TokenShard`)::
+
+    61 layers, pp = 4:  61 // 4 = 15 each, 1 left over -> partition -2   [15, 15, 16, 15]
+    dcp = 2, interleave 4:  tokens 0-3 -> rank 0, 4-7 -> rank 1, 8-11 -> rank 0, ...
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ import attrs
 
 from ..errors import GeometryError
 
-__all__ = ["Slice", "owned_slice", "local_count", "divisible", "check_divisible", "sources", "SourceSlice"]
+__all__ = ["Slice", "owned_slice", "local_count", "divisible", "check_divisible", "sources", "SourceSlice",
+           "layer_partition", "stage_slices", "TokenShard"]
 
 
 @attrs.frozen
@@ -114,20 +122,24 @@ def sources(
     d_tp: int,
     d_rank: int,
     d_replicated: bool,
+    spread: int | None = None,
 ) -> tuple[SourceSlice, ...]:
     """Cover D rank ``d_rank``'s slice with P slices, every item read exactly once.
 
     An item held by several P ranks (replicas, or a replicated axis) is read from holder number
-    ``d_rank % holders`` so that D ranks spread their reads over the P ranks. The result is
-    ordered by item, then by P rank, and covers the D slice exactly.
+    ``spread % holders`` (``spread`` defaults to ``d_rank``) so that D ranks spread their reads
+    over the P ranks. The result is ordered by item, then by P rank, and covers the D slice
+    exactly. With topologies (docs/design.md §11.3) ``p_tp``/``d_tp`` count head groups and
+    ``spread`` is derived from the flat D rank.
 
     >>> [(s.p_rank, str(s.items)) for s in sources(8, p_tp=8, p_replicated=False,
     ...                                            d_tp=4, d_rank=1, d_replicated=False)]
     [(2, '[2, 3)'), (3, '[3, 4)')]
     """
     want = owned_slice(n, d_tp, d_rank, replicated=d_replicated)
+    key = d_rank if spread is None else spread
     if p_replicated:
-        return (SourceSlice(d_rank % p_tp, want),)
+        return (SourceSlice(key % p_tp, want),)
     out: list[SourceSlice] = []
     if p_tp <= n:
         for p in range(p_tp):
@@ -138,5 +150,77 @@ def sources(
     # p_tp > n: item i is held by ranks [i*p_tp/n, (i+1)*p_tp/n)
     reps = p_tp // n
     for item in range(want.start, want.stop):
-        out.append(SourceSlice(item * reps + d_rank % reps, Slice(item, item + 1)))
+        out.append(SourceSlice(item * reps + key % reps, Slice(item, item + 1)))
     return tuple(out)
+
+
+def layer_partition(num_layers: int, pp: int, counts: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Layers per pipeline stage: ``counts`` when given (checked), else vLLM's default rule.
+
+    vLLM (``vllm/distributed/utils.py``, ``get_pp_indices``) gives every stage ``L // pp`` layers
+    and the ``L % pp`` left over one each to partitions ``-2, -3, ...``: never the last stage, which
+    also runs the final norm and the LM head. ``counts`` plays ``VLLM_PP_LAYER_PARTITION``.
+
+    >>> layer_partition(80, 2), layer_partition(61, 4), layer_partition(7, 4)
+    ((40, 40), (15, 15, 16, 15), (2, 2, 2, 1))
+    """
+    if pp < 1 or num_layers < pp:
+        raise GeometryError("topology.pp", f"{pp} pipeline stages for {num_layers} layers", actual=pp,
+                            expected=f"1 <= pp <= {num_layers}",
+                            fix="every stage needs at least one layer (vLLM: pp cannot exceed the layers)")
+    if counts is not None:
+        if len(counts) != pp or any(c < 1 for c in counts) or sum(counts) != num_layers:
+            raise GeometryError("topology.partition", f"{list(counts)} is not {pp} stage sizes >= 1 summing to "
+                                f"{num_layers} layers", actual=tuple(counts),
+                                expected=f"{pp} counts >= 1, sum {num_layers}",
+                                fix="give one layer count per stage, like VLLM_PP_LAYER_PARTITION, or omit it")
+        return tuple(int(c) for c in counts)
+    out = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
+        out[-i] += 1
+    return tuple(out)
+
+
+def stage_slices(counts: tuple[int, ...]) -> tuple[Slice, ...]:
+    """Global layer range of each stage: ``[sum(counts[:s]), sum(counts[:s+1]))``.
+
+    >>> [str(s) for s in stage_slices((15, 15, 16, 15))]
+    ['[0, 15)', '[15, 30)', '[30, 46)', '[46, 61)']
+    """
+    out, start = [], 0
+    for c in counts:
+        out.append(Slice(start, start + c))
+        start += c
+    return tuple(out)
+
+
+@attrs.frozen
+class TokenShard:
+    """The tokens a decode-context-parallel rank holds: ``(t // interleave) % size == rank``.
+
+    ``size`` 1 (no DCP) holds every token. docs/design.md §11.2 gives the slot of an owned token.
+
+    >>> TokenShard(2, 4, 1).owner(6), TokenShard(2, 4, 1).holds(6), str(TokenShard())
+    (1, True, 'all')
+    """
+
+    size: int = 1
+    interleave: int = 1
+    rank: int = 0
+
+    def owner(self, token: int) -> int:
+        """The dcp rank that holds ``token``."""
+        return (token // self.interleave) % self.size
+
+    def holds(self, token: int) -> bool:
+        return self.owner(token) == self.rank
+
+    @property
+    def all(self) -> bool:
+        return self.size == 1
+
+    def __str__(self) -> str:
+        if self.size == 1:
+            return "all"
+        chunk = "t" if self.interleave == 1 else f"t // {self.interleave}"
+        return f"{chunk} % {self.size} == {self.rank}"

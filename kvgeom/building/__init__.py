@@ -13,9 +13,20 @@ from .presets import (
 )
 from .requests import (
     fresh_request,
+    fresh_span,
+)
+from .tables import (
+    request_from_block_tables,
+    state_slot_tokens,
 )
 from .verify import (
     verify,
+)
+from .vllm_config import (
+    MAMBA_SECTIONS,
+    VLLM_BACKENDS,
+    VLLM_DTYPE_BYTES,
+    engine_from_vllm_config,
 )
 
 __all__ = [
@@ -26,5 +37,12 @@ __all__ = [
     "get_preset",
     "hybrid_blocks_per_logical",
     "fresh_request",
+    "fresh_span",
+    "request_from_block_tables",
+    "state_slot_tokens",
     "verify",
+    "engine_from_vllm_config",
+    "VLLM_BACKENDS",
+    "VLLM_DTYPE_BYTES",
+    "MAMBA_SECTIONS",
 ]

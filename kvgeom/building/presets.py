@@ -44,16 +44,24 @@ Where the numbers come from (public model configs; vLLM's hybrid block rule):
 * Qwen3-Next-80B-A3B: gated attention with 2 KV heads of 256 dims (head_bytes 512, replicated on
   TP4); Gated DeltaNet with 16 key heads and 32 value heads of 128 dims, conv kernel 4 -> conv
   q 2048, k 2048, v 4096 channels x 3 rows bf16, recurrent state 32 heads x 128 x 128 fp32.
+* Topologies (docs/design.md §11). Pipeline stages split the global layers by vLLM's
+  ``get_pp_indices`` rule (80 layers on PP2: 40 + 40). DeepSeek-V3 under DCP keeps its 64-token
+  FlashMLA pages: with DCP8 a logical block covers 64 * 8 = 512 request tokens. The DCP8 preset
+  uses interleave 64 (whole kernel pages per rank, what vLLM's NIXL connector switches
+  ``cp_kv_cache_interleave_size`` to), the DCP4 -> DCP2 preset interleave 1 (vLLM's default,
+  token round robin). KimiLinear on PP2 x TP4 takes ppl 24 (1536-token blocks): three times the
+  one-layer rule (8 at TP4), the same factor vLLM's numbers show at TP1 (90 = 3 x 30) and TP8
+  (12 = 3 x 4).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 
+from ..arith.ints import ceil_div
 from ..arith.shard import local_count
 from ..errors import GeometryError, KvGeomError, RequestError
 from ..planning.transfer import Pair
@@ -61,7 +69,8 @@ from ..values.engine import EngineGeometry
 from ..values.fields import check_int
 from ..values.model import AttentionSpec, GroupSpec, ModelSpec, StateSection, StateSpec
 from ..values.request import Request
-from .requests import fresh_request
+from ..values.topology import Topology
+from .requests import fresh_request, fresh_span
 
 __all__ = [
     "Preset",
@@ -102,6 +111,7 @@ class Preset:
     default_prefix: int = 0
     hybrid: bool = False
     pairable: bool = True
+    min_layers: int = 1  # layers per group a preset needs (a pipeline stage needs at least one layer)
 
     def decode_tokens(self, tokens: int) -> int:
         """N, the tokens D allocates blocks for: M + 1 for hybrids, M otherwise."""
@@ -113,8 +123,9 @@ class Preset:
         """Both engines, their block pools sized for a ``tokens``-token request with ``prefix`` hit."""
         tokens, prefix, layers = self._arguments(tokens, prefix, layers)
         small_p, small_d = self.factory(1, 1, layers)
-        p_blocks = PREFILL_FIRST_BLOCK + _blocks_needed(small_p, 0, tokens) + SPARE_BLOCKS
-        d_blocks = DECODE_FIRST_BLOCK + _blocks_needed(small_d, prefix, self.decode_tokens(tokens)) + SPARE_BLOCKS
+        p_blocks = PREFILL_FIRST_BLOCK + _blocks_needed(small_p, tokens, 0, tokens) + SPARE_BLOCKS
+        d_blocks = (DECODE_FIRST_BLOCK + _blocks_needed(small_d, tokens, prefix, self.decode_tokens(tokens))
+                    + SPARE_BLOCKS)
         return self.factory(p_blocks, d_blocks, layers)
 
     def build(
@@ -145,38 +156,36 @@ class Preset:
         layers = self.default_layers if layers is None else layers
         check_int("tokens", tokens, minimum=1, error=RequestError)
         check_int("prefix", prefix, minimum=0, error=RequestError)
-        check_int("layers", layers, minimum=1)
+        check_int("layers", layers, minimum=self.min_layers)
         if prefix > tokens:
             raise RequestError("prefix", f"a prefix hit of {prefix} tokens exceeds the {tokens} computed tokens",
                                actual=prefix, expected=f"<= {tokens}", fix="use a smaller --prefix")
         return tokens, prefix, layers
 
 
-def _blocks_needed(engine: EngineGeometry, lo: int, hi: int) -> int:
+def _blocks_needed(engine: EngineGeometry, computed_tokens: int, lo: int, hi: int) -> int:
     """Logical block ids :func:`fresh_request` hands out on ``engine`` for tokens ``[lo, hi)``."""
     total = 0
     for spec in engine.model.groups:
         if isinstance(spec, StateSpec):
             total += 1  # one running state
             continue
-        B = engine.logical_block_tokens
-        first = lo // B * B
-        if spec.window_tokens is not None:
-            first = max(first, max(0, hi - spec.window_tokens) // B * B)
-        total += -(-(hi - first) // B) if hi > first else 0
+        total += fresh_span(spec, engine.logical_block_tokens, computed_tokens, lo, hi)[1]
     return total
 
 
-def hybrid_blocks_per_logical(model: ModelSpec, *, tp: int, kernel_block_tokens: int) -> int:
+def hybrid_blocks_per_logical(model: ModelSpec, *, tp: int, kernel_block_tokens: int, dcp: int = 1) -> int:
     """vLLM's hybrid rule: the fewest kernel pages per logical block whose attention page holds a state.
 
     ``ceil(max state bytes per rank / max attention kernel page bytes per rank)``, one layer each.
+    With DCP a rank's attention heads are those of its head group (``tp // dcp`` groups,
+    docs/design.md §11.1); state stays sliced over ``tp``.
     """
     page = 0
     state = 0
     for spec in model.groups:
         if isinstance(spec, AttentionSpec):
-            heads = local_count(spec.num_kv_heads, tp, replicated=spec.replicated)
+            heads = local_count(spec.num_kv_heads, tp // dcp, replicated=spec.replicated)
             page = max(page, spec.planes * heads * kernel_block_tokens * spec.head_bytes)
         else:
             state = max(state, sum(local_count(s.channels, tp, replicated=s.replicated) * s.channel_bytes
@@ -184,7 +193,7 @@ def hybrid_blocks_per_logical(model: ModelSpec, *, tp: int, kernel_block_tokens:
     if not page:
         raise GeometryError("model.groups", "a hybrid needs an attention group to size its logical block",
                             actual=[g.name for g in model.groups])
-    return max(1, math.ceil(state / page))
+    return max(1, ceil_div(state, page))
 
 
 # ---- model facts -----------------------------------------------------------------------------------
@@ -266,17 +275,20 @@ def _hybrid_pair(
     kernel: int,
     p_ppl: int | None = None,
     d_ppl: int | None = None,
+    p_topology: Topology | None = None,
+    d_topology: Topology | None = None,
 ) -> EngineFactory:
-    """Two hybrid engines on shared regions, ppl from vLLM's rule unless given."""
+    """Two hybrid engines on shared regions (per pipeline stage), ppl from vLLM's rule unless given."""
 
     def factory(p_blocks: int, d_blocks: int, layers: int) -> tuple[EngineGeometry, EngineGeometry]:
         m = model(layers)
         out = []
-        for name, tp, ppl, blocks in (("prefill", p_tp, p_ppl, p_blocks), ("decode", d_tp, d_ppl, d_blocks)):
+        for name, tp, ppl, blocks, topo in (("prefill", p_tp, p_ppl, p_blocks, p_topology),
+                                            ("decode", d_tp, d_ppl, d_blocks, d_topology)):
             ppl = ppl or hybrid_blocks_per_logical(m, tp=tp, kernel_block_tokens=kernel)
             out.append(EngineGeometry.build(m, tp=tp, kernel_block_tokens=kernel, blocks_per_logical=ppl,
                                             num_blocks=blocks, layout="HND", kv="packed", regions="shared",
-                                            name=name))
+                                            name=name, topology=topo))
         return out[0], out[1]
 
     return factory
@@ -356,6 +368,37 @@ def _presets() -> dict[str, Preset]:
             "heads x 512 B (replicated on TP4), 2 layers per group: P TP2 (ppl 66) -> D TP4 (ppl 33), 16-token pages",
             _hybrid_pair(_qwen3_next, p_tp=2, d_tp=4, kernel=16),
             default_layers=2, default_tokens=300, hybrid=True,
+        ),
+        Preset(
+            "llama3-70b-pp2tp4-tp8",
+            "Llama-3-70B-like GQA, 80 layers, 8 KV heads x 256 B: P PP2 x TP4 (layers 0-39 and 40-79, 8 ranks) "
+            "-> D TP8, 16-token HND pages, K/V packed; each D rank reads its head from one P rank per stage",
+            _attention_pair(lambda n: _llama("llama-3-70b-like", n), {"tp": 4, **_HND16, "topology": Topology(pp=2)},
+                            {"tp": 8, **_HND16}),
+            default_layers=80, default_tokens=200, min_layers=2,
+        ),
+        Preset(
+            "deepseek-v3-tp8-dcp8",
+            "DeepSeek-V3-like MLA, 61 layers, latent 1152 B: P TP8 -> D TP8 with DCP8 (interleave 64: each D "
+            "rank holds every 8th 64-token page), 64-token FlashMLA pages; D rank d reads its tokens from P rank d",
+            _attention_pair(_deepseek, {"tp": 8, "kernel_block_tokens": 64},
+                            {"tp": 8, "kernel_block_tokens": 64, "topology": Topology(dcp=8, interleave=64)}),
+            default_layers=61, default_tokens=600,
+        ),
+        Preset(
+            "deepseek-v3-dcp4-dcp2",
+            "DeepSeek-V3-like MLA, 61 layers: P TP8 with DCP4 -> D TP8 with DCP2, token-level interleave "
+            "(interleave 1), 64-token FlashMLA pages; each D token comes from the P DCP rank holding it",
+            _attention_pair(_deepseek, {"tp": 8, "kernel_block_tokens": 64, "topology": Topology(dcp=4)},
+                            {"tp": 8, "kernel_block_tokens": 64, "topology": Topology(dcp=2)}),
+            default_layers=61, default_tokens=300,
+        ),
+        Preset(
+            "kimi-linear-pp2tp4-tp1",
+            "KimiLinear-like MLA + two KDA state groups on shared regions, 2 layers per group (6 global layers): "
+            "P PP2 x TP4 1536/64 (ppl 24; stage 0 holds global layers 0-2) -> D TP1 5760/64 (ppl 90)",
+            _hybrid_pair(_kimi, p_tp=4, d_tp=1, kernel=64, p_ppl=24, d_ppl=90, p_topology=Topology(pp=2)),
+            default_layers=2, default_tokens=1000, hybrid=True,
         ),
         Preset(
             "unpairable-fp8",

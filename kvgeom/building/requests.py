@@ -1,7 +1,8 @@
 """Requests built from a few numbers: fresh consecutive blocks on both sides (the CLI's default).
 
 P lists blocks for ``[0, M)``; D lists blocks for ``[S, N)``. Sliding groups list only the blocks
-their window needs at the end of each side's range; state groups list one running state::
+from the window's start (``kvgeom.arith.tokens.window_start(M, W)``, the one rule) on each side;
+state groups list one running state::
 
     M = 40, S = 16, B_p = 16, B_d = 8      P: ids 0 1 2 from token 0     (tokens [0, 48))
                                            D: ids 0 1 2 from token 16    (tokens [16, 40))
@@ -13,11 +14,27 @@ Worked number: the example above lists ``ceil_div(40, 16) = 3`` P blocks and
 from __future__ import annotations
 
 from ..arith.ints import ceil_div
-from ..values.model import StateSpec
+from ..arith.tokens import window_start
+from ..values.model import AttentionSpec, StateSpec
 from ..values.pair import EnginePair
 from ..values.request import BlockList, GroupRequest, Request, SideBlocks, StateSlots
 
-__all__ = ["fresh_request"]
+__all__ = ["fresh_request", "fresh_span"]
+
+
+def fresh_span(spec: AttentionSpec, block_tokens: int, computed_tokens: int, lo: int, hi: int) -> tuple[int, int]:
+    """(first token, block count) of a fresh listing of tokens ``[lo, hi)`` for an attention group:
+    from ``lo``'s block (a sliding group from its window's start, if later) to the block of ``hi - 1``.
+
+    >>> from kvgeom.values.model import AttentionSpec
+    >>> fresh_span(AttentionSpec("swa", "sliding", 1, 1, 8, window_tokens=16), 8, 100, 0, 101)
+    (80, 3)
+    """
+    B = block_tokens
+    first = lo // B * B
+    if spec.window_tokens is not None:
+        first = max(first, window_start(computed_tokens, spec.window_tokens) // B * B)
+    return first, (ceil_div(hi - first, B) if hi > first else 0)
 
 
 def fresh_request(
@@ -50,10 +67,7 @@ def fresh_request(
                 sides[side_name] = StateSlots.running(counters[side_name], M)
                 counters[side_name] += 1
                 continue
-            first = lo // B * B
-            if spec.window_tokens is not None:
-                first = max(first, max(0, hi - spec.window_tokens) // B * B)
-            count = max(0, ceil_div(hi - first, B)) if hi > first else 0
+            first, count = fresh_span(spec, B, M, lo, hi)
             sides[side_name] = BlockList.consecutive(counters[side_name], count, first)
             counters[side_name] += count
         groups.append(GroupRequest(sides["prefill"], sides["decode"]))

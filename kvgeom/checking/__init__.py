@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .apply import apply_plan
 from .content import check_decode
-from .describe import describe
+from .describe import ByteCoordinate, describe, locate_byte
 from .fill import fill_decode, fill_prefill
 from .hashing import attention_hash, coordinate_hash, pattern_bytes, state_hash
 from .memory import Memory
@@ -30,6 +30,8 @@ __all__ = [
     "pattern_bytes",
     "listed_pages",
     "describe",
+    "locate_byte",
+    "ByteCoordinate",
     "fill_prefill",
     "fill_decode",
     "apply_plan",

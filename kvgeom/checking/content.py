@@ -21,10 +21,17 @@ blocks, ``M`` computed tokens, ``S`` prefix-hit tokens; docs/design.md §3.4)::
 A difference is reported per run of bad bytes of one category; bad bytes at most ``_GAP`` bytes apart
 join one run, since a wrong byte equals the right one with probability 1/256. A run of needed
 bytes that all still hold D's stale pattern is MISSING, of must-be-zero bytes NOT_ZEROED, any other
-bad needed or must-be-zero run WRONG_DATA, and a bad keep run CLOBBERED.
+bad needed or must-be-zero run WRONG_DATA, and a bad keep run CLOBBERED. A run also ends where the
+bad bytes change from stale to written (or back), so a stale tail next to wrongly written bytes is
+reported as what it is; a stale stretch spanning fewer than ``_MIN_STALE`` bytes inside written
+bytes is a coincidence (each byte matches the pattern with probability 1/256) and stays written.
 
 Worked number: d0 = 0, d1 = 64, S = 16, p0 = 0, p1 = 48, M = 40: lo = max(16, 0, 0) = 16,
 hi = min(40, 64, 48) = 40, so D tokens [0, 16) keep, [16, 40) are needed and [40, 64) must be zero.
+
+On a topology each D rank's categories cover only what it holds (docs/design.md §11.5): the layers
+of its stage, its head group's heads and its DCP rank's tokens; every byte of the regions of its
+stage is compared.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ __all__ = ["check_decode"]
 
 _KEEP, _NEEDED, _ZERO = 0, 1, 2
 _GAP = 4  # bad bytes at most this far apart form one run
+_MIN_STALE = 8  # a stale stretch shorter than this inside written bytes is a coincidence
 
 
 def _expected_decode(pair: EnginePair, request: Request) -> tuple[Memory, list[list[np.ndarray]]]:
@@ -56,7 +64,7 @@ def _expected_decode(pair: EnginePair, request: Request) -> tuple[Memory, list[l
     M, S = request.computed_tokens, request.prefix_hit_tokens
     for g, spec in enumerate(D.model.groups):
         pl, dl = listing(request, g, "prefill"), listing(request, g, "decode")
-        for rank in range(D.tp):
+        for rank in range(D.num_ranks):
             if isinstance(spec, AttentionSpec):
                 p0, p1 = pl.token_range(P.logical_block_tokens)
                 d0, d1 = dl.token_range(D.logical_block_tokens)
@@ -83,6 +91,23 @@ def _expected_decode(pair: EnginePair, request: Request) -> tuple[Memory, list[l
     return exp, cat
 
 
+def _stale_stretches(at: np.ndarray, stale: np.ndarray) -> np.ndarray:
+    """``stale`` with every stale stretch (consecutive bad bytes that match the pattern) spanning fewer
+    than ``_MIN_STALE`` bytes turned written, when written bad bytes lie on either side of it."""
+    if not stale.size or stale.all() or not stale.any():
+        return stale
+    change = np.concatenate(([True], stale[1:] != stale[:-1]))
+    first = np.flatnonzero(change)
+    last = np.append(first[1:], stale.size) - 1
+    short = stale[first] & (at[last] - at[first] + 1 < _MIN_STALE) & ((first > 0) | (last < stale.size - 1))
+    if not short.any():
+        return stale
+    out = stale.copy()
+    for a, b in zip(first[short].tolist(), last[short].tolist()):
+        out[a:b + 1] = False
+    return out
+
+
 def content_checks(pair: EnginePair, request: Request, dmem: Memory, sink: Sink) -> int:
     """Compare every byte of ``dmem`` with the expected D memory into ``sink`` (package-internal);
     returns the number of D bytes compared."""
@@ -90,18 +115,20 @@ def content_checks(pair: EnginePair, request: Request, dmem: Memory, sink: Sink)
     check_memory(dmem, D, "decode")
     exp, cat = _expected_decode(pair, request)
     checked = 0
-    for rank in range(D.tp):
-        for region in range(len(D.regions)):
+    for rank in range(D.num_ranks):
+        for region in D.rank_regions(rank):
             got, want = dmem.buffers[rank][region], exp.buffers[rank][region]
             checked += got.size
             at = np.flatnonzero(got != want)
             if not at.size:
                 continue
             category = cat[rank][region][at]
-            stale = got[at] == pattern_bytes(SALT_DECODE, rank, region, at)
+            stale = _stale_stretches(at, got[at] == pattern_bytes(SALT_DECODE, rank, region, at))
             # runs: bad bytes of one category less than _GAP apart (a wrong byte equals the expected one
-            # by chance with probability 1/256; bridging such holes keeps one run per damaged range)
-            new = np.concatenate(([True], (np.diff(at) > _GAP) | (category[1:] != category[:-1])))
+            # by chance with probability 1/256; bridging such holes keeps one run per damaged range),
+            # cut where stale bytes give way to written ones
+            new = np.concatenate(([True], (np.diff(at) > _GAP) | (category[1:] != category[:-1])
+                                  | (stale[1:] != stale[:-1])))
             first = np.flatnonzero(new)
             last = np.append(first[1:], at.size) - 1
             span = at[last] - at[first] + 1

@@ -3,7 +3,7 @@
 Per attention group, ``[p0, p1)`` and ``[d0, d1)`` are the token ranges of the listed P and D
 blocks, ``M`` the computed tokens and ``S`` the prefix-hit tokens (docs/design.md §3.4)::
 
-    P memory, every rank and region               D memory, every rank and region
+    P memory, every rank and region it holds      D memory, every rank and region it holds
     +---------------------------------+           +---------------------------------+
     | coordinate hash in the computed |  a plan   | stale pattern everywhere, but   |
     | tokens [p0, min(p1, M)) of the  | --------> | the coordinate hash in the      |
@@ -18,7 +18,8 @@ recognisable afterwards. State slots hold the hash of the tokens they list (a sl
 
 Worked number: M = 40, P lists three 16-token blocks from token 0 (``[p0, p1) = [0, 48)``): P tokens
 ``[0, 40)`` hold the coordinate hash and tokens ``[40, 48)`` keep the garbage, in every layer,
-plane and head the P rank holds.
+plane and head the P rank holds (on a topology: the layers of its stage and the tokens of its DCP
+rank, docs/design.md §11.5).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def fill_prefill(pair: EnginePair, request: Request, mem: Memory) -> None:
     M = request.computed_tokens
     for g, spec in enumerate(engine.model.groups):
         lst = listing(request, g, "prefill")
-        for rank in range(engine.tp):
+        for rank in range(engine.num_ranks):
             if isinstance(spec, AttentionSpec):
                 p0, p1 = lst.token_range(engine.logical_block_tokens)
                 for layer, plane, region, starts, tokens, heads in attention_vectors(engine, g, rank, lst,
@@ -75,7 +76,7 @@ def fill_decode(pair: EnginePair, request: Request, mem: Memory) -> None:
             continue
         lst = listing(request, g, "decode")
         d0, d1 = lst.token_range(engine.logical_block_tokens)
-        for rank in range(engine.tp):
+        for rank in range(engine.num_ranks):
             for layer, plane, region, starts, tokens, heads in attention_vectors(engine, g, rank, lst,
                                                                                  d0, min(S, d1)):
                 mem.buffers[rank][region][vector_index(starts, spec.head_bytes)] = attention_hash(

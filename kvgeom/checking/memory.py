@@ -13,7 +13,10 @@ their torch caches viewed as bytes, so the simulator checks the very memory NIXL
 
 Worked number: P engine TP1, HND, 2 local heads of 256 B, K = 16, K/V packed: one page is
 2 planes x 2 heads x 16 tokens x 256 B = 16384 B, so a region of 64 pages is one array of
-64 x 16384 = 1048576 B. Work over memory runs in steps of ``CHUNK = 1 << 22`` elements, which
+64 x 16384 = 1048576 B.
+
+With pipeline stages (docs/design.md §11.4) a rank holds only its stage's regions: the others are
+zero-length arrays in ``buffers[rank]``, so any row that names them is out of bounds. Work over memory runs in steps of ``CHUNK = 1 << 22`` elements, which
 bounds an int64 index array to 32 MiB.
 """
 
@@ -41,8 +44,13 @@ class Memory:
 
     @classmethod
     def allocate(cls, engine: EngineGeometry) -> Memory:
-        """Zero-filled buffers of ``num_pages * page_bytes`` for every rank and region."""
-        return cls(engine, [[np.zeros(r.nbytes, np.uint8) for r in engine.regions] for _ in range(engine.tp)])
+        """Zero-filled buffers of ``num_pages * page_bytes`` for every rank and every region its stage
+        holds (zero-length arrays for the regions of other stages)."""
+        out = []
+        for rank in range(engine.num_ranks):
+            held = set(engine.rank_regions(rank))
+            out.append([np.zeros(r.nbytes if i in held else 0, np.uint8) for i, r in enumerate(engine.regions)])
+        return cls(engine, out)
 
     @classmethod
     def wrap(cls, engine: EngineGeometry, buffers: Any) -> Memory:
@@ -52,9 +60,10 @@ class Memory:
         region's ``num_pages * page_bytes`` bytes; it is kept as a flat view of the same memory.
         """
         ranks = list(buffers)
-        if len(ranks) != engine.tp:
-            raise GeometryError("Memory.buffers", f"{len(ranks)} ranks of buffers for an engine of tp={engine.tp}",
-                                actual=len(ranks), expected=engine.tp, fix="pass one list of regions per rank")
+        if len(ranks) != engine.num_ranks:
+            raise GeometryError("Memory.buffers", f"{len(ranks)} ranks of buffers for an engine of "
+                                f"{engine.num_ranks} ranks (tp={engine.tp})", actual=len(ranks),
+                                expected=engine.num_ranks, fix="pass one list of regions per rank")
         out: list[list[np.ndarray]] = []
         for rank, regs in enumerate(ranks):
             regs = list(regs)
@@ -63,8 +72,10 @@ class Memory:
                                     actual=len(regs), expected=len(engine.regions),
                                     fix="pass one buffer per region, in the engine's region order")
             row: list[np.ndarray] = []
+            held = set(engine.rank_regions(rank))
             for ri, (arr, region) in enumerate(zip(regs, engine.regions, strict=True)):
                 path = f"Memory.buffers[{rank}][{ri}]"
+                want = region.nbytes if ri in held else 0
                 if not isinstance(arr, np.ndarray):
                     raise GeometryError(path, f"expected a numpy array, got {type(arr).__name__}",
                                         actual=type(arr).__name__, expected="numpy.ndarray of uint8",
@@ -72,10 +83,12 @@ class Memory:
                 if arr.dtype != np.uint8:
                     raise GeometryError(path, f"dtype {arr.dtype} is not uint8", actual=str(arr.dtype),
                                         expected="uint8", fix="view the memory as bytes first")
-                if arr.nbytes != region.nbytes:
-                    raise GeometryError(path, f"{arr.nbytes} B for a region of {region.num_pages} pages x "
-                                        f"{region.page_bytes} B = {region.nbytes} B", actual=arr.nbytes,
-                                        expected=region.nbytes, fix="pass the region's whole allocation")
+                if arr.nbytes != want:
+                    what = (f"a region of {region.num_pages} pages x {region.page_bytes} B = {region.nbytes} B"
+                            if want else "a region of another pipeline stage (0 B on this rank)")
+                    raise GeometryError(path, f"{arr.nbytes} B for {what}", actual=arr.nbytes, expected=want,
+                                        fix="pass the region's whole allocation (an empty array for another "
+                                            "stage's region)")
                 if not arr.flags.c_contiguous or not arr.flags.writeable:
                     raise GeometryError(path, "the buffer must be C-contiguous and writable",
                                         actual={"c_contiguous": bool(arr.flags.c_contiguous),
@@ -95,7 +108,7 @@ class Memory:
 
 def check_memory(mem: Memory, engine: EngineGeometry, side: str) -> None:
     """Raise :class:`GeometryError` unless ``mem`` was made for ``engine`` (package-internal)."""
-    if mem.engine.tp != engine.tp or mem.engine.regions != engine.regions:
+    if mem.engine.tp != engine.tp or mem.engine.regions != engine.regions or mem.engine.topology != engine.topology:
         raise GeometryError(f"Memory({side})", f"memory was made for {mem.engine.summary()}, "
                             f"not for the pair's {side} engine {engine.summary()}",
                             actual=mem.engine.name, expected=engine.name,

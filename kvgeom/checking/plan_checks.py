@@ -148,6 +148,9 @@ def _determinism(sink: Sink, plan: TransferPlan, replan: TransferPlan) -> None:
     diffs: list[str] = []
     if (plan.prefill_tp, plan.decode_tp) != (replan.prefill_tp, replan.decode_tp):
         diffs.append(f"tp ({plan.prefill_tp}, {plan.decode_tp}) then ({replan.prefill_tp}, {replan.decode_tp})")
+    if (plan.prefill_ranks, plan.decode_ranks) != (replan.prefill_ranks, replan.decode_ranks):
+        diffs.append(f"ranks ({plan.prefill_ranks}, {plan.decode_ranks}) then "
+                     f"({replan.prefill_ranks}, {replan.decode_ranks})")
     for name in ("copies", "zeros"):
         a, b = getattr(plan, name).as_array(), getattr(replan, name).as_array()
         if a.shape != b.shape:

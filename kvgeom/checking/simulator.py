@@ -72,8 +72,8 @@ def simulate(pair: EnginePair, request: Request, plan: TransferPlan, *, replan: 
     if skipped:
         sink.notes.append(Note(NoteKind.ROWS_NOT_APPLIED, f"{skipped} out-of-bounds rows were not applied"))
         kept: tuple[Rearrange, ...] = tuple(r for k, r in enumerate(plan.rearranges) if not rearr_bad[k])
-        plan = attrs.evolve(plan, prefill_tp=max(plan.prefill_tp, pair.prefill.tp),
-                            decode_tp=max(plan.decode_tp, pair.decode.tp),
+        plan = attrs.evolve(plan, prefill_tp=pair.prefill.tp, decode_tp=pair.decode.tp,
+                            prefill_ranks=pair.prefill.num_ranks, decode_ranks=pair.decode.num_ranks,
                             copies=plan.copies.take(~copy_bad), zeros=plan.zeros.take(~zero_bad),
                             rearranges=kept)  # type: ignore[arg-type]  # plan.py: converter=tuple is untyped
     pmem, dmem = Memory.allocate(pair.prefill), Memory.allocate(pair.decode)

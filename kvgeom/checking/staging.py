@@ -1,5 +1,5 @@
 """Staging in the simulator: a packed plan's pack steps, wire rows and unpack steps, checked and
-applied chunk by chunk (docs/design.md §10.4; the steps' arithmetic is docs/design.md §10.1).
+applied chunk by chunk (docs/design.md §12.4; the steps' arithmetic is docs/design.md §12.1).
 
 One slot per (side, rank, chunk), ``plan.staging_bytes`` long, each filled with a stale pattern
 (salt "Stag", keyed by the chunk) before its chunk runs::

@@ -22,6 +22,16 @@ minus the attention pages it already holds whole (the prefix ``[0, S)``).
 Worked number: B = 32, K = 16 (ppl = 2), a listing from token 64 of blocks (7, 3): token 116 has
 rel = 52, block 3 (52 // 32 = 1), page 3 * 2 + (52 % 32) // 16 = 7, slot 52 % 16 = 4; the listed
 pages are 14, 15, 6 and 7.
+
+On a topology (docs/design.md §11) a rank holds the layers of its stage, the heads of its head
+group and, with DCP, the tokens ``t`` with ``(t // I) % dcp`` equal to its DCP rank; this module
+reads them from ``EngineGeometry.holds(rank)`` and keeps its own copy of the DCP slot arithmetic::
+
+    c = dcp, I = interleave:  block = b_[rel // (B*c)];  page = block * ppl + (rel % (B*c)) // (K*c)
+                              o = rel % (K*c);  slot = (o // (c*I)) * I + o % I
+
+Worked number: K = 64, ppl = 1, c = 8, I = 1, token 1000 of a listing from 0: block index 1,
+o = 488, owner 488 % 8 = 0, slot 488 // 8 = 61.
 """
 
 from __future__ import annotations
@@ -31,7 +41,6 @@ from typing import Any
 
 import numpy as np
 
-from ..arith.shard import owned_slice
 from ..errors import InternalError, RequestError
 from ..values.engine import EngineGeometry
 from ..values.model import AttentionSpec, StateSpec
@@ -47,10 +56,14 @@ def page_slot(engine: EngineGeometry, listing: BlockList, tokens: np.ndarray) ->
 
     The oracle's own copy of token -> (page, slot); see the module docstring for why it is not shared.
     """
-    B, K, ppl = engine.logical_block_tokens, engine.kernel_block_tokens, engine.blocks_per_logical
+    K, ppl = engine.kernel_block_tokens, engine.blocks_per_logical
+    c, interleave = engine.topology.dcp, engine.topology.interleave
+    B = K * ppl * c  # request tokens of one logical block
     rel = tokens - listing.first_token
     ids = np.asarray(listing.block_ids, dtype=np.int64)
-    return ids[rel // B] * ppl + (rel % B) // K, rel % K
+    page = ids[rel // B] * ppl + (rel % B) // (K * c)
+    o = rel % (K * c)
+    return page, (o // (c * interleave)) * interleave + o % interleave
 
 
 def attention_vectors(engine: EngineGeometry, group: int, rank: int, listing: BlockList, lo: int,
@@ -60,13 +73,18 @@ def attention_vectors(engine: EngineGeometry, group: int, rank: int, listing: Bl
     spec = engine.model.groups[group]
     if not isinstance(spec, AttentionSpec):
         raise InternalError("callers dispatch on the spec type")
-    held = owned_slice(spec.num_kv_heads, engine.tp, rank, replicated=spec.replicated)
+    holds = engine.holds(rank)[spec.name]
+    held, layers, shard = holds["heads"], holds["layers"], holds["tokens"]
     local = np.arange(held.size, dtype=np.int64)
     step = max(1, CHUNK // (held.size * spec.head_bytes))
     for t0 in range(lo, hi, step):
         tokens = np.arange(t0, min(hi, t0 + step), dtype=np.int64)
+        if shard.size > 1:  # the rank's DCP tokens only
+            tokens = tokens[(tokens // shard.interleave) % shard.size == shard.rank]
+            if not len(tokens):
+                continue
         page, slot = page_slot(engine, listing, tokens)
-        for layer in range(spec.num_layers):
+        for layer in range(layers.start, layers.stop):
             for plane in range(spec.planes):
                 region, starts = engine.attention_address(group, layer, plane, page[:, None], slot[:, None],
                                                           local[None, :])
@@ -80,9 +98,11 @@ def state_units(engine: EngineGeometry, group: int, rank: int,
     spec = engine.model.groups[group]
     if not isinstance(spec, StateSpec):
         raise InternalError("callers dispatch on the spec type")
-    for layer in range(spec.num_layers):
+    holds = engine.holds(rank)[spec.name]
+    layers = holds["layers"]
+    for layer in range(layers.start, layers.stop):
         for si, sec in enumerate(spec.sections):
-            held = owned_slice(sec.channels, engine.tp, rank, replicated=sec.replicated)
+            held = holds[sec.name]
             rows = np.arange(sec.rows, dtype=np.int64)
             step = max(1, CHUNK // (sec.rows * sec.unit_bytes))
             for c0 in range(0, held.size, step):

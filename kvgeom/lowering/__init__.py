@@ -24,6 +24,7 @@ from .steps import (
 from .tiles import (
     TileTable,
     check_in_regions,
+    rank_region_bytes,
     tile_bytes,
     tile_index_pairs,
     tile_quantities,
@@ -51,4 +52,5 @@ __all__ = [
     "tile_table",
     "tile_index_pairs",
     "check_in_regions",
+    "rank_region_bytes",
 ]

@@ -1,6 +1,6 @@
 """Pack and unpack steps lowered to strided views and index rows: the arithmetic an executor needs
 to run a packed plan's steps as a few batched copies (the copies themselves, in torch, are the
-executor's; docs/design.md §10.1 defines the steps).
+executor's; docs/design.md §12.1 defines the steps).
 
 A step applies one pattern to every (layer entry, page entry). Page entries whose page ids step by
 one and whose staging offsets step by one constant form a *run*, and a run of one layer entry is

@@ -38,7 +38,7 @@ from ..values.pair import EnginePair
 from ..values.plan import Copies
 
 __all__ = ["tile_rows", "tile_bytes", "tile_quantities", "TileTable", "tile_table", "tile_index_pairs",
-           "check_in_regions"]
+           "check_in_regions", "rank_region_bytes"]
 
 
 def _channel_grain(n: int, tp_a: int, tp_b: int, replicated: bool) -> int:
@@ -143,10 +143,11 @@ class TileTable:
     def __attrs_post_init__(self) -> None:
         if self.tile_bytes <= 0:
             raise PlanError("TileTable.tile_bytes", "must be positive", actual=self.tile_bytes, expected=">= 1")
-        for r, n in enumerate(self.region_bytes):
-            if n <= 0 or n % self.tile_bytes:
+        for r, n in enumerate(self.region_bytes):  # 0 B: a region of another pipeline stage (no tiles)
+            if n < 0 or n % self.tile_bytes:
                 raise PlanError(f"TileTable.region_bytes[{r}]", f"{n} B is not a positive multiple of the "
-                                f"{self.tile_bytes} B tile", actual=n, expected=f"a multiple of {self.tile_bytes}",
+                                f"{self.tile_bytes} B tile (nor 0, a region of another pipeline stage)", actual=n,
+                                expected=f"a multiple of {self.tile_bytes}",
                                 fix="use kvgeom.lowering.tiles.tile_bytes(pair), which divides every region size")
 
     @property
@@ -172,9 +173,19 @@ class TileTable:
         return region, offset
 
 
-def tile_table(engine: EngineGeometry, tile: int) -> TileTable:
-    """The table of one rank of ``engine`` (every rank's table has the same shape)."""
-    return TileTable(tile, tuple(r.nbytes for r in engine.regions))
+def rank_region_bytes(engine: EngineGeometry, rank: int | None = None) -> tuple[int, ...]:
+    """Bytes of every region on ``rank``: 0 for the regions of other pipeline stages
+    (docs/design.md §11.4); ``rank`` None: every region whole (a one-stage engine's ranks)."""
+    if rank is None:
+        return tuple(r.nbytes for r in engine.regions)
+    held = set(engine.rank_regions(rank))
+    return tuple(r.nbytes if i in held else 0 for i, r in enumerate(engine.regions))
+
+
+def tile_table(engine: EngineGeometry, tile: int, rank: int | None = None) -> TileTable:
+    """The table of one rank of ``engine``: every rank of a stage has the same shape, and the
+    regions of other stages have no tiles (``rank`` None: every region, a one-stage engine)."""
+    return TileTable(tile, rank_region_bytes(engine, rank))
 
 
 def _check_multiple(name: str, col: np.ndarray, tile: int) -> None:

@@ -16,6 +16,10 @@ modes that are contiguous on both sides into one run and enumerates the others.
 Worked number (E2 of docs/design.md §9): 4 heads of 512 B, P TP1 HND (head stride 512 with K=1) and
 D TP2: D rank 1 holds heads [2, 4) and reads them from offset 2 * 512 = 1024 of each 2048 B P page,
 1024 B per page.
+
+Across pipeline stages, DCP token shards and replicas (docs/design.md §11.3) the same rows are
+built per (D rank, P stage, P DCP rank, source head group): for P PP2 x TP4 -> D TP8 with 80
+layers, D rank 3 takes layers [0, 40) from P rank 1 and layers [40, 80) from P rank 5.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from ..values.plan import Copies, Zeros
 from ..values.request import BlockList, Request
 from .group import GroupPlan
 from .rows import Rows
-from .sides import SideView
+from .sides import SideView, stage_parts
 
 __all__ = ["needed_tokens", "zero_intervals", "plan_attention_group", "attention_zeros"]
 
@@ -144,6 +148,12 @@ def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
     ``landing`` replaces D's own layout as the place copies land (the staged strategy's
     "arrived" layout); zeros are always in D's own layout. ``materialize=False`` only counts the
     copy rows (the auto strategy's estimate) and returns empty columns.
+
+    Every D rank (flat, docs/design.md §11.3) takes the layers of its stage, the heads of its head
+    group and the tokens of its DCP rank; each piece comes from the P stage holding those layers,
+    the P head group ``sources`` picks (spread by ``q // P.replicas``, ``q = d // D.dcp + d % D.dcp``),
+    the P DCP rank owning those tokens and replica ``q % P.replicas``. With one stage, no DCP and one replica on both sides this is exactly
+    docs/design.md §3.3.
     """
     spec = pair.model.groups[group]
     if not isinstance(spec, AttentionSpec):
@@ -157,12 +167,15 @@ def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
     H, hb = spec.num_kv_heads, spec.head_bytes
     lo, hi = needed_tokens(request, pair, group)
     notes: list[Note] = []
+    plain = P.topology.trivial and D.topology.trivial
+    p_dcp, d_dcp, p_reps = P.topology.dcp, D.topology.dcp, P.topology.replicas
 
     copies = Rows()
     n_copies = 0
     planes_inner = spec.planes > 1 and ps.planes_share_region() and ds.planes_share_region()
     plane_sets: Sequence[tuple[int, ...]] = [(0,)] if spec.planes == 1 or planes_inner else [(0,), (1,)]
-    segs = segments(lo, hi, [ps.tokens(g.prefill), ds.tokens(g.decode)])
+    p_tok, d_tok = ps.tokens(g.prefill), ds.tokens(g.decode)
+    segs = segments(lo, hi, [p_tok, d_tok])
     if hi > lo:
         notes.append(Note(NoteKind.SEGMENTS, f"{spec.name}: tokens [{lo}, {hi}) move in {len(segs)} aligned segments "
                           f"(P K={P.kernel_block_tokens} ppl={P.blocks_per_logical}, "
@@ -170,29 +183,61 @@ def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
     else:
         notes.append(Note(NoteKind.NOTHING_TO_MOVE,
                           f"{spec.name}: no token is both listed by P (computed) and needed by D"))
-    by_len = _by_length(segs)
+    p_owner, d_owner = p_tok.owner(segs.start), d_tok.owner(segs.start)
+    pieces: dict[tuple[int, int], list[tuple[int, Segments]]] = {}
+
+    def by_owner(dr: int, po: int) -> list[tuple[int, Segments]]:
+        """Segments D's DCP rank ``dr`` owns and P's DCP rank ``po`` owns, by length."""
+        if (dr, po) not in pieces:
+            sub = segs if d_dcp == 1 and p_dcp == 1 else segs.take(np.flatnonzero((d_owner == dr) & (p_owner == po)))
+            pieces[(dr, po)] = _by_length(sub)
+        return pieces[(dr, po)]
+
     layer_arrays = {(side, plane): view.layer_arrays(plane) for side, view in (("p", ps), ("d", ds))
                     for plane in range(spec.planes)}
-    for d in range(D.tp):
-        d_slice = owned_slice(H, D.tp, d, replicated=spec.replicated)
-        srcs = sources(H, p_tp=P.tp, p_replicated=spec.replicated, d_tp=D.tp, d_rank=d,
-                       d_replicated=spec.replicated)
-        if materialize and hi > lo and (d < 4 or d == D.tp - 1):
-            notes.append(Note(NoteKind.SOURCES, f"{spec.name}: D rank {d} heads {d_slice} <- " +
-                              ", ".join(f"P{s.p_rank} {s.items}" for s in srcs)))
-        for src in srcs:
-            p_slice = owned_slice(H, P.tp, src.p_rank, replicated=spec.replicated)
-            hp0, hd0, nh = src.items.start - p_slice.start, src.items.start - d_slice.start, src.items.size
-            for planes in plane_sets:
-                preg, poff = layer_arrays[("p", planes[0])]
-                dreg, doff = layer_arrays[("d", planes[0])]
-                for n, sub in by_len:
-                    cmodes: list[Mode] = [(n, (ps.layout.token_stride, ds.layout.token_stride)),
-                                          (nh, (ps.layout.head_stride, ds.layout.head_stride))]
-                    if planes_inner:
-                        cmodes.append((spec.planes, (ps.layout.kv_stride, ds.layout.kv_stride)))
-                    n_copies += _emit(copies, sub, n, [(0, ps, preg, poff, hp0), (1, ds, dreg, doff, hd0)],
-                                      cmodes, hb, (src.p_rank, d), materialize)
+    for d in range(D.num_ranks):
+        c = D.coords(d)
+        d_layers = D.stage_layers(group, c.stage)
+        if d_layers.size == 0:
+            continue  # this D rank's stage holds none of the group's layers
+        d_slice = D.head_slice(group, d)
+        q = d // d_dcp + d % d_dcp  # the spreading key of docs/design.md §11.3 (d without DCP)
+        srcs = sources(H, p_tp=P.head_tp, p_replicated=spec.replicated, d_tp=D.head_tp, d_rank=c.head_group,
+                       d_replicated=spec.replicated, spread=q // p_reps)
+        replica = q % p_reps
+        noted = materialize and hi > lo and (d < 4 or d == D.num_ranks - 1)
+        read: list[str] = []
+        for p_stage, layers in stage_parts(P, group, d_layers):
+            lsel = slice(layers.start, layers.stop)
+            for po in range(p_dcp):
+                by_len = by_owner(c.dcp_rank, po)
+                for src in srcs:
+                    p_rank = P.rank_of(p_stage, src.p_rank * p_dcp + po, replica)
+                    if noted and not plain:
+                        read.append(f"P{p_rank} layers {layers} heads {src.items}"
+                                    + (f" tokens of DCP rank {po}" if p_dcp > 1 else ""))
+                    if not by_len:
+                        continue
+                    p_slice = owned_slice(H, P.head_tp, src.p_rank, replicated=spec.replicated)
+                    hp0, hd0, nh = src.items.start - p_slice.start, src.items.start - d_slice.start, src.items.size
+                    for planes in plane_sets:
+                        preg, poff = layer_arrays[("p", planes[0])]
+                        dreg, doff = layer_arrays[("d", planes[0])]
+                        for n, sub in by_len:
+                            cmodes: list[Mode] = [(n, (ps.layout.token_stride, ds.layout.token_stride)),
+                                                  (nh, (ps.layout.head_stride, ds.layout.head_stride))]
+                            if planes_inner:
+                                cmodes.append((spec.planes, (ps.layout.kv_stride, ds.layout.kv_stride)))
+                            n_copies += _emit(copies, sub, n, [(0, ps, preg[lsel], poff[lsel], hp0),
+                                                               (1, ds, dreg[lsel], doff[lsel], hd0)],
+                                              cmodes, hb, (p_rank, d), materialize)
+        if noted:
+            if plain:
+                notes.append(Note(NoteKind.SOURCES, f"{spec.name}: D rank {d} heads {d_slice} <- " +
+                                  ", ".join(f"P{s.p_rank} {s.items}" for s in srcs)))
+            else:
+                notes.append(Note(NoteKind.SOURCES, f"{spec.name}: D rank {d} (stage {c.stage}, tp {c.tp_rank}) "
+                                  f"layers {d_layers} heads {d_slice} tokens {D.tokens_of(d)} <- " + ", ".join(read)))
     if not materialize:
         return GroupPlan(Copies.empty(), Zeros.empty(), (), notes, n_copies)
     zeros, zero_notes = attention_zeros(pair, request, group)
@@ -209,25 +254,39 @@ def attention_zeros(pair: EnginePair, request: Request, group: int) -> tuple[Zer
     D = pair.decode
     ds_final = SideView(D, group)
     hb = spec.head_bytes
+    d_dcp = D.topology.dcp
     notes: list[Note] = []
     zeros = Rows()
-
     d_planes_inner = spec.planes > 1 and ds_final.planes_share_region()
     d_plane_sets: Sequence[tuple[int, ...]] = [(0,)] if spec.planes == 1 or d_planes_inner else [(0,), (1,)]
     h_local = D.local_heads(group)
+    z_tok = ds_final.tokens(g.decode)
+    # D ranks by (stage, DCP rank): they share the zero rows (same layers, same token slots)
+    ranks_of: dict[tuple[int, int], list[int]] = {}
+    for d in range(D.num_ranks):
+        c = D.coords(d)
+        ranks_of.setdefault((c.stage, c.dcp_rank), []).append(d)
     for z0, z1 in zero_intervals(request, pair, group):
-        zsegs = segments(z0, z1, [ds_final.tokens(g.decode)])
+        zsegs = segments(z0, z1, [z_tok])
+        z_owner = z_tok.owner(zsegs.start)
         notes.append(Note(NoteKind.ZEROED, f"{spec.name}: D tokens [{z0}, {z1}) receive nothing and are zeroed"))
-        for planes in d_plane_sets:
-            dreg, doff = ds_final.layer_arrays(planes[0])
-            for n, sub in _by_length(zsegs):
-                modes: list[Mode] = [(n, (ds_final.layout.token_stride,)), (h_local, (ds_final.layout.head_stride,))]
-                if d_planes_inner:
-                    modes.append((spec.planes, (ds_final.layout.kv_stride,)))
-                one = Rows()
-                _emit(one, sub, n, [(0, ds_final, dreg, doff, 0)], modes, hb, (0, 0))
-                if one.count:
-                    z = one.zeros()
-                    for d in range(D.tp):
-                        zeros.add(0, 0, 0, d, z.d_region, z.d_offset, z.nbytes)
+        for (stage, dr), members in ranks_of.items():
+            layers = D.stage_layers(group, stage)
+            if layers.size == 0:
+                continue
+            lsel = slice(layers.start, layers.stop)
+            mine = zsegs if d_dcp == 1 else zsegs.take(np.flatnonzero(z_owner == dr))
+            for planes in d_plane_sets:
+                dreg, doff = ds_final.layer_arrays(planes[0])
+                for n, sub in _by_length(mine):
+                    modes: list[Mode] = [(n, (ds_final.layout.token_stride,)),
+                                         (h_local, (ds_final.layout.head_stride,))]
+                    if d_planes_inner:
+                        modes.append((spec.planes, (ds_final.layout.kv_stride,)))
+                    one = Rows()
+                    _emit(one, sub, n, [(0, ds_final, dreg[lsel], doff[lsel], 0)], modes, hb, (0, 0))
+                    if one.count:
+                        z = one.zeros()
+                        for d in members:
+                            zeros.add(0, 0, 0, d, z.d_region, z.d_offset, z.nbytes)
     return zeros.zeros(), notes

@@ -1,5 +1,5 @@
 """Per group, which strategy builds its rows (direct, staged), and what ``auto`` weighs: the cost
-of each strategy counted by what it posts (docs/design.md §5, §10.6).
+of each strategy counted by what it posts (docs/design.md §5, §12.6).
 
     attention group --strategy--> direct  (kvgeom.planning.attention)
                                -> staged  (kvgeom.planning.staged; falls back to direct, noted)
@@ -25,6 +25,7 @@ Worked number: 4096 direct copies cost ``4096 * 1.5 us = 6144 us``; staged with 
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 import attrs
@@ -42,13 +43,15 @@ from .state import plan_state_group
 __all__ = ["Strategy", "STRATEGIES", "CostModel", "DEFAULT_COST_MODEL", "plan_group", "Posted", "posted",
            "GroupChoice", "choose_group"]
 
+logger = logging.getLogger(__name__)
+
 Strategy = Literal["direct", "staged", "auto", "packed"]
 STRATEGIES: tuple[str, ...] = ("direct", "staged", "auto", "packed")
 
 
 @attrs.frozen
 class CostModel:
-    """What ``strategy="auto"`` weighs (docs/design.md §10.6); the defaults are :meth:`cpu`,
+    """What ``strategy="auto"`` weighs (docs/design.md §12.6); the defaults are :meth:`cpu`,
     measured on the project's 2-core CPU machine (``python -m benchmarks.costs`` and ``python -m
     benchmarks --only transfer,packed``; the VM is noisy, so each default sits inside the spread):
 
@@ -149,6 +152,7 @@ def choose_group(pair: EnginePair, request: Request, gi: int, cost_model: CostMo
     direct = posted(pair, request, gi, "direct", cost_model)
     cost_d = cost_model.cost(direct.count, 0)
     if not staged_count.rearranges:  # staged does not apply or equals direct
+        logger.debug("%s: auto: staged does not apply or changes nothing -> direct", pair.model.groups[gi].name)
         return GroupChoice(direct.plan or plan_attention_group(pair, request, gi), cost_d, None)
     staged = posted(pair, request, gi, "staged", cost_model)
     cost_s = cost_model.cost(staged.count, staged.rearranged)
@@ -160,8 +164,10 @@ def choose_group(pair: EnginePair, request: Request, gi: int, cost_model: CostMo
     why = (f"{name}: auto: direct {counted(direct)} = {cost_d * 1e6:.1f} us; staged {counted(staged)} + "
            f"{staged.rearranged} B rearranged = {cost_s * 1e6:.1f} us ({cost_model.describe()})")
     if cost_s < cost_d:
+        logger.debug("%s -> staged", why)
         return GroupChoice(staged.plan or plan_staged_group(pair, request, gi), cost_s,
                            Note(NoteKind.AUTO_STAGED, why + " -> staged"))
+    logger.debug("%s -> direct", why)
     return GroupChoice(direct.plan or plan_attention_group(pair, request, gi), cost_d,
                        Note(NoteKind.AUTO_DIRECT, why + " -> direct"))
 
@@ -174,7 +180,11 @@ def plan_group(pair: EnginePair, request: Request, gi: int, strategy: str,
     if not isinstance(pair.model.groups[gi], AttentionSpec):
         return plan_state_group(pair, request, gi)
     if strategy == "staged":
-        return plan_staged_group(pair, request, gi)
+        out = plan_staged_group(pair, request, gi)
+        for n in out.notes:
+            if n.kind is NoteKind.STAGED_NOT_APPLICABLE:
+                logger.warning("staged asked for, direct planned instead: %s", n.text)
+        return out
     if strategy == "auto":
         choice = choose_group(pair, request, gi, cost_model)
         return choice.plan.with_notes(choice.note) if choice.note is not None else choice.plan

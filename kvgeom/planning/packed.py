@@ -1,4 +1,4 @@
-"""The packed strategy: gather on P, a few large wire rows, scatter on D (docs/design.md §10).
+"""The packed strategy: gather on P, a few large wire rows, scatter on D (docs/design.md §12).
 
 Every group (attention and state) moves through staging. Per chunk, P rank p packs what each D
 rank needs into its slot, one wire row per (P rank, D rank) crosses, D rank d unpacks::
@@ -9,7 +9,7 @@ rank needs into its slot, one wire row per (P rank, D rank) crosses, D rank d un
                              unpack steps D slot -> D cache pages   (cut at D pages only)
     then the zeros of the direct strategy (kvgeom.planning.attention.attention_zeros)
 
-Staging is dense and in D's order (§10.2): a (p, d) block is the chunk's pieces in order; an
+Staging is dense and in D's order (§12.2): a (p, d) block is the chunk's pieces in order; an
 attention piece is layer entries x D pages x D's in-page order of (plane, head, token) restricted
 to the pair's heads and the piece's tokens; a state piece is layers x sections x paired slots x
 [channel slice][rows][unit]. Steps are grouped by *class*, the entries that share one strided

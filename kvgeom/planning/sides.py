@@ -16,13 +16,25 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..arith.shard import Slice
 from ..arith.tokens import SideTokens
 from ..errors import InternalError
 from ..values.engine import EngineGeometry
 from ..values.layout import AttentionGroupGeometry, PageLayout
 from ..values.request import BlockList
 
-__all__ = ["SideView"]
+__all__ = ["SideView", "stage_parts"]
+
+
+def stage_parts(P: EngineGeometry, group: int, d_layers: Slice) -> list[tuple[int, Slice]]:
+    """``d_layers`` (a D rank's layers of ``group``) split by the P stage that holds each:
+    ``[(P stage, layers)]`` (docs/design.md §11.3). One stage: ``[(0, d_layers)]``."""
+    out = []
+    for stage in range(P.topology.pp):
+        got = P.stage_layers(group, stage).intersect(d_layers)
+        if got is not None:
+            out.append((stage, got))
+    return out
 
 
 class SideView:
@@ -63,6 +75,8 @@ class SideView:
         return reg, off
 
     def tokens(self, listing: BlockList) -> SideTokens:
+        """The listing in kernel terms; a DCP engine's tokens are sharded (docs/design.md §11.2)."""
         e = self.engine
         return SideTokens(np.asarray(listing.block_ids, np.int64), listing.first_token,
-                          e.kernel_block_tokens, e.blocks_per_logical, self.linear())
+                          e.kernel_block_tokens, e.blocks_per_logical, self.linear(), cp=e.topology.dcp,
+                          interleave=e.topology.interleave)

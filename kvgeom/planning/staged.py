@@ -17,7 +17,9 @@ Worked number: 2 heads x 256 B, K_p = 4, K_d = 8, HND -> NHD, one layer: direct 
 
 Staged needs the larger kernel page to be a whole number of the smaller one and a dense D page
 layout (its strides pack ``planes * heads * K_d * head_bytes`` bytes from the view offset);
-otherwise the group falls back to direct and the plan's notes say why.
+otherwise the group falls back to direct and the plan's notes say why. Pipeline stages change
+nothing but which layers a D rank permutes (its stage's); DCP token shards break whole-page
+landing, so DCP on either side falls back to direct (docs/design.md §11.3).
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ def arrival(P: EngineGeometry, D: EngineGeometry, group: int) -> Arrival | str:
     if not isinstance(spec, AttentionSpec):
         raise InternalError("dispatched on kind")
     Kp, Kd = P.kernel_block_tokens, D.kernel_block_tokens
+    if P.topology.dcp > 1 or D.topology.dcp > 1:  # docs/design.md §11.3
+        return (f"tokens are sharded over DCP ranks (P dcp={P.topology.dcp}, D dcp={D.topology.dcp}), so a P page "
+                "does not land whole inside one D page")
     if max(Kp, Kd) % min(Kp, Kd):
         return f"kernel pages {Kp} and {Kd} tokens do not nest"
     ds, ps = SideView(D, group), SideView(P, group)
@@ -84,7 +89,7 @@ def arrival(P: EngineGeometry, D: EngineGeometry, group: int) -> Arrival | str:
     # When several P ranks fill one D page (P TP > D TP), each P rank's heads form a group that
     # lands as one block: (group, then P's order inside the group).
     hp = P.local_heads(group)
-    gh = hp if (not spec.replicated and P.tp <= spec.num_kv_heads and hp < hd and hd % hp == 0) else hd
+    gh = hp if (not spec.replicated and P.head_tp <= spec.num_kv_heads and hp < hd and hd % hp == 0) else hd
     # P's mode order, innermost first (smallest P stride); K/V in separate P regions: kv outermost
     p_order = sorted(["head", "token"] + (["kv"] if spec.planes == 2 else []),
                      key=lambda m: {"head": pl.head_stride, "token": pl.token_stride,
@@ -122,7 +127,8 @@ class ArrivedView(SideView):
     def tokens(self, listing: BlockList) -> SideTokens:
         e = self.engine
         return SideTokens(np.asarray(listing.block_ids, np.int64), listing.first_token, e.kernel_block_tokens,
-                          e.blocks_per_logical, False, cut_tokens=self.arr.sub_tokens)
+                          e.blocks_per_logical, False, cut_tokens=self.arr.sub_tokens, cp=e.topology.dcp,
+                          interleave=e.topology.interleave)
 
 
 def plan_staged_group(pair: EnginePair, request: Request, group: int, *,
@@ -169,8 +175,9 @@ def plan_staged_group(pair: EnginePair, request: Request, group: int, *,
     if len(touched):
         pages = tuple(int(p) for p in touched)
         plane_regions = [0] if arr.planes_in_page == 2 or spec.planes == 1 else [0, 1]
-        for d in range(D.tp):
-            for view in final.views:
+        for d in range(D.num_ranks):  # each D rank permutes the pages of its own stage's layers
+            layers = D.stage_layers(group, D.coords(d).stage)
+            for view in final.views[layers.start:layers.stop]:
                 for plane in plane_regions:
                     region = view.regions[plane]
                     rearranges.append(Rearrange(

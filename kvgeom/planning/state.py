@@ -14,6 +14,10 @@ store ``[rows, channels]`` so a slice is one run per row. Plans never zero state
 
 Worked number: Mamba2 ``x`` with 4096 channels, 3 rows of 2 B, P TP4 -> D TP2 channel_major:
 D rank 1 reads 1024 * 3 * 2 = 6144 B from each of P ranks 2 and 3 per layer.
+
+With pipeline stages each layer comes from the P stage holding it, and replicas spread by D rank
+(docs/design.md §11.3); DCP does not shard state (SGLang's behaviour), so channel slices stay
+those of the full ``tp``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ..values.plan import Copies, Zeros
 from ..values.request import Request, StateSlots
 from .group import GroupPlan
 from .rows import Rows
+from .sides import stage_parts
 
 __all__ = ["paired_slots", "plan_state_group", "state_notes"]
 
@@ -94,19 +99,30 @@ def plan_state_group(pair: EnginePair, request: Request, group: int) -> GroupPla
     p_regs = np.repeat(p_reg, len(paired))
     d_regs = np.repeat(d_reg, len(paired))
     rows = Rows()
+    n_slots = len(paired)
+    p_reps = P.topology.replicas
     for si, sec in enumerate(spec.sections):
         pp, dp = p_places[si], d_places[si]
-        for d in range(D.tp):
-            d_slice = owned_slice(sec.channels, D.tp, d, replicated=sec.replicated)
-            for src in sources(sec.channels, p_tp=P.tp, p_replicated=sec.replicated, d_tp=D.tp, d_rank=d,
-                               d_replicated=sec.replicated):
-                p_slice = owned_slice(sec.channels, P.tp, src.p_rank, replicated=sec.replicated)
-                pc0, dc0 = src.items.start - p_slice.start, src.items.start - d_slice.start
-                modes: list[Mode] = [(src.items.size, (pp.channel_stride, dp.channel_stride)),
-                                     (sec.rows, (pp.row_stride, dp.row_stride))]
-                (op, od), run, per = strided_rows(
-                    sec.unit_bytes, modes,
-                    [p_base + pp.offset + pc0 * pp.channel_stride, d_base + dp.offset + dc0 * dp.channel_stride])
-                rows.add(src.p_rank, np.repeat(p_regs, per), op, d, np.repeat(d_regs, per), od,
-                         np.asarray(run, np.int64))
+        for d in range(D.num_ranks):
+            c = D.coords(d)
+            d_layers = D.stage_layers(group, c.stage)
+            if d_layers.size == 0:
+                continue  # this D rank's stage holds none of the group's layers
+            d_slice = owned_slice(sec.channels, D.tp, c.tp_rank, replicated=sec.replicated)
+            q = d // D.topology.dcp + d % D.topology.dcp  # the spreading key of docs/design.md §11.3
+            srcs = sources(sec.channels, p_tp=P.tp, p_replicated=sec.replicated, d_tp=D.tp, d_rank=c.tp_rank,
+                           d_replicated=sec.replicated, spread=q // p_reps)
+            for p_stage, layers in stage_parts(P, group, d_layers):
+                b = slice(layers.start * n_slots, layers.stop * n_slots)  # bases are layer-major
+                for src in srcs:
+                    p_slice = owned_slice(sec.channels, P.tp, src.p_rank, replicated=sec.replicated)
+                    pc0, dc0 = src.items.start - p_slice.start, src.items.start - d_slice.start
+                    modes: list[Mode] = [(src.items.size, (pp.channel_stride, dp.channel_stride)),
+                                         (sec.rows, (pp.row_stride, dp.row_stride))]
+                    (op, od), run, per = strided_rows(
+                        sec.unit_bytes, modes,
+                        [p_base[b] + pp.offset + pc0 * pp.channel_stride,
+                         d_base[b] + dp.offset + dc0 * dp.channel_stride])
+                    rows.add(P.rank_of(p_stage, src.p_rank, q % p_reps), np.repeat(p_regs[b], per), op, d,
+                             np.repeat(d_regs[b], per), od, np.asarray(run, np.int64))
     return GroupPlan(rows.copies(), Zeros.empty(), (), notes, rows.count)

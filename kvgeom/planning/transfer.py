@@ -24,11 +24,13 @@ consecutive on both sides, so they collapse into 1 row of 4 * 65536 = 262144 B b
 from __future__ import annotations
 
 import functools
+import logging
 
 import attrs
 
 from ..errors import KvGeomError, StagingCapacityError
 from ..values.engine import EngineGeometry
+from ..values.model import StateSpec
 from ..values.notes import Note, NoteKind
 from ..values.pair import EnginePair
 from ..values.plan import Copies, TransferPlan, Zeros
@@ -39,6 +41,8 @@ from .group import GroupPlan
 from .packed import DEFAULT_STAGING_BYTES, PackedCount, count_packed, plan_packed
 
 __all__ = ["Pair", "plan_transfer", "plan_pair"]
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.frozen(repr=False)
@@ -71,7 +75,7 @@ def plan_transfer(
     The pair is checked once (and cached) before any request; raises
     :class:`~kvgeom.errors.IncompatibleGeometry` if the engines cannot be paired and
     :class:`~kvgeom.errors.RequestError` if the request does not fit them. ``staging_bytes`` is
-    the packed strategy's slot capacity per rank (docs/design.md §10.3).
+    the packed strategy's slot capacity per rank (docs/design.md §12.3).
     """
     return plan_pair(_pair(prefill, decode), request, strategy=strategy, cost_model=cost_model,
                      staging_bytes=staging_bytes)
@@ -84,13 +88,21 @@ def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direc
         raise KvGeomError("strategy", f"unknown strategy {strategy!r}", actual=strategy,
                           expected=list(STRATEGIES), fix=f"use one of {', '.join(STRATEGIES)}")
     pair.check_request(request)
-    strategy_note = Note(NoteKind.STRATEGY, f"strategy {strategy}")
+    first = (Note(NoteKind.STRATEGY, f"strategy {strategy}"),) + topology_notes(pair)
     if strategy == "packed":
-        return _packed_plan(pair, request, staging_bytes, (strategy_note,))
-    if strategy == "auto":
-        return _auto_plan(pair, request, cost_model, staging_bytes, strategy_note)
-    groups = [plan_group(pair, request, gi, strategy) for gi in range(len(pair.model.groups))]
-    return _assemble(pair, groups, (strategy_note,))
+        plan = _packed_plan(pair, request, staging_bytes, first)
+    elif strategy == "auto":
+        plan = _auto_plan(pair, request, cost_model, staging_bytes, first)
+    else:
+        groups = [plan_group(pair, request, gi, strategy) for gi in range(len(pair.model.groups))]
+        plan = _assemble(pair, groups, first)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("planned M=%d S=%d%s (%s): %d copies (%d before coalescing), %d B; %d zero rows, %d B; "
+                     "%d rearranges; %d wire rows in %d chunks", request.computed_tokens, request.prefix_hit_tokens,
+                     " partial" if request.partial else "", strategy, len(plan.copies),
+                     plan.copies_before_coalescing, plan.bytes_copied, len(plan.zeros), plan.bytes_zeroed,
+                     len(plan.rearranges), len(plan.wire), len(plan.chunks))
+    return plan
 
 
 def _packed_plan(pair: EnginePair, request: Request, staging_bytes: int, notes: tuple[Note, ...]) -> TransferPlan:
@@ -108,13 +120,15 @@ def _packed_plan(pair: EnginePair, request: Request, staging_bytes: int, notes: 
         wire=parts.wire,
         chunks=parts.chunks,
         staging_bytes=parts.staging_bytes,
+        prefill_ranks=pair.prefill.num_ranks,
+        decode_ranks=pair.decode.num_ranks,
     )
 
 
 def _auto_plan(pair: EnginePair, request: Request, cost_model: CostModel, staging_bytes: int,
-               strategy_note: Note) -> TransferPlan:
+               first: tuple[Note, ...]) -> TransferPlan:
     """Per group the cheaper of direct and staged, then that plan against the packed plan, each
-    counted by what it posts (docs/design.md §10.6)."""
+    counted by what it posts (docs/design.md §12.6)."""
     choices = [choose_group(pair, request, gi, cost_model) for gi in range(len(pair.model.groups))]
     unpacked = sum(c.cost for c in choices)
     try:
@@ -127,10 +141,12 @@ def _auto_plan(pair: EnginePair, request: Request, cost_model: CostModel, stagin
            f"{count.operations} operations = {packed * 1e6:.1f} us ({cost_model.describe()}); "
            f"{count.bytes} B on the wire either way ({cost_model.wire_seconds(count.bytes) * 1e6:.1f} us)")
     if count.wire_rows and packed < unpacked:
-        return _packed_plan(pair, request, staging_bytes, (strategy_note, Note(NoteKind.AUTO_PACKED, why + " -> packed")))
+        logger.debug("%s -> packed", why)
+        return _packed_plan(pair, request, staging_bytes, first + (Note(NoteKind.AUTO_PACKED, why + " -> packed"),))
     groups = [c.plan.with_notes(c.note) if c.note is not None else c.plan for c in choices]
     kind = NoteKind.AUTO_STAGED if any(g.rearranges for g in groups) else NoteKind.AUTO_DIRECT
-    return _assemble(pair, groups, (strategy_note,), (Note(kind, why + " -> not packed"),))
+    logger.debug("%s -> not packed", why)
+    return _assemble(pair, groups, first, (Note(kind, why + " -> not packed"),))
 
 
 def _assemble(pair: EnginePair, groups: list[GroupPlan], first: tuple[Note, ...],
@@ -148,4 +164,31 @@ def _assemble(pair: EnginePair, groups: list[GroupPlan], first: tuple[Note, ...]
         notes=first + tuple(n for g in groups for n in g.notes) + last,
         copies_before_coalescing=sum(g.rows_before_coalescing for g in groups),
         zeros_before_coalescing=len(raw_z),
+        prefill_ranks=pair.prefill.num_ranks,
+        decode_ranks=pair.decode.num_ranks,
     )
+
+
+def _side_topology(e: EngineGeometry) -> str:
+    t = e.topology
+    text = f"{e.topology.describe(e.tp)} ({e.num_ranks} ranks)"
+    if t.pp > 1:
+        layers = ", ".join(str(e.stage_global_layers(s)) for s in range(t.pp))
+        text += f", global layers per stage {layers}"
+    if t.dcp > 1:
+        text += f", token t on DCP rank (t // {t.interleave}) % {t.dcp} of its head group"
+    if t.replicas > 1:
+        text += f", {t.replicas} replicas (D ranks spread their reads over them)"
+    return text
+
+
+def topology_notes(pair: EnginePair) -> tuple[Note, ...]:
+    """One ``TOPOLOGY`` note when either side has stages, DCP or replicas (docs/design.md §11.3)."""
+    P, D = pair.prefill, pair.decode
+    if P.topology.trivial and D.topology.trivial:
+        return ()
+    text = f"topology: P {_side_topology(P)} -> D {_side_topology(D)}"
+    states = [s.name for s in pair.model.groups if isinstance(s, StateSpec)]
+    if states and (P.topology.dcp > 1 or D.topology.dcp > 1):
+        text += f"; state groups {states} are not sharded by token (SGLang's DCP leaves request state unchanged)"
+    return (Note(NoteKind.TOPOLOGY, text),)

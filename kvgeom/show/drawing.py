@@ -25,6 +25,11 @@ majority source of its tokens, lightened by the fraction zeroed (hatched when mo
 Worked number: P TP2 -> D TP1, 4 heads, P K=4, D K=8, M=6 on one D block: D rank 0's heads 0-1
 come from P rank 0 and heads 2-3 from P rank 1; tokens 0-3 from P block position 0, tokens 4-5
 from position 1, tokens 6-7 zeroed: two rows of 8 cells (K and V merge, the one layer too).
+
+On a topology (docs/design.md §11) every rank draws only what it holds: the layers of its stage
+(rows merge per run of layers fed by the same P rank, so ``d3 attn L0-39`` and ``d3 attn L40-79``
+show which P stage feeds which layers), its head group's heads and, with DCP, its own tokens
+(the other token cells are left blank). Legend entries name each P rank's stage and TP rank.
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..arith.shard import owned_slice
 from ..arith.tokens import locate
 from ..errors import KvGeomError
 from ..values.engine import EngineGeometry
@@ -174,7 +178,7 @@ class _Resolver:
                               "nbytes": z.nbytes}, ("d_rank", "d_region"), "d_offset", ())
         self.rearranges = plan.rearranges
         self.prefill, self.decode = prefill, decode
-        self.decode_tp = plan.decode_tp
+        self.decode_ranks = plan.decode_ranks
         self._inverse: dict[int, np.ndarray] = {}
         # packed plans: every step element as an interval (StagingStep.cache_offsets / staging_offsets),
         # every wire row as an interval of its slot
@@ -286,7 +290,7 @@ class _Resolver:
         """Code per P address: lowest reading D rank, position SEVERAL when more than one reads it."""
         count = np.zeros(addr.shape, np.int64)
         lowest = np.full(addr.shape, -1, np.int64)
-        for d in range(self.decode_tp):
+        for d in range(self.decode_ranks):
             iv = self.copies_p.get((rank, region, d))
             if iv is None:
                 continue
@@ -376,7 +380,7 @@ def _locate(engine: EngineGeometry, listing: BlockList, tokens: np.ndarray) -> t
         zero = np.zeros_like(tokens)
         return valid, zero, zero
     page, slot = locate(np.asarray(listing.block_ids, np.int64), listing.first_token, K, ppl,
-                        np.where(valid, tokens, listing.first_token))
+                        np.where(valid, tokens, listing.first_token), engine.topology.dcp, engine.topology.interleave)
     return valid, page, slot
 
 
@@ -435,13 +439,14 @@ def transfer_cells(
         raise DrawError("side", f"unknown side {side!r}", actual=side, expected=["decode", "prefill"])
     P, D = pair.prefill, pair.decode
     engine = D if side == "decode" else P
-    if rank is not None and not (isinstance(rank, int) and 0 <= rank < engine.tp):
-        raise DrawError("rank", f"rank {rank!r} is outside the {side} engine's tp={engine.tp}", actual=rank,
-                        expected=f"0 <= rank < {engine.tp} or None (all ranks)")
+    if rank is not None and not (isinstance(rank, int) and 0 <= rank < engine.num_ranks):
+        what = f"tp={engine.tp}" if engine.topology.trivial else f"{engine.num_ranks} ranks"
+        raise DrawError("rank", f"rank {rank!r} is outside the {side} engine's {what}", actual=rank,
+                        expected=f"0 <= rank < {engine.num_ranks} or None (all ranks)")
     if not isinstance(max_cells, int) or max_cells < 1:
         raise DrawError("max_cells", f"must be a positive int, got {max_cells!r}", actual=max_cells, expected=">= 1")
     res = _Resolver(plan, P, D)
-    ranks = range(engine.tp) if rank is None else (rank,)
+    ranks = range(engine.num_ranks) if rank is None else (rank,)
     model = engine.model
     letter = "d" if side == "decode" else "p"
 
@@ -469,8 +474,8 @@ def transfer_cells(
                 rows.extend(_state_rows(res, side, engine, g, spec, r, listing, gr.prefill, letter))
     strategy = next((n.text.split(" ", 1)[-1] for n in plan.notes if n.kind is NoteKind.STRATEGY), "?")
     title = (f"{side} view, {'all ranks' if rank is None else f'{letter.upper()} rank {rank}'}: "
-             f"P TP{P.tp} K={P.kernel_block_tokens} ppl={P.blocks_per_logical} -> "
-             f"D TP{D.tp} K={D.kernel_block_tokens} ppl={D.blocks_per_logical}; "
+             f"P {P.topology.describe(P.tp)} K={P.kernel_block_tokens} ppl={P.blocks_per_logical} -> "
+             f"D {D.topology.describe(D.tp)} K={D.kernel_block_tokens} ppl={D.blocks_per_logical}; "
              f"M={request.computed_tokens} S={request.prefix_hit_tokens}; strategy {strategy}")
     if tpc > 1:
         title += f"; {tpc} tokens per cell" + (" (sampled)" if sampled else "")
@@ -479,13 +484,16 @@ def transfer_cells(
 
 def _attention_rows(res: _Resolver, side: str, engine: EngineGeometry, g: int, spec: AttentionSpec, rank: int,
                     listing: BlockList, p_listing: Any, tok: np.ndarray, letter: str) -> list[Row]:
-    held = owned_slice(spec.num_kv_heads, engine.tp, rank, replicated=spec.replicated)
+    holds = engine.holds(rank)[spec.name]
+    held, layers, shard = holds["heads"], holds["layers"], holds["tokens"]
     heads = np.arange(held.size, dtype=np.int64)
     flat = tok.ravel()
     valid, page, slot = _locate(engine, listing, np.where(flat >= 0, flat, 0))
     valid &= flat >= 0
+    if shard.size > 1:  # a DCP rank draws only its own tokens
+        valid &= (flat // shard.interleave) % shard.size == shard.rank
     per_layer: list[list[tuple[Any, np.ndarray, np.ndarray]]] = []
-    for layer in range(spec.num_layers):
+    for layer in range(layers.start, layers.stop):
         planes: list[list[tuple[tuple[int, ...], np.ndarray, np.ndarray]]] = []
         for plane in range(spec.planes):
             region, starts = engine.attention_address(g, layer, plane, page[:, None], slot[:, None], heads[None, :])
@@ -506,27 +514,39 @@ def _attention_rows(res: _Resolver, side: str, engine: EngineGeometry, g: int, s
             names = ("latent",) if spec.planes == 1 else ("K", "V")
             per_layer.append([((names[p], idx), c, z) for p, runs in enumerate(planes) for idx, c, z in runs])
     out = []
-    for layers, struct in _merge_layers(per_layer):
+    who = _rank_label(engine, letter, rank)
+    token_text = "" if shard.size == 1 else f" tokens {shard}"
+    for merged, struct in _merge_layers(per_layer):
         for (pname, idx), c, z in struct:
             head_text = "" if spec.kind.value == "mla" else " h" + _ranges([held.start + i for i in idx])
-            out.append(Row(f"{letter}{rank} {spec.name} L{_ranges(layers)} {pname}{head_text}", g, "attention", rank,
-                           c, z))
+            out.append(Row(f"{who} {spec.name} L{_ranges([layers.start + i for i in merged])} {pname}{head_text}"
+                           f"{token_text}", g, "attention", rank, c, z))
     return out
+
+
+def _rank_label(engine: EngineGeometry, letter: str, rank: int) -> str:
+    """``d3``; ``p5[s1]`` on a multi-stage engine (the rank's pipeline stage)."""
+    if engine.topology.pp == 1:
+        return f"{letter}{rank}"
+    return f"{letter}{rank}[s{engine.coords(rank).stage}]"
 
 
 def _state_rows(res: _Resolver, side: str, engine: EngineGeometry, g: int, spec: StateSpec, rank: int,
                 listing: StateSlots, p_listing: Any, letter: str) -> list[Row]:
     out = []
+    holds = engine.holds(rank)[spec.name]
+    layers = holds["layers"]
+    who = _rank_label(engine, letter, rank)
     for slot_id, tokens in zip(listing.slot_ids, listing.tokens):
         for si, sec in enumerate(spec.sections):
-            held = owned_slice(sec.channels, engine.tp, rank, replicated=sec.replicated)
+            held = holds[sec.name]
             n = held.size
             per = max(1, -(-n // _STATE_CELLS))
             cells = -(-n // per)
             ch = np.arange(cells)[:, None] * per + np.arange(per)[None, :]
             valid = ch < n
             per_layer: list[list[tuple[Any, np.ndarray, np.ndarray]]] = []
-            for layer in range(spec.num_layers):
+            for layer in range(layers.start, layers.stop):
                 region, starts = engine.state_address(g, layer, si, slot_id, np.where(valid, ch, 0), 0)
                 if side == "decode":
                     codes, zeroed = res.decode_sources(rank, region, starts, p_listing, "state")
@@ -535,10 +555,10 @@ def _state_rows(res: _Resolver, side: str, engine: EngineGeometry, g: int, spec:
                     zeroed = np.zeros(codes.shape, bool)
                 c, z = _reduce(np.where(valid, codes, NOT_LISTED), zeroed & valid, valid)
                 per_layer.append([(None, c, z)])
-            for layers, struct in _merge_layers(per_layer):
+            for merged, struct in _merge_layers(per_layer):
                 _, c, z = struct[0]
-                out.append(Row(f"{letter}{rank} {spec.name} L{_ranges(layers)} {sec.name} slot {slot_id} "
-                               f"({tokens} tok, {n} ch)", g, "state", rank, c, z))
+                out.append(Row(f"{who} {spec.name} L{_ranges([layers.start + i for i in merged])} {sec.name} slot "
+                               f"{slot_id} ({tokens} tok, {n} ch)", g, "state", rank, c, z))
     return out
 
 
@@ -677,8 +697,13 @@ def draw(
     # legend
     handles: list[Any] = []
     who = "P" if side == "decode" else "D"
+    source_engine = pair.prefill if side == "decode" else pair.decode
     for r in sorted({int(c) // SOURCE_STRIDE for row in rows for c in row.codes if c >= 0}):
-        handles.append(Patch(facecolor=_colour(r, 0, False), label=f"{who} rank {r}"))
+        where = ""
+        if not source_engine.topology.trivial and 0 <= r < source_engine.num_ranks:
+            c = source_engine.coords(r)
+            where = f" (stage {c.stage}, tp {c.tp_rank}" + (f", replica {c.replica}" if c.replica else "") + ")"
+        handles.append(Patch(facecolor=_colour(r, 0, False), label=f"{who} rank {r}{where}"))
     if side == "decode":
         handles.append(Patch(facecolor="white", edgecolor="0.35", hatch="////", label="zeroed"))
         handles.append(Patch(facecolor="white", edgecolor="0.7", label="untouched"))

@@ -236,6 +236,8 @@ def _plan_json(header: dict[str, Any], pair: Pair, plan: TransferPlan, report: R
         "planned": True,
         "prefill": engine_line(pair.prefill),
         "decode": engine_line(pair.decode),
+        "prefill_ranks": plan.prefill_ranks,
+        "decode_ranks": plan.decode_ranks,
         "copies": len(plan.copies),
         "copies_before_coalescing": plan.copies_before_coalescing,
         "bytes": plan.bytes_copied,
@@ -425,6 +427,8 @@ def _fuzz_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest request drawn, in computed tokens (default 64)")
     parser.add_argument("--mismatch-probability", type=float, default=0.1, metavar="P",
                         help="share of pairs whose decode model differs (must be rejected; default 0.1)")
+    parser.add_argument("--topology-probability", type=float, default=0.3, metavar="P",
+                        help="share of engines drawn with pipeline stages, DCP or replicas (default 0.3)")
     parser.add_argument("--out", metavar="FILE", default=None,
                         help="also write each failure's pair file to FILE (FILE-2, FILE-3... for more)")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")

@@ -1,7 +1,7 @@
 """``kvgeom fuzz``: the planner against the reference simulator on hypothesis-drawn pairs and requests.
 
     kvgeom fuzz [--examples N] [--seed S] [--strategy direct|staged|auto|all] [--max-tokens M]
-                [--mismatch-probability P] [--out FILE] [--no-progress]
+                [--mismatch-probability P] [--topology-probability P] [--out FILE] [--no-progress]
 
 One example is one :func:`kvgeom.tools.strategies.transfers` draw (a pair, sometimes unpairable, and a
 request) checked with every chosen strategy::
@@ -17,7 +17,9 @@ request) checked with every chosen strategy::
                  minimal pair + request are printed as a pair file (`kvgeom plan --pair FILE`), exit 1
 
 Distinct failures (by outcome, strategy and first violation kind or exception type) are shrunk
-separately. The progress line on stderr shows examples done, rejected pairs and violations.
+separately. The progress line on stderr shows examples done, rejected pairs and violations. About
+``--topology-probability`` of each side's engines get pipeline stages, DCP token shards or
+replicas (docs/design.md §11); the summary counts the pairs with one on either side.
 
 Worked number: ``--examples 100000 --strategy all`` checks up to 300,000 plans (plans equal to one
 already verified for the same request, e.g. ``auto``'s pick, are not simulated twice). On the 2-core
@@ -192,6 +194,7 @@ class FuzzResult:
     rejected: int = 0
     verified_pairs: int = 0
     plans_verified: int = 0
+    topology_pairs: int = 0  # examples with stages, DCP or replicas on either side
     reasons: collections.Counter[str] = attrs.field(factory=collections.Counter)
     failures: dict[str, Failure] = attrs.field(factory=dict)
     seconds: float = 0.0
@@ -214,6 +217,7 @@ class FuzzResult:
             ["pairs verified", self.verified_pairs],
             ["plans verified", self.plans_verified],
             ["failures (distinct, shrunk)", len(self.failures)],
+            ["pairs with stages, DCP or replicas", self.topology_pairs],
         ]
         out = [f"kvgeom fuzz: {self.examples} examples, seed {self.seed}, strategies {', '.join(self.strategies)}: "
                f"{self.seconds:.1f} s ({self.rate:.1f} examples/s)", text_table(rows)]
@@ -292,6 +296,7 @@ def fuzz(
     mismatch_probability: float = 0.1,
     progress: TextIO | None = None,
     transfers: Any = None,
+    topology_probability: float = 0.3,
 ) -> FuzzResult:
     """Run the fuzz property on ``examples`` hypothesis examples and return the counts and the
     shrunk failures (empty when every example passed).
@@ -304,7 +309,8 @@ def fuzz(
     result = FuzzResult(seed=seed, strategies=strategies)
     bar = _Progress(progress or sys.stderr, examples, progress is not None)
     strategy = transfers if transfers is not None else kst.transfers(
-        pairs=kst.pairs(mismatch_probability=mismatch_probability, max_tokens=max_tokens), max_tokens=max_tokens)
+        pairs=kst.pairs(mismatch_probability=mismatch_probability, max_tokens=max_tokens,
+                        topology_probability=topology_probability), max_tokens=max_tokens)
     start = time.monotonic()
     shrinking = False
 
@@ -322,6 +328,8 @@ def fuzz(
             else:
                 result.examples += 1
                 result.plans_verified += outcome.plans
+                if not (t.pair.prefill.topology.trivial and t.pair.decode.topology.trivial):
+                    result.topology_pairs += 1
                 if outcome.kind == "rejected":
                     result.rejected += 1
                     result.reasons[reason_key(outcome.reason or "?")] += 1
@@ -384,9 +392,13 @@ def run_fuzz(args: argparse.Namespace) -> int:
         print(f"kvgeom fuzz: error: --mismatch-probability {args.mismatch_probability}: must be in [0, 1]",
               file=sys.stderr)
         return 2
+    if not 0.0 <= args.topology_probability <= 1.0:
+        print(f"kvgeom fuzz: error: --topology-probability {args.topology_probability}: must be in [0, 1]",
+              file=sys.stderr)
+        return 2
     strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
     result = fuzz(args.examples, seed=args.seed, strategies=strategies, max_tokens=args.max_tokens,
-                  mismatch_probability=args.mismatch_probability,
+                  mismatch_probability=args.mismatch_probability, topology_probability=args.topology_probability,
                   progress=None if args.no_progress else sys.stderr)
     print(result.summary())
     for i, (sig, failure) in enumerate(sorted(result.failures.items())):

@@ -18,6 +18,10 @@ do (a model group is an ``AttentionSpec`` or a ``StateSpec``).
 
 Worked number: ``Region(num_pages=4, page_bytes=8192)`` encodes as
 ``{"num_pages":4,"page_bytes":8192,"schema":1,"type":"Region"}`` (keys sorted, 60 bytes).
+
+An engine's ``topology`` (docs/design.md §11) and a model's ``global_layers`` are written only when
+they differ from the defaults, so the documents of one-stage engines are what they always were;
+both are optional when reading.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from ..values.fields import check_int, is_int
 from ..values.layout import AttentionGroupGeometry, AttentionView, PageLayout, Region, StateGroupGeometry, StateView
 from ..values.model import AttentionSpec, ModelSpec, StateSection, StateSpec
 from ..values.request import BlockList, GroupRequest, Request, StateSlots
+from ..values.topology import Topology
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -72,16 +77,21 @@ _ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {
     StateSection: lambda s: {"name": s.name, "channels": int(s.channels), "unit_bytes": int(s.unit_bytes),
                              "rows": int(s.rows), "replicated": bool(s.replicated)},
     StateSpec: lambda s: {"name": s.name, "num_layers": int(s.num_layers), "sections": _enc_list(s.sections)},
-    ModelSpec: lambda m: {"name": m.name, "groups": _enc_list(m.groups), "dtype": m.dtype},
+    ModelSpec: lambda m: {"name": m.name, "groups": _enc_list(m.groups), "dtype": m.dtype,
+                          **({} if m.global_layers is None else
+                             {"global_layers": [[int(x) for x in g] for g in m.global_layers]})},
+    Topology: lambda t: {"pp": int(t.pp), "partition": None if t.partition is None else [int(c) for c in t.partition],
+                         "dcp": int(t.dcp), "interleave": int(t.interleave), "replicas": int(t.replicas)},
     EngineGeometry: lambda e: {"name": e.name, "model": _encode(e.model), "tp": int(e.tp),
                                "kernel_block_tokens": int(e.kernel_block_tokens),
                                "blocks_per_logical": int(e.blocks_per_logical),
-                               "regions": _enc_list(e.regions), "groups": _enc_list(e.groups)},
+                               "regions": _enc_list(e.regions), "groups": _enc_list(e.groups),
+                               **({} if e.topology == Topology() else {"topology": _encode(e.topology)})},
     BlockList: lambda b: {"block_ids": [int(x) for x in b.block_ids], "first_token": int(b.first_token)},
     StateSlots: lambda s: {"slot_ids": [int(x) for x in s.slot_ids], "tokens": [int(x) for x in s.tokens]},
     GroupRequest: lambda g: {"prefill": _encode(g.prefill), "decode": _encode(g.decode)},
     Request: lambda r: {"computed_tokens": int(r.computed_tokens), "prefix_hit_tokens": int(r.prefix_hit_tokens),
-                        "groups": _enc_list(r.groups)},
+                        "groups": _enc_list(r.groups), "partial": bool(r.partial)},
     Pair: lambda p: {"prefill": _encode(p.prefill), "decode": _encode(p.decode)},
 }
 
@@ -195,6 +205,12 @@ class _Obj:
             raise SchemaError(self.path, f"invalid {self.cls.__name__}: {e}") from e
 
 
+def _list(path: str, v: Any) -> list[Any]:
+    if not isinstance(v, list):
+        raise SchemaError(path, f"expected an array, got {_jtype(v)}", actual=_short(v), expected="array")
+    return v
+
+
 def _jtype(v: Any) -> str:
     if v is None:
         return "null"
@@ -275,7 +291,24 @@ def _dec_state_spec(o: _Obj) -> StateSpec:
 def _dec_model(o: _Obj) -> ModelSpec:
     name, groups = o.f_str("name"), o.f_objs("groups", AttentionSpec, StateSpec)
     dtype = o.f_str("dtype", default="bfloat16")
-    return o.build(lambda: ModelSpec(name, groups, dtype))
+    order = None
+    if o.d.get("global_layers") is not None:
+        order = tuple(tuple(_int(f"{o.path}.global_layers[{i}][{j}]", x, 0) for j, x in enumerate(
+            _list(f"{o.path}.global_layers[{i}]", g))) for i, g in enumerate(o.f_list("global_layers")))
+    else:
+        o.used.add("global_layers")
+    return o.build(lambda: ModelSpec(name, groups, dtype, order))
+
+
+def _dec_topology(o: _Obj) -> Topology:
+    pp, dcp = o.f_int("pp", minimum=1, default=1), o.f_int("dcp", minimum=1, default=1)
+    interleave, replicas = o.f_int("interleave", minimum=1, default=1), o.f_int("replicas", minimum=1, default=1)
+    partition = None
+    if o.d.get("partition") is not None:
+        partition = tuple(_int(f"{o.path}.partition[{i}]", x, 1) for i, x in enumerate(o.f_list("partition")))
+    else:
+        o.used.add("partition")
+    return o.build(lambda: Topology(pp, partition, dcp, interleave, replicas))
 
 
 def _dec_engine(o: _Obj) -> EngineGeometry:
@@ -285,7 +318,9 @@ def _dec_engine(o: _Obj) -> EngineGeometry:
     ppl = o.f_int("blocks_per_logical", minimum=1, default=1)
     regions = o.f_objs("regions", Region)
     groups = o.f_objs("groups", AttentionGroupGeometry, StateGroupGeometry)
-    return o.build(lambda: EngineGeometry(model, tp, k, ppl, regions, groups, name))
+    topology = o.f_obj("topology", Topology) if "topology" in o.d else Topology()
+    o.used.add("topology")
+    return o.build(lambda: EngineGeometry(model, tp, k, ppl, regions, groups, name, topology))
 
 
 def _dec_block_list(o: _Obj) -> BlockList:
@@ -307,7 +342,8 @@ def _dec_group_request(o: _Obj) -> GroupRequest:
 def _dec_request(o: _Obj) -> Request:
     m, s = o.f_int("computed_tokens"), o.f_int("prefix_hit_tokens", default=0)
     groups = o.f_objs("groups", GroupRequest)
-    return o.build(lambda: Request(m, groups, s))
+    partial = o.f_bool("partial", default=False)
+    return o.build(lambda: Request(m, groups, s, partial=partial))
 
 
 def _dec_pair(o: _Obj) -> Pair:
@@ -326,6 +362,7 @@ _DECODERS: dict[type, Callable[[_Obj], Any]] = {
     StateSection: _dec_section,
     StateSpec: _dec_state_spec,
     ModelSpec: _dec_model,
+    Topology: _dec_topology,
     EngineGeometry: _dec_engine,
     BlockList: _dec_block_list,
     StateSlots: _dec_state_slots,

@@ -43,16 +43,19 @@ from hypothesis.errors import InvalidArgument
 
 from ..arith.ints import ceil_div
 from ..arith.shard import divisible
+from ..arith.tokens import window_start
 from ..building.presets import hybrid_blocks_per_logical
 from ..errors import InternalError, KvGeomError
 from ..planning.packed import min_staging_bytes, plan_packed
 from ..planning.transfer import Pair
+from ..values.coverage import coverage_problems
 from ..values.engine import EngineGeometry
 from ..values.fields import check_int
 from ..values.layout import AttentionView, Region, StateView
-from ..values.model import AttentionSpec, ModelSpec, StateSection, StateSpec
+from ..values.model import AttentionSpec, ModelSpec, StateSection, StateSpec, default_layer_order
 from ..values.pair import pairable
 from ..values.request import BlockList, GroupRequest, Request, StateSlots
+from ..values.topology import Topology
 
 __all__ = [
     "GeometryPair",
@@ -69,6 +72,7 @@ __all__ = [
     "blocks_for",
     "valid_tps",
     "hybrid_rule_ppl",
+    "valid_dcps",
 ]
 
 KINDS = ("full", "sliding", "mla", "state")
@@ -77,7 +81,7 @@ KV = ("packed", "split", "inner")
 REGIONS = ("per_layer", "interleaved", "shared")
 STATE_LAYOUTS = ("channel_major", "state_major")
 MISMATCHES = ("dtype", "head_bytes", "num_layers", "num_kv_heads", "kind", "window_tokens", "sections",
-              "group_names", "group_order", "missing_group")
+              "group_names", "group_order", "missing_group", "global_layers")
 """Ways :func:`unpairable_pairs` makes the decode model differ from the prefill model."""
 
 MAX_EXTRA_STATES = 2  # per-block states a side may list besides the running one
@@ -99,7 +103,7 @@ class Transfer(NamedTuple):
 
 
 class PackedTransfer(NamedTuple):
-    """A drawn pair, a request and a staging capacity for the packed strategy (docs/design.md §10.3)."""
+    """A drawn pair, a request and a staging capacity for the packed strategy (docs/design.md §12.3)."""
 
     pair: GeometryPair
     request: Request
@@ -251,7 +255,14 @@ def _models(draw: Any, kinds: tuple[str, ...], min_groups: int, max_groups: int,
         else:
             groups.append(AttentionSpec(name, kind, layers, heads, head_bytes,
                                         window_tokens=window if kind == "sliding" else None))
-    return ModelSpec("model", tuple(groups), dtype)
+    order = None
+    if len(groups) > 1 and _maybe(draw, 0.2):  # an explicit global layer order: the groups' layers merged
+        merged = draw(st.permutations([gi for gi, g in enumerate(groups) for _ in range(g.num_layers)]))
+        per: list[list[int]] = [[] for _ in groups]
+        for k, gi in enumerate(merged):
+            per[gi].append(k)
+        order = tuple(tuple(x) for x in per)
+    return ModelSpec("model", tuple(groups), dtype, order)
 
 
 # ---- engines -------------------------------------------------------------------------------------------
@@ -313,6 +324,10 @@ def engines(
     max_tokens: int = 64,
     num_blocks: int | None = None,
     name: str = "engine",
+    topology_probability: float = 0.3,
+    max_pp: int = 3,
+    max_dcp: int = 8,
+    max_replicas: int = 2,
 ) -> st.SearchStrategy[EngineGeometry]:
     """Valid engine geometries for ``model`` (a :class:`ModelSpec` or a strategy of them).
 
@@ -330,9 +345,13 @@ def engines(
       geometry no builder makes, checked by :class:`EngineGeometry` itself).
     * ``num_blocks`` (default None: :func:`blocks_for` the model at this engine's logical block
       size and ``max_tokens``, plus 1..4 spare blocks that act as neighbours in use).
+    * A topology (docs/design.md §11) with about ``topology_probability``: 1..``max_pp`` pipeline
+      stages (at most the model's layers; vLLM's default partition or a drawn explicit one), a
+      DCP size up to ``max_dcp`` dividing TP whose head groups still divide every attention
+      group's heads, an interleave dividing K, and 1..``max_replicas`` replicas.
 
     Shrinks towards TP 1, ``kernel_tokens[0]``, ppl 1 (or the hybrid rule), ``layouts[0]``,
-    ``kv[0]``, ``regions[0]``, no padding, one spare block.
+    ``kv[0]``, ``regions[0]``, no padding, one spare block, one stage, no DCP, one replica.
 
     One ``.example()`` output::
 
@@ -363,8 +382,13 @@ def engines(
                               "K/V in one page (add 'packed' or 'inner' to kv)")
     if not isinstance(name, str):
         raise InvalidArgument(f"name={name!r} must be a str")
+    topology_probability = _probability("topology_probability", topology_probability)
+    _int("max_pp", max_pp, 1)
+    _int("max_dcp", max_dcp, 1)
+    _int("max_replicas", max_replicas, 1)
     opts = _EngineOptions(max_tp, kernel_tokens, max_blocks_per_logical, layouts, kv, regions, hybrid_regions,
-                          state_layouts, hybrid_rule, padding, max_tokens, num_blocks, name)
+                          state_layouts, hybrid_rule, padding, max_tokens, num_blocks, name, topology_probability,
+                          max_pp, max_dcp, max_replicas)
     if isinstance(model, ModelSpec):
         return _engines(st.just(model), opts)
     return _engines(model, opts)
@@ -385,6 +409,10 @@ class _EngineOptions:
     max_tokens: int
     num_blocks: int | None
     name: str
+    topology_probability: float = 0.3
+    max_pp: int = 3
+    max_dcp: int = 8
+    max_replicas: int = 2
 
 
 @st.composite
@@ -412,13 +440,47 @@ def _draw_engine(draw: Any, model: ModelSpec, o: _EngineOptions, name: str) -> E
     B = K * ppl
     blocks = o.num_blocks if o.num_blocks is not None else (
         blocks_for(model, B, o.max_tokens) + draw(st.integers(1, 4)))
+    # drawn last (the blocks above are enough: DCP only widens a block, and the hybrid rule without DCP
+    # gives at least the ppl it needs with DCP)
+    topology = _draw_topology(draw, model, tp, K, o)
     engine = EngineGeometry.build(model, tp=tp, kernel_block_tokens=K, num_blocks=blocks, blocks_per_logical=ppl,
-                                  layout=layout, kv=kv, regions=region_choice, state_layout=state_layout, name=name)
+                                  layout=layout, kv=kv, regions=region_choice, state_layout=state_layout, name=name,
+                                  topology=topology)
     if o.padding and _maybe(draw, 0.25):
         pad = draw(st.integers(1, 64))
         lead = draw(st.integers(0, pad))
         engine = _padded(engine, pad, lead)
     return engine
+
+
+def valid_dcps(model: ModelSpec, tp: int, max_dcp: int = 8) -> tuple[int, ...]:
+    """DCP sizes in ``1..max_dcp`` dividing ``tp`` whose ``tp // dcp`` head groups still slice or
+    replicate every attention group's KV heads (docs/design.md §11.5)."""
+    out = []
+    for dcp in range(1, min(tp, max_dcp) + 1):
+        if tp % dcp:
+            continue
+        if all(divisible(g.num_kv_heads, tp // dcp, replicated=g.replicated)
+               for g in model.groups if isinstance(g, AttentionSpec)):
+            out.append(dcp)
+    return tuple(out)
+
+
+def _draw_topology(draw: Any, model: ModelSpec, tp: int, K: int, o: _EngineOptions) -> Topology | None:
+    """Stages, DCP and replicas with about ``topology_probability``; None (the default) otherwise."""
+    if not _maybe(draw, o.topology_probability):
+        return None
+    layers = model.num_global_layers
+    pp = draw(st.integers(1, max(1, min(o.max_pp, layers))))
+    partition = None
+    if pp > 1 and draw(st.booleans()):  # an explicit partition: pp - 1 distinct cuts among the layers
+        cuts = sorted(draw(st.lists(st.integers(1, layers - 1), min_size=pp - 1, max_size=pp - 1, unique=True)))
+        bounds = [0, *cuts, layers]
+        partition = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    dcp = draw(st.sampled_from(valid_dcps(model, tp, o.max_dcp)))
+    interleave = draw(st.sampled_from([i for i in range(1, K + 1) if K % i == 0])) if dcp > 1 else 1
+    replicas = draw(st.integers(1, o.max_replicas))
+    return Topology(pp, partition, dcp, interleave, replicas)
 
 
 def _padded(engine: EngineGeometry, pad_bytes: int, lead_bytes: int) -> EngineGeometry:
@@ -447,16 +509,18 @@ def _padded(engine: EngineGeometry, pad_bytes: int, lead_bytes: int) -> EngineGe
 def _engine_options(
     max_tp: int, kernel_tokens: Sequence[int], max_blocks_per_logical: int, layouts: Sequence[str],
     kv: Sequence[str], regions: Sequence[str], hybrid_regions: Sequence[str], state_layouts: Sequence[str],
-    hybrid_rule: bool, padding: bool, max_tokens: int,
+    hybrid_rule: bool, padding: bool, max_tokens: int, topology_probability: float = 0.3, max_pp: int = 3,
+    max_dcp: int = 8, max_replicas: int = 2,
 ) -> _EngineOptions:
     """Validate engine keywords through :func:`engines` (one code path) and keep the normalized values."""
     engines(ModelSpec("m", [AttentionSpec("a", "full", 1, 1, 1)]), max_tp=max_tp, kernel_tokens=kernel_tokens,
             max_blocks_per_logical=max_blocks_per_logical, layouts=layouts, kv=kv, regions=regions,
             hybrid_regions=hybrid_regions, state_layouts=state_layouts, hybrid_rule=hybrid_rule,
-            padding=padding, max_tokens=max_tokens)
+            padding=padding, max_tokens=max_tokens, topology_probability=topology_probability, max_pp=max_pp,
+            max_dcp=max_dcp, max_replicas=max_replicas)
     return _EngineOptions(max_tp, tuple(kernel_tokens), max_blocks_per_logical, tuple(layouts), tuple(kv),
                           tuple(regions), tuple(hybrid_regions), tuple(state_layouts), hybrid_rule, padding,
-                          max_tokens, None, "engine")
+                          max_tokens, None, "engine", float(topology_probability), max_pp, max_dcp, max_replicas)
 
 
 def pairs(
@@ -474,9 +538,14 @@ def pairs(
     hybrid_rule: bool = True,
     padding: bool = True,
     max_tokens: int = 64,
+    topology_probability: float = 0.3,
+    max_pp: int = 3,
+    max_dcp: int = 8,
+    max_replicas: int = 2,
 ) -> st.SearchStrategy[GeometryPair]:
     """A prefill and a decode engine of one model (``models`` default: :func:`models` ()), each drawn
-    independently with the :func:`engines` keywords, named ``prefill`` and ``decode``.
+    independently with the :func:`engines` keywords (stages, DCP and replicas included, on either
+    side), named ``prefill`` and ``decode``.
 
     With ``mismatch_probability`` > 0, about that share of the pairs get a decode model that
     differs from the prefill model in one of :data:`MISMATCHES` (see :func:`unpairable_pairs`).
@@ -492,7 +561,8 @@ def pairs(
     model_strategy = _model_strategy(models)
     p = _probability("mismatch_probability", mismatch_probability)
     o = _engine_options(max_tp, kernel_tokens, max_blocks_per_logical, layouts, kv, regions, hybrid_regions,
-                        state_layouts, hybrid_rule, padding, max_tokens)
+                        state_layouts, hybrid_rule, padding, max_tokens, topology_probability, max_pp, max_dcp,
+                        max_replicas)
     return _pairs(model_strategy, o, p)
 
 
@@ -514,6 +584,10 @@ def unpairable_pairs(
     hybrid_rule: bool = True,
     padding: bool = True,
     max_tokens: int = 64,
+    topology_probability: float = 0.3,
+    max_pp: int = 3,
+    max_dcp: int = 8,
+    max_replicas: int = 2,
 ) -> st.SearchStrategy[GeometryPair]:
     """Pairs whose decode model differs from the prefill model in one way from ``mismatches``
     (applicable to the drawn model: ``window_tokens`` needs a sliding group, ``sections`` a state
@@ -532,7 +606,8 @@ def unpairable_pairs(
     model_strategy = _model_strategy(models)
     mismatches = _choices("mismatches", mismatches, MISMATCHES)
     o = _engine_options(max_tp, kernel_tokens, max_blocks_per_logical, layouts, kv, regions, hybrid_regions,
-                        state_layouts, hybrid_rule, padding, max_tokens)
+                        state_layouts, hybrid_rule, padding, max_tokens, topology_probability, max_pp, max_dcp,
+                        max_replicas)
     return _pairs(model_strategy, o, 1.0, mismatches)
 
 
@@ -568,7 +643,7 @@ def _applicable(model: ModelSpec, kind: str) -> bool:
         return any(g.kind.value == "sliding" for g in attention)
     if kind == "sections":
         return any(isinstance(g, StateSpec) for g in model.groups)
-    return len(model.groups) > 1  # group_order, missing_group
+    return len(model.groups) > 1  # group_order, missing_group, global_layers
 
 
 def _mismatched(draw: Any, model: ModelSpec, mismatches: tuple[str, ...]) -> ModelSpec:
@@ -579,13 +654,22 @@ def _mismatched(draw: Any, model: ModelSpec, mismatches: tuple[str, ...]) -> Mod
     groups = list(model.groups)
     if how == "dtype":
         return attrs.evolve(model, dtype=model.dtype + "_other")
-    if how == "group_order":
+    if how == "global_layers":  # layer i of later groups first: differs from any order with 2+ groups at i = 0
+        pairs_ = sorted((i, -gi) for gi, g in enumerate(groups) for i in range(g.num_layers))
+        per: list[list[int]] = [[] for _ in groups]
+        for k, (_, neg) in enumerate(pairs_):
+            per[-neg].append(k)
+        other = tuple(tuple(x) for x in per)
+        if other == model.layer_order():
+            other = default_layer_order(tuple(g.num_layers for g in groups))
+        return attrs.evolve(model, global_layers=other)
+    if how == "group_order":  # (an explicit global layer order no longer fits: dropped)
         i = draw(st.integers(0, len(groups) - 2))
         groups[i], groups[i + 1] = groups[i + 1], groups[i]
-        return attrs.evolve(model, groups=tuple(groups))
+        return attrs.evolve(model, groups=tuple(groups), global_layers=None)
     if how == "missing_group":
         del groups[draw(st.integers(0, len(groups) - 1))]
-        return attrs.evolve(model, groups=tuple(groups))
+        return attrs.evolve(model, groups=tuple(groups), global_layers=None)
     if how == "group_names":
         i = draw(st.integers(0, len(groups) - 1))
         groups[i] = attrs.evolve(groups[i], name=groups[i].name + "_renamed")
@@ -593,7 +677,7 @@ def _mismatched(draw: Any, model: ModelSpec, mismatches: tuple[str, ...]) -> Mod
     if how == "num_layers":
         i = draw(st.integers(0, len(groups) - 1))
         groups[i] = attrs.evolve(groups[i], num_layers=groups[i].num_layers + draw(st.integers(1, 2)))
-        return attrs.evolve(model, groups=tuple(groups))
+        return attrs.evolve(model, groups=tuple(groups), global_layers=None)
     if how == "sections":
         idx = [i for i, g in enumerate(groups) if isinstance(g, StateSpec)]
         i = draw(st.sampled_from(idx))
@@ -676,6 +760,7 @@ def requests(
     scattered: bool = True,
     sliding_tails: bool = True,
     extra_states: bool = True,
+    partial: bool = True,
 ) -> st.SearchStrategy[Request]:
     """Requests for ``pair`` (a :class:`GeometryPair`, a :class:`~kvgeom.Pair` or any object with
     ``prefill`` and ``decode`` engines), in the prefill model's group order.
@@ -692,6 +777,12 @@ def requests(
     sides hold the same position). Block ids are distinct over all groups of a side, drawn from
     the engine's pool: any ids (``scattered``) or one consecutive run; unlisted ids are the
     neighbours in use.
+
+    Some of these listings do not cover what their side needs (P starting after 0, P listing a
+    block past M, D allocating more than ``M + 1`` tokens): such requests are built with
+    ``partial=True`` (:mod:`kvgeom.values.coverage`), so the planner accepts them as partial
+    transfers on purpose. With ``partial=False`` only covering requests are drawn (P from token
+    0 without an extra block, ``N <= M + 1``).
 
     Shrinks towards ``M = min_tokens``, no prefix hit, ``N = M``, listings from token 0,
     consecutive ids from 0. For engines that cannot be paired the decode ids are not checked
@@ -711,7 +802,7 @@ def requests(
         raise InvalidArgument(f"pair={pair!r} must have EngineGeometry attributes prefill and decode")
     _int("min_tokens", min_tokens, 0)
     for label, value in (("prefix_hits", prefix_hits), ("scattered", scattered), ("sliding_tails", sliding_tails),
-                         ("extra_states", extra_states)):
+                         ("extra_states", extra_states), ("partial", partial)):
         if not isinstance(value, bool):
             raise InvalidArgument(f"{label}={value!r} must be a bool")
     paired = bool(pairable(prefill, decode))
@@ -733,12 +824,12 @@ def requests(
                     f"whose pool has {_pool(eng)}; use max_tokens <= {_max_fitting(prefill, decode, max_tokens)} "
                     f"or build the engines with num_blocks >= {need}")
     return _requests(prefill, decode, min_tokens, max_tokens, prefix_hits, scattered, sliding_tails, extra_states,
-                     paired)
+                     paired, partial)
 
 
 @st.composite
 def _requests(draw: Any, P: EngineGeometry, D: EngineGeometry, min_tokens: int, max_tokens: int, prefix_hits: bool,
-              scattered: bool, sliding_tails: bool, extra_states: bool, paired: bool) -> Request:
+              scattered: bool, sliding_tails: bool, extra_states: bool, paired: bool, partial: bool) -> Request:
     Bp, Bd = P.logical_block_tokens, D.logical_block_tokens
     M = draw(st.integers(min_tokens, max_tokens))
     S = Bd * draw(st.integers(0, M // Bd)) if prefix_hits else 0
@@ -746,6 +837,8 @@ def _requests(draw: Any, P: EngineGeometry, D: EngineGeometry, min_tokens: int, 
     d_first = S - Bd * draw(st.integers(0, S // Bd))
     p_first = Bp * draw(st.integers(0, S // Bp))
     p_extra = draw(st.integers(0, 1))
+    if not partial:  # the same draws (shrinking stays stable), then only covering listings
+        N, p_first, p_extra = min(N, M + 1), 0, 0
 
     listings: list[tuple[Any, Any]] = []  # per group: (P shape, D shape); shapes are counts or state tokens
     for spec in P.model.groups:
@@ -765,8 +858,9 @@ def _requests(draw: Any, P: EngineGeometry, D: EngineGeometry, min_tokens: int, 
             continue
         pf, df = p_first, d_first
         if spec.window_tokens is not None and sliding_tails and not draw(st.booleans()):
-            pf = max(pf, max(0, M - spec.window_tokens) // Bp * Bp)
-            df = max(df, max(0, N - spec.window_tokens) // Bd * Bd)
+            ws = window_start(M, spec.window_tokens)
+            pf = max(pf, ws // Bp * Bp)
+            df = max(df, ws // Bd * Bd)
         p_count = (ceil_div(M - pf, Bp) if M > pf else 0) + p_extra
         d_count = ceil_div(N - df, Bd) if N > df else 0
         listings.append(((pf, p_count), (df, d_count)))
@@ -799,7 +893,11 @@ def _requests(draw: Any, P: EngineGeometry, D: EngineGeometry, min_tokens: int, 
             groups.append(GroupRequest(StateSlots(tuple(pb), tuple(p_shape)), StateSlots(tuple(db), tuple(d_shape))))
         else:
             groups.append(GroupRequest(BlockList(tuple(pb), p_shape[0]), BlockList(tuple(db), d_shape[0])))
-    return Request(M, tuple(groups), S)
+    request = Request(M, tuple(groups), S)
+    short = coverage_problems(P.model, P, D, request)
+    if short and not partial:
+        raise InternalError(f"requests(partial=False) drew a listing that does not cover its side: {short[0]}")
+    return attrs.evolve(request, partial=True) if short else request
 
 
 def transfers(
@@ -811,9 +909,11 @@ def transfers(
     scattered: bool = True,
     sliding_tails: bool = True,
     extra_states: bool = True,
+    partial: bool = True,
 ) -> st.SearchStrategy[Transfer]:
     """A pair (``pairs`` default: :func:`pairs` sized for ``max_tokens``) and a :func:`requests`
-    draw for it with the given keywords. Shrinks like the pair, then like the request.
+    draw for it with the given keywords (``partial=False``: only requests whose listings cover
+    what each side needs). Shrinks like the pair, then like the request.
 
     One ``.example()`` output::
 
@@ -829,7 +929,7 @@ def transfers(
     elif not isinstance(pairs, st.SearchStrategy):
         raise InvalidArgument(f"pairs={pairs!r} must be a strategy of GeometryPair (e.g. kvgeom.tools.strategies.pairs())")
     opts = dict(min_tokens=min_tokens, prefix_hits=prefix_hits, scattered=scattered, sliding_tails=sliding_tails,
-                extra_states=extra_states)
+                extra_states=extra_states, partial=partial)
     return _transfers(pairs, max_tokens, opts)
 
 

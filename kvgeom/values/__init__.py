@@ -8,6 +8,10 @@ from __future__ import annotations
 from .builder import (
     engine_fields,
 )
+from .coverage import (
+    coverage_problems,
+    needed_range,
+)
 from .engine import (
     EngineGeometry,
     engine_html,
@@ -48,6 +52,7 @@ from .model import (
     ModelSpec,
     StateSection,
     StateSpec,
+    default_layer_order,
 )
 from .notes import (
     Note,
@@ -89,6 +94,14 @@ from .staging import (
     StagingStep,
     WireCopies,
 )
+from .tensors import (
+    AXIS_NAMES,
+    LayerTensors,
+    TensorFacts,
+    parse_axes,
+    tensor_facts,
+    tensor_fields,
+)
 from .text import (
     MAX_RANK_ROWS,
     cut,
@@ -98,9 +111,15 @@ from .text import (
     html_table,
     text_table,
 )
+from .topology import (
+    RankCoords,
+    Topology,
+)
 
 __all__ = [
     "engine_fields",
+    "needed_range",
+    "coverage_problems",
     "EngineGeometry",
     "engine_line",
     "engine_repr",
@@ -132,6 +151,9 @@ __all__ = [
     "StateSpec",
     "GroupSpec",
     "ModelSpec",
+    "default_layer_order",
+    "Topology",
+    "RankCoords",
     "NoteKind",
     "Note",
     "as_notes",
@@ -162,6 +184,12 @@ __all__ = [
     "Request",
     "request_repr",
     "request_html",
+    "AXIS_NAMES",
+    "LayerTensors",
+    "TensorFacts",
+    "parse_axes",
+    "tensor_facts",
+    "tensor_fields",
     "format_ids",
     "format_bytes",
     "text_table",

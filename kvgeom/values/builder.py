@@ -11,14 +11,22 @@ blocks of ``ppl`` kernel pages::
 
 Worked number: 2 local heads of 256 B, K = 16, K/V packed, per_layer, 4 layers, 8 blocks of ppl 1:
 4 regions of 8 pages x (2 planes * 2 heads * 16 tokens * 256 B) = 8 x 16384 B.
+
+With several pipeline stages (docs/design.md §11.4) every region belongs to one stage:
+``per_layer`` is unchanged (a region per layer), ``interleaved`` makes one region per group and
+stage holding that stage's layers side by side, ``shared`` one region per stage and stage-local
+layer index. On one stage all three are exactly the layouts above. Heads per rank are those of a
+head group, ``tp // dcp`` of them sharing the KV heads (docs/design.md §11.1).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
+import numpy as np
+
 from ..arith.ints import ceil_div
-from ..arith.shard import check_divisible, local_count
+from ..arith.shard import check_divisible, layer_partition, local_count
 from ..errors import GeometryError, InternalError
 from .fields import check_int
 from .layout import (
@@ -34,6 +42,7 @@ from .layout import (
 )
 from .layout import state_layout as as_state_layout
 from .model import AttentionSpec, ModelSpec
+from .topology import Topology
 
 __all__ = ["engine_fields"]
 
@@ -50,6 +59,7 @@ def engine_fields(
     regions: Literal["per_layer", "interleaved", "shared"] = "per_layer",
     state_layout: StateLayout | str = StateLayout.CHANNEL_MAJOR,
     name: str = "engine",
+    topology: Topology | None = None,
 ) -> dict[str, Any]:
     """The keyword arguments of ``EngineGeometry(...)`` for the described engine (see the module).
 
@@ -75,16 +85,27 @@ def engine_fields(
     if regions == "shared" and kv == "split":
         raise GeometryError(f"{name}.kv", "shared regions need K/V in one page", actual=kv,
                             expected="packed or inner", fix="use kv='packed' with regions='shared'")
+    topo = Topology() if topology is None else topology
+    if not isinstance(topo, Topology):
+        raise GeometryError(f"{name}.topology", f"expected Topology, got {type(topo).__name__}", actual=topo,
+                            fix="pass kvgeom.values.Topology(...)")
+    if tp % topo.dcp:
+        raise GeometryError(f"{name}.topology.dcp", f"dcp={topo.dcp} does not divide tp={tp}", actual=topo.dcp,
+                            expected=f"a divisor of {tp}", fix="DCP splits each TP group into tp // dcp groups")
+    head_tp = tp // topo.dcp
     K = kernel_block_tokens
     ppl = blocks_per_logical
     num_pages = num_blocks * ppl
+    # the stage of each layer of each group (one stage: all 0)
+    bounds = np.cumsum(layer_partition(model.num_global_layers, topo.pp, topo.partition))
+    stage_of = [[int(np.searchsorted(bounds, x, side="right")) for x in order] for order in model.layer_order()]
     layouts: list[PageLayout | StateLayout] = []
     layer_bytes: list[int] = []  # per rank, one layer: kernel page bytes (attn) or state bytes
     for spec in model.groups:
         if isinstance(spec, AttentionSpec):
             check_divisible(f"{name}.tp (group {spec.name!r} num_kv_heads)", spec.num_kv_heads,
-                            tp, replicated=spec.replicated)
-            h = local_count(spec.num_kv_heads, tp, replicated=spec.replicated)
+                            head_tp, replicated=spec.replicated)
+            h = local_count(spec.num_kv_heads, head_tp, replicated=spec.replicated)
             maker = PageLayout.hnd if layout == "HND" else PageLayout.nhd
             lay = maker(heads=h, tokens=K, head_bytes=spec.head_bytes, planes=spec.planes, kv=kv)
             layouts.append(lay)
@@ -114,23 +135,28 @@ def engine_fields(
         return ceil_div(layer_bytes[gi] * nlayers, ppl)  # a state fills ppl kernel pages
 
     if regions == "shared":
-        depth = max(s.num_layers for s in model.groups)
-        for i in range(depth):
-            need = 0
-            for gi, spec in enumerate(model.groups):
-                if spec.num_layers > i:
-                    need = max(need, layer_bytes[gi] if isinstance(spec, AttentionSpec)
-                               else state_page(gi))
-            region_pages.append(need)
+        # region (stage, i) holds the i-th layer the stage has of every group (one stage: region i = layer i)
+        region_of: list[list[int]] = [[0] * spec.num_layers for spec in model.groups]
+        for stage in range(topo.pp):
+            per_group = [[li for li in range(spec.num_layers) if stage_of[gi][li] == stage]
+                         for gi, spec in enumerate(model.groups)]
+            for i in range(max(len(h) for h in per_group)):
+                need = 0
+                for gi, spec in enumerate(model.groups):
+                    if len(per_group[gi]) > i:
+                        need = max(need, layer_bytes[gi] if isinstance(spec, AttentionSpec) else state_page(gi))
+                        region_of[gi][per_group[gi][i]] = len(region_pages)
+                region_pages.append(need)
         for gi, spec in enumerate(model.groups):
             if isinstance(spec, AttentionSpec):
-                group_geos.append(attn_views(gi, spec, [(i,) * spec.planes for i in range(spec.num_layers)],
-                                             [0] * spec.num_layers))
+                group_geos.append(attn_views(gi, spec, [(region_of[gi][i],) * spec.planes
+                                                        for i in range(spec.num_layers)], [0] * spec.num_layers))
             else:
                 slay = layouts[gi]  # type: ignore[assignment]
                 if not isinstance(slay, StateLayout):
                     raise InternalError("a state group's layout is a StateLayout")
-                group_geos.append(StateGroupGeometry(slay, tuple(StateView(i, 0) for i in range(spec.num_layers))))
+                group_geos.append(StateGroupGeometry(slay, tuple(StateView(region_of[gi][i], 0)
+                                                                 for i in range(spec.num_layers))))
     else:
         for gi, spec in enumerate(model.groups):
             if isinstance(spec, AttentionSpec):
@@ -143,12 +169,20 @@ def engine_fields(
                         per_layer.append(tuple(first + (p if kv == "split" else 0)
                                                for p in range(spec.planes)))
                     group_geos.append(attn_views(gi, spec, per_layer, [0] * spec.num_layers))
-                else:
-                    first = len(region_pages)
-                    region_pages.extend([layer_bytes[gi] * spec.num_layers] * planes_regions)
-                    rs = tuple(first + (p if kv == "split" else 0) for p in range(spec.planes))
-                    group_geos.append(attn_views(gi, spec, [rs] * spec.num_layers,
-                                                 [layer_bytes[gi] * li for li in range(spec.num_layers)]))
+                else:  # interleaved: one region (two with split K/V) per stage holding the group's layers
+                    per_layer_rs: list[tuple[int, ...]] = [()] * spec.num_layers
+                    offsets = [0] * spec.num_layers
+                    for stage in range(topo.pp):
+                        held = [li for li in range(spec.num_layers) if stage_of[gi][li] == stage]
+                        if not held:
+                            continue
+                        first = len(region_pages)
+                        region_pages.extend([layer_bytes[gi] * len(held)] * planes_regions)
+                        rs = tuple(first + (p if kv == "split" else 0) for p in range(spec.planes))
+                        for k, li in enumerate(held):
+                            per_layer_rs[li] = rs
+                            offsets[li] = layer_bytes[gi] * k
+                    group_geos.append(attn_views(gi, spec, per_layer_rs, offsets))
             else:
                 slay = layouts[gi]  # type: ignore[assignment]
                 if not isinstance(slay, StateLayout):
@@ -158,9 +192,15 @@ def engine_fields(
                     region_pages.extend([state_page(gi)] * spec.num_layers)
                     views = [StateView(first + li, 0) for li in range(spec.num_layers)]
                 else:
-                    first = len(region_pages)
-                    region_pages.append(state_page(gi, spec.num_layers))
-                    views = [StateView(first, layer_bytes[gi] * li) for li in range(spec.num_layers)]
+                    views = [StateView(0, 0)] * spec.num_layers
+                    for stage in range(topo.pp):
+                        held = [li for li in range(spec.num_layers) if stage_of[gi][li] == stage]
+                        if not held:
+                            continue
+                        first = len(region_pages)
+                        region_pages.append(state_page(gi, len(held)))
+                        for k, li in enumerate(held):
+                            views[li] = StateView(first, layer_bytes[gi] * k)
                 group_geos.append(StateGroupGeometry(slay, tuple(views)))
     return dict(
         model=model,
@@ -170,4 +210,5 @@ def engine_fields(
         regions=tuple(Region(num_pages, pb) for pb in region_pages),
         groups=tuple(group_geos),
         name=name,
+        topology=topo,
     )

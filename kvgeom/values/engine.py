@@ -15,32 +15,42 @@ one logical page::
 Worked number: HND, 2 local heads of 256 B, K = 16, K/V packed: ``head_stride = 16 * 256 = 4096``,
 ``kv_stride = 2 * 4096 = 8192``; head 1, V plane, token 5 of page 3 starts at
 ``3 * 16384 + 8192 + 4096 + 5 * 256 = 62720``.
+
+With a :class:`~kvgeom.values.topology.Topology` (docs/design.md §11) ranks also differ in their
+pipeline stage (the layers and regions they hold), their DCP rank (the tokens) and their replica.
+Ranks are numbered flat, ``(stage * replicas + replica) * tp + tp_rank``; ``holds(rank)`` says
+what each holds: for Llama-3-70B on PP2 x TP4, rank 5 holds layers [40, 80) and heads [2, 4).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
 import numpy as np
 
-from ..arith.shard import Slice, local_count, owned_slice
+from ..arith.shard import Slice, TokenShard, layer_partition, local_count, owned_slice, stage_slices
 from ..errors import GeometryError, InternalError
 from .builder import engine_fields
 from .engine_checks import validate_engine
 from .fields import is_int, pos_int
 from .layout import (
     AttentionGroupGeometry,
+    AttentionView,
     GroupGeometry,
     Region,
     SectionPlacement,
     StateGroupGeometry,
     StateLayout,
+    StateView,
     section_placements,
 )
 from .model import AttentionSpec, ModelSpec, StateSpec
+from .tensors import LayerTensors, tensor_fields
 from .text import MAX_RANK_ROWS, cut, format_ids, html_block, html_table, text_table
+from .topology import RankCoords, Topology
 
 __all__ = ["EngineGeometry", "engine_line", "engine_repr", "engine_html"]
 
@@ -58,7 +68,9 @@ class EngineGeometry:
     """The geometry every rank of one engine shares.
 
     ``kernel_block_tokens`` is K (tokens per attention kernel page); ``blocks_per_logical`` is
-    ppl (kernel pages per logical block). Logical block size is ``K * ppl`` tokens.
+    ppl (kernel pages per logical block). Logical block size is ``K * ppl`` tokens per rank, and
+    ``K * ppl * dcp`` request tokens (docs/design.md §11.2). ``tp`` is the TP size of one stage;
+    ``topology`` adds pipeline stages, DCP and replicas (docs/design.md §11).
     """
 
     model: ModelSpec
@@ -68,6 +80,7 @@ class EngineGeometry:
     regions: tuple[Region, ...] = attrs.field(converter=_regions)
     groups: tuple[GroupGeometry, ...] = attrs.field(converter=_groups)
     name: str = "engine"
+    topology: Topology = attrs.field(default=Topology())
 
     def __attrs_post_init__(self) -> None:
         validate_engine(self)
@@ -75,7 +88,8 @@ class EngineGeometry:
     # ---- sizes -----------------------------------------------------------------------------
     @property
     def logical_block_tokens(self) -> int:
-        return self.kernel_block_tokens * self.blocks_per_logical
+        """Request tokens one logical block id covers: ``K * ppl``, times ``dcp`` on a DCP engine."""
+        return self.kernel_block_tokens * self.blocks_per_logical * self.topology.dcp
 
     def logical_page_bytes(self, region: int) -> int:
         """Bytes of one logical page (a state slot) of ``region``."""
@@ -91,7 +105,7 @@ class EngineGeometry:
         if not isinstance(spec, AttentionSpec):
             raise GeometryError(f"{self.name}.groups[{group}]", "not an attention group",
                                 actual=spec.kind.value)
-        return local_count(spec.num_kv_heads, self.tp, replicated=spec.replicated)
+        return local_count(spec.num_kv_heads, self.head_tp, replicated=spec.replicated)
 
     def group_regions(self, group: int) -> tuple[int, ...]:
         """Regions any layer of ``group`` lives in, sorted."""
@@ -100,22 +114,133 @@ class EngineGeometry:
             return tuple(sorted({r for v in g.views for r in v.regions}))
         return tuple(sorted({v.region for v in g.views}))
 
+    # ---- topology (docs/design.md §11) ------------------------------------------------------
+    @property
+    def head_tp(self) -> int:
+        """Head groups of one stage: ``tp // dcp`` (the dcp ranks of a head group hold the same heads)."""
+        return self.tp // self.topology.dcp
+
+    @property
+    def num_ranks(self) -> int:
+        """Every rank of the engine: ``pp * replicas * tp``."""
+        t = self.topology
+        return t.pp * t.replicas * self.tp
+
+    @functools.cached_property
+    def stage_counts(self) -> tuple[int, ...]:
+        """Global layers per stage (vLLM's rule, or the topology's explicit partition)."""
+        t = self.topology
+        return layer_partition(self.model.num_global_layers, t.pp, t.partition)
+
+    def coords(self, rank: int) -> RankCoords:
+        """Stage, replica, TP rank, DCP rank and head group of flat rank ``rank``."""
+        self._index("rank", rank, self.num_ranks)
+        tp, t = self.tp, self.topology
+        outer, tp_rank = divmod(int(rank), tp)
+        stage, replica = divmod(outer, t.replicas)
+        return RankCoords(int(rank), stage, replica, tp_rank, tp_rank % t.dcp, tp_rank // t.dcp)
+
+    def rank_of(self, stage: int, tp_rank: int, replica: int = 0) -> int:
+        """The flat rank of (stage, replica, tp rank)."""
+        t = self.topology
+        self._index("stage", stage, t.pp)
+        self._index("tp_rank", tp_rank, self.tp)
+        self._index("replica", replica, t.replicas)
+        return (stage * t.replicas + replica) * self.tp + tp_rank
+
+    @functools.cached_property
+    def _layer_stages(self) -> tuple[tuple[int, ...], ...]:
+        """Per group, the stage of each of its layers."""
+        bounds = np.cumsum(self.stage_counts)
+        return tuple(tuple(int(s) for s in np.searchsorted(bounds, np.asarray(order, np.int64), side="right"))
+                     for order in self.model.layer_order())
+
+    def layer_stage(self, group: int, layer: int) -> int:
+        """The stage holding layer ``layer`` of group ``group``."""
+        self._index("group", group, len(self.groups))
+        stages = self._layer_stages[group]
+        self._index("layer", layer, len(stages))
+        return stages[layer]
+
+    def stage_layers(self, group: int, stage: int) -> Slice:
+        """The layers of ``group`` that stage ``stage`` holds (a contiguous slice, maybe empty)."""
+        self._index("group", group, len(self.groups))
+        self._index("stage", stage, self.topology.pp)
+        stages = np.asarray(self._layer_stages[group], np.int64)
+        lo = int(np.searchsorted(stages, stage, side="left"))
+        hi = int(np.searchsorted(stages, stage, side="right"))
+        return Slice(lo, hi)
+
+    def stage_global_layers(self, stage: int) -> Slice:
+        """The global layers of stage ``stage``."""
+        self._index("stage", stage, self.topology.pp)
+        return stage_slices(self.stage_counts)[stage]
+
+    @functools.cached_property
+    def _region_stages(self) -> tuple[int | None, ...]:
+        """The stage of each region (the stage of the layers using it); None for an unused region."""
+        out: list[int | None] = [None] * len(self.regions)
+        for gi, geo in enumerate(self.groups):
+            stages = self._layer_stages[gi]
+            for li, v in enumerate(geo.views):
+                regions = v.regions if isinstance(v, AttentionView) else (v.region,) if isinstance(v, StateView) else ()
+                for r in regions:
+                    if 0 <= r < len(out) and out[r] is None:
+                        out[r] = stages[li]
+        return tuple(out)
+
+    def region_stage(self, region: int) -> int | None:
+        """The stage whose ranks hold ``region`` (0 for every region of a one-stage engine; None for a
+        region no layer uses on a multi-stage engine)."""
+        self._index("region", region, len(self.regions))
+        if self.topology.pp == 1:
+            return 0
+        return self._region_stages[region]
+
+    def stage_regions(self, stage: int) -> tuple[int, ...]:
+        """The regions the ranks of stage ``stage`` hold, sorted (every region with one stage)."""
+        self._index("stage", stage, self.topology.pp)
+        if self.topology.pp == 1:
+            return tuple(range(len(self.regions)))
+        return tuple(r for r, s in enumerate(self._region_stages) if s == stage)
+
+    def rank_regions(self, rank: int) -> tuple[int, ...]:
+        """The regions rank ``rank`` holds and registers, in order."""
+        return self.stage_regions(self.coords(rank).stage)
+
+    def tokens_of(self, rank: int) -> TokenShard:
+        """The attention tokens rank ``rank`` holds (all of them without DCP)."""
+        t = self.topology
+        return TokenShard(t.dcp, t.interleave, self.coords(rank).dcp_rank)
+
+    def head_slice(self, group: int, rank: int) -> Slice:
+        """The KV heads of attention group ``group`` rank ``rank`` holds: its head group's slice."""
+        self._index("group", group, len(self.groups))
+        spec = self.model.groups[group]
+        if not isinstance(spec, AttentionSpec):
+            raise GeometryError(f"{self.name}.groups[{group}]", "not an attention group", actual=spec.kind.value)
+        return owned_slice(spec.num_kv_heads, self.head_tp, self.coords(rank).head_group,
+                           replicated=spec.replicated)
+
     # ---- ownership -------------------------------------------------------------------------
-    def holds(self, rank: int) -> dict[str, dict[str, Slice]]:
-        """Which global coordinates rank ``rank`` holds, per group and axis.
+    def holds(self, rank: int) -> dict[str, dict[str, Any]]:
+        """Which global coordinates rank ``rank`` holds, per group and axis: ``layers`` (a slice of
+        the group's layers), ``heads`` and ``tokens`` (a :class:`TokenShard`) for attention groups,
+        one channel slice per section for state groups (docs/design.md §11.1).
 
         >>> # 8 heads over TP 4: rank 3 holds heads [6, 8)
         """
-        out: dict[str, dict[str, Slice]] = {}
-        for spec in self.model.groups:
+        c = self.coords(rank)
+        tokens = self.tokens_of(rank)
+        out: dict[str, dict[str, Any]] = {}
+        for gi, spec in enumerate(self.model.groups):
+            layers = self.stage_layers(gi, c.stage)
             if isinstance(spec, AttentionSpec):
-                out[spec.name] = {"heads": owned_slice(spec.num_kv_heads, self.tp, rank,
-                                                       replicated=spec.replicated)}
+                out[spec.name] = {"layers": layers, "heads": self.head_slice(gi, rank), "tokens": tokens}
             else:
-                out[spec.name] = {
-                    s.name: owned_slice(s.channels, self.tp, rank, replicated=s.replicated)
-                    for s in spec.sections
-                }
+                out[spec.name] = {"layers": layers, **{
+                    s.name: owned_slice(s.channels, self.tp, c.tp_rank, replicated=s.replicated)
+                    for s in spec.sections}}
         return out
 
     # ---- state sections --------------------------------------------------------------------
@@ -210,11 +335,39 @@ class EngineGeometry:
         regions: Literal["per_layer", "interleaved", "shared"] = "per_layer",
         state_layout: StateLayout | str = StateLayout.CHANNEL_MAJOR,
         name: str = "engine",
+        topology: Topology | None = None,
     ) -> EngineGeometry:
         """Build the usual geometries: ``num_blocks`` logical blocks in every region
-        (:func:`kvgeom.values.builder.engine_fields` says how each choice lays the pages out)."""
+        (:func:`kvgeom.values.builder.engine_fields` says how each choice lays the pages out;
+        with ``topology``, regions are made per pipeline stage, docs/design.md §11.4)."""
         return cls(**engine_fields(model, tp=tp, kernel_block_tokens=kernel_block_tokens, num_blocks=num_blocks,
                                    blocks_per_logical=blocks_per_logical, layout=layout, kv=kv, regions=regions,
+                                   state_layout=state_layout, name=name, topology=topology))
+
+    @classmethod
+    def from_tensors(
+        cls,
+        model: ModelSpec,
+        *,
+        tp: int,
+        layers: Sequence[LayerTensors],
+        kernel_block_tokens: int | None = None,
+        blocks_per_logical: int | None = None,
+        regions: Sequence[Any] | None = None,
+        sizes: Mapping[str, int] | None = None,
+        state_layout: StateLayout | str | None = None,
+        name: str = "engine",
+    ) -> EngineGeometry:
+        """Read the geometry from the cache tensors of one rank (torch or numpy, duck-typed).
+
+        ``layers``: one :class:`~kvgeom.values.tensors.LayerTensors` per layer of every group
+        (tensor(s) plus an einops-style axis description such as ``"page kv token head dim"``).
+        Regions are the ``regions`` buffers given (in the executor's registration order) or the
+        allocations the views share. Raises :class:`~kvgeom.errors.GeometryError` naming the layer
+        and the axis (:mod:`kvgeom.values.tensors` lists the layouts and the rules).
+        """
+        return cls(**tensor_fields(model, tp=tp, layers=layers, kernel_block_tokens=kernel_block_tokens,
+                                   blocks_per_logical=blocks_per_logical, regions=regions, sizes=sizes,
                                    state_layout=state_layout, name=name))
 
     def with_name(self, name: str) -> EngineGeometry:
@@ -263,8 +416,9 @@ def engine_line(e: EngineGeometry) -> str:
             kinds.append(f"{spec.name}:{spec.kind.value}/{_attention_layout(e, gi)}")
         else:
             kinds.append(f"{spec.name}:state/{g.layout.value}")
-    return (f"{e.name}: {e.model.name} TP{e.tp} K={e.kernel_block_tokens} ppl={e.blocks_per_logical} "
-            f"(logical {e.logical_block_tokens} tok) [{', '.join(kinds)}] {len(e.regions)} regions")
+    return (f"{e.name}: {e.model.name} {e.topology.describe(e.tp)} K={e.kernel_block_tokens} "
+            f"ppl={e.blocks_per_logical} (logical {e.logical_block_tokens} tok) [{', '.join(kinds)}] "
+            f"{len(e.regions)} regions")
 
 
 def _region_runs(e: EngineGeometry) -> list[list[Any]]:
@@ -325,21 +479,32 @@ def _section_rows(e: EngineGeometry, gi: int) -> list[list[Any]]:
 
 
 def _held_rows(e: EngineGeometry) -> list[list[Any]] | None:
-    """Per rank, the global slice of every sharded axis (``None`` when TP or the axes are too many)."""
+    """Per rank, the global slice of every sharded axis (``None`` when the ranks or the axes are too
+    many); layers and tokens only when the engine has stages or DCP (docs/design.md §11.1)."""
     holds0 = e.holds(0)
-    axes = [(g, a) for g, d in holds0.items() for a in d]
-    if e.tp > MAX_RANK_ROWS or len(axes) > 10:
+    show = {"layers"} if e.topology.pp > 1 else set()
+    show |= {"tokens"} if e.topology.dcp > 1 else set()
+    axes = [(g, a) for g, d in holds0.items() for a in d if a not in ("layers", "tokens") or a in show]
+    if e.num_ranks > MAX_RANK_ROWS or len(axes) > 10:
         return None
-    rows: list[list[Any]] = [["rank"] + [f"{g}.{a}" if a != "heads" else f"{g} heads" for g, a in axes]]
-    for r in range(e.tp):
+    head = ["rank"] if e.topology.trivial else ["rank", "stage", "replica", "tp"]
+    rows: list[list[Any]] = [head + [f"{g}.{a}" if a != "heads" else f"{g} heads" for g, a in axes]]
+    for r in range(e.num_ranks):
         h = e.holds(r)
-        rows.append([r] + [str(h[g][a]) for g, a in axes])
+        c = e.coords(r)
+        where = [] if e.topology.trivial else [c.stage, c.replica, c.tp_rank]
+        rows.append([r] + where + [str(h[g][a]) for g, a in axes])
     return rows
 
 
 def _engine_title(e: EngineGeometry) -> str:
-    return (f"EngineGeometry {e.name!r}: {e.model.name} ({e.model.dtype}), TP{e.tp}, kernel {e.kernel_block_tokens} "
-            f"tok x ppl {e.blocks_per_logical} = logical {e.logical_block_tokens} tok")
+    topo = ""
+    if not e.topology.trivial:
+        t = e.topology
+        stages = "/".join(str(c) for c in e.stage_counts)
+        topo = f" ({e.num_ranks} ranks" + (f"; layers per stage {stages}" if t.pp > 1 else "") + ")"
+    return (f"EngineGeometry {e.name!r}: {e.model.name} ({e.model.dtype}), {e.topology.describe(e.tp)}{topo}, "
+            f"kernel {e.kernel_block_tokens} tok x ppl {e.blocks_per_logical} = logical {e.logical_block_tokens} tok")
 
 
 def _engine_parts(e: EngineGeometry) -> list[tuple[str, list[list[Any]]]]:

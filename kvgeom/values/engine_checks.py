@@ -10,6 +10,10 @@ layout's last head vector must end inside its page before any per-vector check r
 
 Worked number: HND, 2 heads of 256 B, K = 16, packed (strides 8192/4096/256):
 ``span = 8192 + 4096 + 15 * 256 + 256 = 16384``, exactly one 16384-byte page.
+
+The topology's rules (docs/design.md §11.5) come first: a layer partition of the model's layers,
+``dcp`` dividing ``tp``, ``interleave`` dividing K, heads divisible over the ``tp // dcp`` head
+groups, and with several stages every region used by the layers of exactly one stage.
 """
 
 from __future__ import annotations
@@ -19,11 +23,20 @@ from typing import Any, Protocol
 import attrs
 import numpy as np
 
-from ..arith.shard import check_divisible, local_count
-from ..errors import GeometryError
+from ..arith.shard import check_divisible, layer_partition, local_count
+from ..errors import GeometryError, KvGeomError
 from .fields import check_int
-from .layout import AttentionGroupGeometry, GroupGeometry, Region, StateGroupGeometry, section_placements
+from .layout import (
+    AttentionGroupGeometry,
+    AttentionView,
+    GroupGeometry,
+    Region,
+    StateGroupGeometry,
+    StateView,
+    section_placements,
+)
 from .model import AttentionSpec, ModelSpec, StateSpec
+from .topology import Topology
 
 __all__ = ["MAX_PAGE_VECTORS", "EngineFields", "validate_engine"]
 
@@ -47,11 +60,65 @@ class EngineFields(Protocol):
     def groups(self) -> tuple[GroupGeometry, ...]: ...
     @property
     def name(self) -> str: ...
+    @property
+    def topology(self) -> Topology: ...
+
+
+def _validate_topology(e: EngineFields) -> None:
+    n, t = e.name, e.topology
+    if not isinstance(t, Topology):
+        raise GeometryError(f"{n}.topology", f"expected Topology, got {type(t).__name__}", actual=t,
+                            fix="pass kvgeom.values.Topology(...) or leave the default")
+    try:
+        layer_partition(e.model.num_global_layers, t.pp, t.partition)
+    except KvGeomError as err:
+        raise GeometryError(f"{n}.{err.path}", err.message, actual=err.actual, expected=err.expected,
+                            fix=err.fix) from None
+    if e.tp % t.dcp:
+        raise GeometryError(f"{n}.topology.dcp", f"dcp={t.dcp} does not divide tp={e.tp}", actual=t.dcp,
+                            expected=f"a divisor of {e.tp}",
+                            fix="DCP splits each TP group into tp // dcp groups (vLLM: tp % dcp == 0)")
+    if e.kernel_block_tokens % t.interleave:
+        raise GeometryError(f"{n}.topology.interleave", f"interleave {t.interleave} does not divide the "
+                            f"{e.kernel_block_tokens}-token kernel page", actual=t.interleave,
+                            expected=f"a divisor of {e.kernel_block_tokens}",
+                            fix="use interleave 1 (token round robin) or the kernel page size")
+
+
+def _validate_region_stages(e: EngineFields) -> None:
+    """With several stages, every region is used by the layers of exactly one stage (§11.4)."""
+    t = e.topology
+    if t.pp == 1:
+        return
+    counts = layer_partition(e.model.num_global_layers, t.pp, t.partition)
+    bounds = np.cumsum(counts)
+    owner: dict[int, tuple[int, str]] = {}
+    for gi, (spec, geo) in enumerate(zip(e.model.groups, e.groups)):
+        order = e.model.layer_order()[gi]
+        for li, v in enumerate(geo.views):
+            stage = int(np.searchsorted(bounds, order[li], side="right"))
+            regions = v.regions if isinstance(v, AttentionView) else (v.region,) if isinstance(v, StateView) else ()
+            for r in regions:
+                prev = owner.setdefault(int(r), (stage, f"{spec.name} layer {li}"))
+                if prev[0] != stage:
+                    raise GeometryError(f"{e.name}.groups[{gi}]({spec.name}).views[{li}]",
+                                        f"region {r} holds layers of stage {prev[0]} ({prev[1]}) and of stage {stage} "
+                                        f"({spec.name} layer {li})", actual=(prev[0], stage),
+                                        expected="every region used by one pipeline stage",
+                                        fix="give each stage its own regions (EngineGeometry.build(..., topology=...) "
+                                            "does)")
+    unused = [r for r in range(len(e.regions)) if r not in owner]
+    if unused:
+        raise GeometryError(f"{e.name}.regions[{unused[0]}]", f"region {unused[0]} is used by no layer, so no "
+                            "pipeline stage holds it", actual=unused, expected="every region used by some layer",
+                            fix="drop the region, or use it from a layer's view")
 
 
 def validate_engine(e: EngineFields) -> None:
     """Every structural rule of one engine, with the field path in each error."""
     n = e.name
+    _validate_topology(e)
+    head_tp = e.tp // e.topology.dcp
     if len(e.groups) != len(e.model.groups):
         raise GeometryError(f"{n}.groups", f"{len(e.groups)} group geometries for a model with "
                             f"{len(e.model.groups)} groups", actual=len(e.groups),
@@ -68,8 +135,9 @@ def validate_engine(e: EngineFields) -> None:
                 raise GeometryError(path, f"{spec.kind} group needs an AttentionGroupGeometry, got "
                                     f"{type(geo).__name__}", actual=type(geo).__name__,
                                     expected="AttentionGroupGeometry")
-            check_divisible(f"{n}.tp (group {spec.name!r} num_kv_heads={spec.num_kv_heads})",
-                            spec.num_kv_heads, e.tp, replicated=spec.replicated)
+            where = f"{n}.tp" if e.topology.dcp == 1 else f"{n}.tp // topology.dcp"
+            check_divisible(f"{where} (group {spec.name!r} num_kv_heads={spec.num_kv_heads})",
+                            spec.num_kv_heads, head_tp, replicated=spec.replicated)
             _validate_attention(e, gi, spec, geo, path)
         else:
             if not isinstance(geo, StateGroupGeometry):
@@ -79,6 +147,7 @@ def validate_engine(e: EngineFields) -> None:
                 check_divisible(f"{n}.tp (group {spec.name!r} section {s.name!r} channels={s.channels})",
                                 s.channels, e.tp, replicated=s.replicated)
             _validate_state(e, gi, spec, geo, path)
+    _validate_region_stages(e)
 
 
 def _region_index(e: EngineFields, path: str, r: Any) -> int:
@@ -94,7 +163,7 @@ def _validate_attention(e: EngineFields, gi: int, spec: AttentionSpec, geo: Atte
     if len(geo.views) != spec.num_layers:
         raise GeometryError(f"{path}.views", f"{len(geo.views)} views for {spec.num_layers} layers",
                             actual=len(geo.views), expected=spec.num_layers, fix="give one view per layer")
-    h = local_count(spec.num_kv_heads, e.tp, replicated=spec.replicated)
+    h = local_count(spec.num_kv_heads, e.tp // e.topology.dcp, replicated=spec.replicated)
     K = e.kernel_block_tokens
     hb = spec.head_bytes
     lay = geo.layout

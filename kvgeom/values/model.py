@@ -9,11 +9,19 @@ These are the *global coordinates* of docs/design.md §3.1, independent of any e
 Worked number: a Llama-3-70B-like model has one full-attention group of 80 layers with 8 KV heads
 of 128 bf16 values, so ``head_bytes = 128 * 2 = 256`` and one token of one layer is
 ``2 planes * 8 heads * 256 B = 4096 B`` across the whole TP group.
+
+The model also fixes the global layer order that pipeline stages partition (docs/design.md §11.1):
+``global_layers[g][i]`` is the global index of layer ``i`` of group ``g``. By default the groups
+interleave, layer 0 of every group (in group order) before layer 1 of any::
+
+    groups mla (2 layers), kda (2 layers)       default order: mla0 kda0 mla1 kda1 = 0 1 2 3
+    global_layers = ((0, 1), (2, 3))            mla0 mla1 kda0 kda1 (given explicitly)
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any, Union
 
 import attrs
@@ -28,6 +36,7 @@ __all__ = [
     "StateSpec",
     "GroupSpec",
     "ModelSpec",
+    "default_layer_order",
 ]
 
 
@@ -180,13 +189,36 @@ def _groups(value: Any) -> tuple[GroupSpec, ...]:
     return as_tuple(value, "ModelSpec.groups")
 
 
+def _global_layers(value: Any) -> tuple[tuple[int, ...], ...] | None:
+    if value is None:
+        return None
+    return tuple(as_tuple(v, "ModelSpec.global_layers[...]") for v in as_tuple(value, "ModelSpec.global_layers"))
+
+
+@functools.lru_cache(maxsize=256)
+def default_layer_order(counts: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Groups' layers interleaved: layer i of every group, in group order, before layer i + 1.
+
+    >>> default_layer_order((2, 3))
+    ((0, 2), (1, 3, 4))
+    """
+    pairs = sorted((i, g) for g, n in enumerate(counts) for i in range(n))
+    out: list[list[int]] = [[] for _ in counts]
+    for k, (_, g) in enumerate(pairs):
+        out[g].append(k)
+    return tuple(tuple(x) for x in out)
+
+
 @attrs.frozen
 class ModelSpec:
-    """The model facts both engines must agree on: its groups, in order, and the cache dtype."""
+    """The model facts both engines must agree on: its groups, in order, the cache dtype, and the
+    global layer order pipeline stages partition (``global_layers``; None: the groups interleave,
+    :func:`default_layer_order`)."""
 
     name: str
     groups: tuple[GroupSpec, ...] = attrs.field(converter=_groups)
     dtype: str = "bfloat16"
+    global_layers: tuple[tuple[int, ...], ...] | None = attrs.field(default=None, converter=_global_layers)
 
     def __attrs_post_init__(self) -> None:
         if not self.groups:
@@ -200,6 +232,43 @@ class ModelSpec:
         if len(set(names)) != len(names):
             raise GeometryError("ModelSpec.groups", f"group names repeat: {names}", actual=names,
                                 fix="give every group a distinct name")
+        if self.global_layers is not None:
+            self._check_global_layers(self.global_layers)
+
+    def _check_global_layers(self, order: tuple[tuple[int, ...], ...]) -> None:
+        path = "ModelSpec.global_layers"
+        if len(order) != len(self.groups):
+            raise GeometryError(path, f"{len(order)} layer lists for {len(self.groups)} groups", actual=len(order),
+                                expected=len(self.groups), fix="give the global index of every layer of every group")
+        total = self.num_global_layers
+        seen: set[int] = set()
+        for gi, (g, layers) in enumerate(zip(self.groups, order)):
+            if len(layers) != g.num_layers:
+                raise GeometryError(f"{path}[{gi}]", f"{len(layers)} indices for the {g.num_layers} layers of "
+                                    f"group {g.name!r}", actual=len(layers), expected=g.num_layers,
+                                    fix="one global index per layer of the group")
+            for li, x in enumerate(layers):
+                check_int(f"{path}[{gi}][{li}]", x, minimum=0)
+                if x >= total or x in seen:
+                    raise GeometryError(f"{path}[{gi}][{li}]", f"global layer {x} is outside [0, {total}) or named "
+                                        "twice", actual=x, expected=f"every index of [0, {total}) once",
+                                        fix="number the model's layers 0..L-1, each once")
+                seen.add(x)
+            if any(b <= a for a, b in zip(layers, layers[1:])):
+                raise GeometryError(f"{path}[{gi}]", f"group {g.name!r}'s global indices {list(layers)} do not "
+                                    "increase", actual=layers, expected="increasing indices",
+                                    fix="a group's layer i comes before its layer i + 1 in the model")
+
+    @property
+    def num_global_layers(self) -> int:
+        """Layers of the whole model (every group's, each one global layer)."""
+        return sum(g.num_layers for g in self.groups)
+
+    def layer_order(self) -> tuple[tuple[int, ...], ...]:
+        """``global_layers``, or the default interleaved order when it is None."""
+        if self.global_layers is not None:
+            return self.global_layers
+        return default_layer_order(tuple(g.num_layers for g in self.groups))
 
     def group_index(self, name: str) -> int:
         for i, g in enumerate(self.groups):

@@ -4,8 +4,9 @@
 :func:`pairable` answers the same question without raising, from the same list of rules.
 
     prefill (P) engine ----- same model facts? ----- decode (D) engine
-          TP, K, ppl, layout may differ            dtype, groups, layers, heads, head bytes,
-                                                   windows and state sections may not
+          TP, K, ppl, layout, PP stages,           dtype, groups, layers, heads, head bytes,
+          DCP and replicas may differ              windows, state sections and the global
+                                                   layer order may not
 
 Worked number: P with head_bytes 256 and D with head_bytes 128 fail with
 ``decode.model.groups[0].head_bytes: 128 != prefill's 256``.
@@ -13,17 +14,21 @@ Worked number: P with head_bytes 256 and D with head_bytes 128 fail with
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import attrs
 import numpy as np
 
 from ..errors import IncompatibleGeometry, RequestError
+from .coverage import coverage_problems
 from .engine import EngineGeometry
 from .model import AttentionSpec, ModelSpec, StateSpec
 from .request import BlockList, Request, StateSlots
 
 __all__ = ["EnginePair", "Compatibility", "incompatibilities", "pairable"]
+
+logger = logging.getLogger(__name__)
 
 
 def incompatibilities(prefill: EngineGeometry, decode: EngineGeometry) -> tuple[IncompatibleGeometry, ...]:
@@ -71,6 +76,9 @@ def incompatibilities(prefill: EngineGeometry, decode: EngineGeometry) -> tuple[
             differ(f"{base}.num_layers", pg.num_layers, dg.num_layers, "both engines must serve every layer")
             differ(f"{base}.sections", pg.sections, dg.sections,
                    "describe the state sections identically (names, channels, unit bytes, rows, replication)")
+    if not out:  # same groups and layer counts: pipeline stages partition one global layer order (§11.5)
+        differ("global_layers", pm.layer_order(), dm.layer_order(),
+               "describe the model's global layer order identically on both sides (ModelSpec.global_layers)")
     return tuple(out)
 
 
@@ -114,6 +122,8 @@ class EnginePair:
                                            f"{type(getattr(self, side)).__name__}", actual=getattr(self, side),
                                            fix="build engines with EngineGeometry(...) or EngineGeometry.build(...)")
         reasons = incompatibilities(self.prefill, self.decode)
+        logger.debug("pair check %s -> %s: %s", self.prefill.summary(), self.decode.summary(),
+                     "pairable" if not reasons else f"{len(reasons)} incompatibilities, first: {reasons[0]}")
         if reasons:
             first = reasons[0]
             more = f" (+{len(reasons) - 1} more: " + "; ".join(str(r) for r in reasons[1:]) + ")" \
@@ -129,7 +139,13 @@ class EnginePair:
         return self.prefill if name == "prefill" else self.decode
 
     def check_request(self, request: Request) -> None:
-        """Raise :class:`RequestError` unless ``request`` fits both engines."""
+        """Raise :class:`RequestError` unless ``request`` fits both engines.
+
+        Besides the structural rules (one listing of the right kind per group, block boundaries,
+        ids inside the pools, distinct blocks in shared regions), every listing must cover what
+        its side needs (:func:`~kvgeom.values.coverage.coverage_problems`) unless the request is
+        ``partial`` on purpose.
+        """
         groups = self.model.groups
         if len(request.groups) != len(groups):
             raise RequestError("Request.groups", f"{len(request.groups)} group listings for a model with "
@@ -175,6 +191,16 @@ class EnginePair:
 
         for side_name in ("prefill", "decode"):
             self._check_shared_blocks(request, side_name)
+        if request.partial:
+            logger.debug("request check: partial on purpose, coverage not checked (M=%d, S=%d)", M, S)
+            return
+        problems = coverage_problems(self.model, self.prefill, self.decode, request)
+        if problems:
+            first = problems[0]
+            more = f" (+{len(problems) - 1} more: " + "; ".join(f"{p.path}: {p.message}" for p in problems[1:]) \
+                + ")" if len(problems) > 1 else ""
+            raise RequestError(first.path, first.message + more, actual=first.actual, expected=first.expected,
+                               fix=first.fix)
 
     def _check_shared_blocks(self, request: Request, side_name: str) -> None:
         """Groups that share a region (the hybrid overlay) must list distinct blocks."""

@@ -15,6 +15,11 @@ Offsets are bytes from the start of the region. One global plan serves both exec
 Worked number: a copy row ``(p_rank=1, p_region=0, p_offset=8192, d_rank=0, d_region=0,
 d_offset=4096, nbytes=4096)`` moves P rank 1's region-0 bytes [8192, 12288) into D rank 0's
 region-0 bytes [4096, 8192).
+
+Rank columns hold flat ranks (docs/design.md §11.1): ``prefill_tp``/``decode_tp`` are the TP sizes
+of one stage, ``prefill_ranks``/``decode_ranks`` every rank of the engine (equal to the TP size
+for one stage, no DCP groups of their own and one replica). For P PP2 x TP4 -> D TP8 the plan has
+``prefill_tp = 4`` and ``prefill_ranks = 8``.
 """
 
 from __future__ import annotations
@@ -247,7 +252,7 @@ def _chunks(value: Any) -> tuple[Chunk, ...]:
 class TransferPlan:
     """Everything one request's transfer does; see the module docstring for the order.
 
-    A packed plan (docs/design.md §10) has ``packs`` (side "prefill"), ``unpacks`` (side
+    A packed plan (docs/design.md §12) has ``packs`` (side "prefill"), ``unpacks`` (side
     "decode"), ``wire`` rows and ``chunks``; ``staging_bytes`` is the slot capacity per rank it
     was planned for (0 for plans without staging).
     """
@@ -260,6 +265,8 @@ class TransferPlan:
     notes: tuple[Note, ...] = attrs.field(default=(), converter=as_notes)
     copies_before_coalescing: int = -1
     zeros_before_coalescing: int = -1
+    prefill_ranks: int = attrs.field(kw_only=True, default=attrs.Factory(lambda s: s.prefill_tp, takes_self=True))
+    decode_ranks: int = attrs.field(kw_only=True, default=attrs.Factory(lambda s: s.decode_tp, takes_self=True))
     packs: tuple[StagingStep, ...] = attrs.field(default=(), converter=lambda v: _steps("packs", v),
                                                    kw_only=True)
     unpacks: tuple[StagingStep, ...] = attrs.field(default=(), converter=lambda v: _steps("unpacks", v),
@@ -271,41 +278,48 @@ class TransferPlan:
     def __attrs_post_init__(self) -> None:
         check_int("TransferPlan.prefill_tp", self.prefill_tp, minimum=1, error=PlanError)
         check_int("TransferPlan.decode_tp", self.decode_tp, minimum=1, error=PlanError)
+        for side in ("prefill", "decode"):
+            ranks, tp = getattr(self, f"{side}_ranks"), getattr(self, f"{side}_tp")
+            check_int(f"TransferPlan.{side}_ranks", ranks, minimum=1, error=PlanError)
+            if ranks % tp:
+                raise PlanError(f"TransferPlan.{side}_ranks", f"{ranks} ranks are not whole stages of tp={tp}",
+                                actual=ranks, expected=f"a multiple of {tp}",
+                                fix="ranks = pp * replicas * tp (docs/design.md §11.1)")
         for name, cols in (("copies", self.copies), ("zeros", self.zeros)):
             if not isinstance(cols, Copies if name == "copies" else Zeros):
                 raise PlanError(f"TransferPlan.{name}", f"expected {'Copies' if name == 'copies' else 'Zeros'}, got "
                                 f"{type(cols).__name__}", actual=type(cols).__name__,
                                 fix="build the columns with Copies(...) / Zeros(...)")
-        for col, tp in (("p_rank", self.prefill_tp), ("d_rank", self.decode_tp)):
+        for col, n, tp in (("p_rank", self.prefill_ranks, self.prefill_tp), ("d_rank", self.decode_ranks, self.decode_tp)):
             arr = getattr(self.copies, col)
-            if len(arr) and int(arr.max()) >= tp:
-                raise PlanError(f"TransferPlan.copies.{col}", f"rank {int(arr.max())} outside tp={tp}",
-                                actual=int(arr.max()), expected=f"< {tp}")
+            if len(arr) and int(arr.max()) >= n:
+                raise PlanError(f"TransferPlan.copies.{col}", f"rank {int(arr.max())} outside {_ranks_text(n, tp)}",
+                                actual=int(arr.max()), expected=f"< {n}")
         for i, r in enumerate(self.rearranges):
-            if r.d_rank >= self.decode_tp:
-                raise PlanError(f"TransferPlan.rearranges[{i}].d_rank", f"rank {r.d_rank} outside tp={self.decode_tp}",
-                                actual=r.d_rank, expected=f"< {self.decode_tp}")
-        if len(self.zeros) and int(self.zeros.d_rank.max()) >= self.decode_tp:
+            if r.d_rank >= self.decode_ranks:
+                raise PlanError(f"TransferPlan.rearranges[{i}].d_rank", f"rank {r.d_rank} outside "
+                                f"{_ranks_text(self.decode_ranks, self.decode_tp)}", actual=r.d_rank, expected=f"< {self.decode_ranks}")
+        if len(self.zeros) and int(self.zeros.d_rank.max()) >= self.decode_ranks:
             raise PlanError("TransferPlan.zeros.d_rank", f"rank {int(self.zeros.d_rank.max())} outside "
-                            f"tp={self.decode_tp}", actual=int(self.zeros.d_rank.max()),
-                            expected=f"< {self.decode_tp}")
+                            f"{_ranks_text(self.decode_ranks, self.decode_tp)}", actual=int(self.zeros.d_rank.max()),
+                            expected=f"< {self.decode_ranks}")
         if not isinstance(self.wire, WireCopies):
             raise PlanError("TransferPlan.wire", f"expected WireCopies, got {type(self.wire).__name__}",
                             actual=type(self.wire).__name__, fix="build the rows with WireCopies(...)")
         check_int("TransferPlan.staging_bytes", self.staging_bytes, minimum=0, error=PlanError)
-        for col, tp in (("p_rank", self.prefill_tp), ("d_rank", self.decode_tp)):
+        for col, n, tp in (("p_rank", self.prefill_ranks, self.prefill_tp), ("d_rank", self.decode_ranks, self.decode_tp)):
             arr = getattr(self.wire, col)
-            if len(arr) and int(arr.max()) >= tp:
-                raise PlanError(f"TransferPlan.wire.{col}", f"rank {int(arr.max())} outside tp={tp}",
-                                actual=int(arr.max()), expected=f"< {tp}")
+            if len(arr) and int(arr.max()) >= n:
+                raise PlanError(f"TransferPlan.wire.{col}", f"rank {int(arr.max())} outside {_ranks_text(n, tp)}",
+                                actual=int(arr.max()), expected=f"< {n}")
         for name in ("packs", "unpacks"):
             for i, st in enumerate(getattr(self, name)):
                 if st.side != ("prefill" if name == "packs" else "decode"):
                     raise PlanError(f"TransferPlan.{name}[{i}].side", f"a step of side {st.side!r} among the {name}",
                                     actual=st.side, fix="packs run on P (side 'prefill'), unpacks on D ('decode')")
-                if st.p_rank >= self.prefill_tp or st.d_rank >= self.decode_tp:
-                    raise PlanError(f"TransferPlan.{name}[{i}]", f"ranks P{st.p_rank} -> D{st.d_rank} outside "
-                                    f"tp {self.prefill_tp} -> {self.decode_tp}", actual=(st.p_rank, st.d_rank))
+                if st.p_rank >= self.prefill_ranks or st.d_rank >= self.decode_ranks:
+                    raise PlanError(f"TransferPlan.{name}[{i}]", f"ranks P{st.p_rank} -> D{st.d_rank} outside the "
+                                    f"{self.prefill_ranks} -> {self.decode_ranks} ranks", actual=(st.p_rank, st.d_rank))
 
     # ---- projections -----------------------------------------------------------------------
     def for_decode_rank(self, d_rank: int) -> TransferPlan:
@@ -339,33 +353,33 @@ class TransferPlan:
 
     @property
     def packed(self) -> bool:
-        """Whether the plan moves bytes through staging (docs/design.md §10)."""
+        """Whether the plan moves bytes through staging (docs/design.md §12)."""
         return bool(len(self.wire) or self.packs or self.unpacks)
 
     def _pair_keys(self) -> np.ndarray:
-        keys = [self.copies.p_rank * self.decode_tp + self.copies.d_rank]
+        keys = [self.copies.p_rank * self.decode_ranks + self.copies.d_rank]
         if len(self.wire):
-            keys.append(self.wire.p_rank * self.decode_tp + self.wire.d_rank)
+            keys.append(self.wire.p_rank * self.decode_ranks + self.wire.d_rank)
         return np.unique(np.concatenate(keys))
 
     def consumers(self) -> np.ndarray:
-        """For every P rank, how many distinct D ranks read from it (it may free after that many)."""
-        out = np.zeros(self.prefill_tp, np.int64)
+        """For every (flat) P rank, how many distinct D ranks read from it (it may free after that many)."""
+        out = np.zeros(self.prefill_ranks, np.int64)
         pairs = self._pair_keys()
         if len(pairs):
-            np.add.at(out, pairs // self.decode_tp, 1)
+            np.add.at(out, pairs // self.decode_ranks, 1)
         return out
 
     def sources_of(self, d_rank: int) -> tuple[int, ...]:
-        """The P ranks D rank ``d_rank`` reads from, sorted."""
+        """The (flat) P ranks D rank ``d_rank`` reads from, sorted: only those holding its layers and tokens."""
         pairs = self._pair_keys()
-        return tuple(int(p) for p in pairs[pairs % self.decode_tp == d_rank] // self.decode_tp)
+        return tuple(int(p) for p in pairs[pairs % self.decode_ranks == d_rank] // self.decode_ranks)
 
     def staging_used(self, side: str) -> np.ndarray:
-        """``[chunks, ranks]``: bytes each chunk stages on each rank of ``side`` ("prefill" or
+        """``[chunks, ranks]``: bytes each chunk stages on each (flat) rank of ``side`` ("prefill" or
         "decode"), from the wire rows (a slot holds exactly what crosses the wire)."""
-        tp = self.prefill_tp if side == "prefill" else self.decode_tp
-        out = np.zeros((len(self.chunks), tp), np.int64)
+        n = self.prefill_ranks if side == "prefill" else self.decode_ranks
+        out = np.zeros((len(self.chunks), n), np.int64)
         w = self.wire
         if len(w):
             rank = w.p_rank if side == "prefill" else w.d_rank
@@ -392,14 +406,15 @@ class TransferPlan:
         if not isinstance(other, TransferPlan):
             return NotImplemented
         return (self.prefill_tp == other.prefill_tp and self.decode_tp == other.decode_tp
+                and self.prefill_ranks == other.prefill_ranks and self.decode_ranks == other.decode_ranks
                 and self.copies == other.copies and self.zeros == other.zeros
                 and self.rearranges == other.rearranges and self.packs == other.packs
                 and self.unpacks == other.unpacks and self.wire == other.wire and self.chunks == other.chunks
                 and self.staging_bytes == other.staging_bytes)
 
     def __hash__(self) -> int:
-        return hash((self.prefill_tp, self.decode_tp, self.copies, self.zeros, self.rearranges, self.packs,
-                     self.unpacks, self.wire, self.chunks, self.staging_bytes))
+        return hash((self.prefill_tp, self.decode_tp, self.prefill_ranks, self.decode_ranks, self.copies, self.zeros,
+                     self.rearranges, self.packs, self.unpacks, self.wire, self.chunks, self.staging_bytes))
 
     def __repr__(self) -> str:
         return plan_repr(self)
@@ -412,11 +427,16 @@ class TransferPlan:
 
 MAX_MATRIX_TP = 8  # P->D byte matrices up to 8 x 8; larger plans list the non-zero pairs
 
+
+def _ranks_text(n: int, tp: int) -> str:
+    return f"tp={tp}" if n == tp else f"the {n} ranks"
+
+
 def plan_rank_rows(p: TransferPlan) -> list[list[Any]]:
     """Per D rank: its P sources, copies, bytes, zero ranges, zero bytes, rearranged pages. A
     packed plan shows its wire rows as the copies (they are what NIXL posts) and the D pages its
     unpacks write instead of rearranged pages."""
-    d_tp = p.decode_tp
+    d_tp = p.decode_ranks
     c, z, w = p.copies, p.zeros, p.wire
     n_copies = np.bincount(c.d_rank, minlength=d_tp) + np.bincount(w.d_rank, minlength=d_tp)
     b_copies = np.bincount(c.d_rank, weights=c.nbytes, minlength=d_tp) \
@@ -442,27 +462,32 @@ def plan_pair_bytes(p: TransferPlan) -> dict[tuple[int, int], int]:
     c, w = p.copies, p.wire
     if not len(c) and not len(w):
         return {}
-    key = np.concatenate([c.p_rank * p.decode_tp + c.d_rank, w.p_rank * p.decode_tp + w.d_rank])
+    key = np.concatenate([c.p_rank * p.decode_ranks + c.d_rank, w.p_rank * p.decode_ranks + w.d_rank])
     nbytes = np.concatenate([c.nbytes, w.nbytes])
     uniq, inv = np.unique(key, return_inverse=True)
     sums = np.bincount(inv.reshape(-1), weights=nbytes)
-    return {(int(k) // p.decode_tp, int(k) % p.decode_tp): int(s) for k, s in zip(uniq, sums, strict=True)}
+    return {(int(k) // p.decode_ranks, int(k) % p.decode_ranks): int(s) for k, s in zip(uniq, sums, strict=True)}
 
 
 def _pair_rows(p: TransferPlan) -> list[list[Any]]:
     pairs = plan_pair_bytes(p)
-    if p.prefill_tp <= MAX_MATRIX_TP and p.decode_tp <= MAX_MATRIX_TP:
-        rows: list[list[Any]] = [["bytes"] + [f"D{d}" for d in range(p.decode_tp)]]
-        for q in range(p.prefill_tp):
-            rows.append([f"P{q}"] + [pairs.get((q, d), 0) for d in range(p.decode_tp)])
+    if p.prefill_ranks <= MAX_MATRIX_TP and p.decode_ranks <= MAX_MATRIX_TP:
+        rows: list[list[Any]] = [["bytes"] + [f"D{d}" for d in range(p.decode_ranks)]]
+        for q in range(p.prefill_ranks):
+            rows.append([f"P{q}"] + [pairs.get((q, d), 0) for d in range(p.decode_ranks)])
         return rows
     rows = [["P rank", "D rank", "bytes"]]
     rows.extend([q, d, b] for (q, d), b in pairs.items())
     return cut(rows)
 
 
+def _side_text(tp: int, ranks: int) -> str:
+    return f"TP{tp}" if ranks == tp else f"TP{tp} ({ranks} ranks)"
+
+
 def _plan_title(p: TransferPlan) -> str:
-    return f"TransferPlan P TP{p.prefill_tp} -> D TP{p.decode_tp}" + (" (packed)" if p.packed else "")
+    return (f"TransferPlan P {_side_text(p.prefill_tp, p.prefill_ranks)} -> D {_side_text(p.decode_tp, p.decode_ranks)}"
+            + (" (packed)" if p.packed else ""))
 
 
 def _plan_lines(p: TransferPlan) -> list[str]:

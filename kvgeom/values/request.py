@@ -11,6 +11,10 @@ boundary). A sliding-window group lists only its tail window, so its ``first_tok
 side. A state group lists state slots with the number of tokens each slot's state has absorbed
 (usually one slot per side, the running state after ``M`` tokens).
 
+Every listing must cover what its side needs (:mod:`kvgeom.values.coverage`, checked with the
+pair): P ``[window start, M)`` and D ``[max(S, window start), M)``. A transfer that moves only part
+of the request on purpose says so with ``Request(..., partial=True)``.
+
 Worked number: M = 40, D lists 24-token blocks from token 24 (a prefix hit S = 24): D needs
 tokens [24, 40), 16 tokens, all inside its first listed block.
 """
@@ -124,16 +128,26 @@ def _group_requests(value: Any) -> tuple[GroupRequest, ...]:
     return as_tuple(value, "Request.groups", RequestError)
 
 
+def _partial_is_bool(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise RequestError("Request.partial", f"must be a bool, got {type(value).__name__} {value!r}",
+                           actual=value, expected="True or False", fix="pass partial=True or partial=False")
+
+
 @attrs.frozen(repr=False)
 class Request:
     """The whole request: ``M`` computed tokens, ``S`` prefix-hit tokens, one listing per group.
 
-    ``groups`` follows the model's group order.
+    ``groups`` follows the model's group order. ``partial`` (keyword only, default False) marks a
+    transfer that moves part of the request on purpose: its listings need not cover what each side
+    needs (docs/design.md §3.4); without it a short, long or misplaced listing is a
+    :class:`~kvgeom.errors.RequestError` when the request is checked against a pair.
     """
 
     computed_tokens: int
     groups: tuple[GroupRequest, ...] = attrs.field(converter=_group_requests)
     prefix_hit_tokens: int = 0
+    partial: bool = attrs.field(default=False, kw_only=True, validator=_partial_is_bool)
 
     def __attrs_post_init__(self) -> None:
         check_int("Request.computed_tokens", self.computed_tokens, minimum=0, error=RequestError)
@@ -187,7 +201,7 @@ def _request_rows(r: Request, pair: Any = None) -> list[list[Any]]:
 def _request_title(r: Request) -> str:
     n = len(r.groups)
     return (f"Request: M={r.computed_tokens} computed tokens, S={r.prefix_hit_tokens} prefix-hit tokens, "
-            f"{n} group{'s' if n != 1 else ''}")
+            f"{n} group{'s' if n != 1 else ''}" + (" (partial on purpose)" if r.partial else ""))
 
 
 def request_repr(r: Request, pair: Any = None) -> str:

@@ -1,4 +1,4 @@
-"""The parts of a packed plan: pack and unpack steps, wire rows, chunks (docs/design.md §10).
+"""The parts of a packed plan: pack and unpack steps, wire rows, chunks (docs/design.md §12).
 
 A packed plan moves bytes in three passes per chunk, then zeros::
 

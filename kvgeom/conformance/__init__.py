@@ -1,0 +1,35 @@
+"""The conformance kit: check a connector's own descriptor pairs and zero ranges with the simulator
+(docs/design.md §10.4).
+
+A connector hands over what it posts (copy rows or vLLM-style READs over descriptor tables, plus
+the byte ranges its receive step zeroes); kvgeom turns them into a plan, runs the reference
+simulator (docs/design.md §7) and reports every finding in the connector's terms: its descriptor
+ids, the logical block, the tokens and the layer. It sits above both the simulator and the values
+(layer 4, beside building and show).
+"""
+
+from __future__ import annotations
+
+from .check import (
+    ConformanceReport,
+    ConnectorViolation,
+    check_connector,
+)
+from .rows import (
+    ConnectorRows,
+    DescriptorTable,
+    Read,
+    Unresolved,
+    rows_from_descriptors,
+)
+
+__all__ = [
+    "ConformanceReport",
+    "ConnectorViolation",
+    "check_connector",
+    "ConnectorRows",
+    "DescriptorTable",
+    "Read",
+    "Unresolved",
+    "rows_from_descriptors",
+]
