@@ -109,7 +109,7 @@ def _one_pair(config: Config, name: str, layers: int | None, progress: Progress,
     plans = {s: pair.plan(request, strategy=s) for s in ("direct", "staged", "packed")}
     packed = plans["packed"]
     nbytes = packed.bytes_copied
-    bound = pair.prefill.tp * pair.decode.tp * len(packed.chunks)
+    bound = pair.prefill.num_ranks * pair.decode.num_ranks * len(packed.chunks)
     progress(f"packed {name} M={M}: {nbytes / 2**20:.0f} MiB; direct {len(plans['direct'].copies):,} copies, staged "
              f"{len(plans['staged'].copies):,} (+{len(plans['staged'].rearranges)} rearranges), packed "
              f"{len(packed.wire)} wire rows in {len(packed.chunks)} chunks")

@@ -124,7 +124,8 @@ def test_staged_plans_draw_the_same_cells_as_direct_ones() -> None:
         np.testing.assert_array_equal(x.codes, y.codes)
 
 
-@pytest.mark.parametrize("preset", ["gqa-tp2-tp4", "llama3-70b-tp8-tp4", "nemotron-h-tp1-tp4"])
+@pytest.mark.parametrize("preset", ["gqa-tp2-tp4", "llama3-70b-tp8-tp4", "nemotron-h-tp1-tp4", "llama3-70b-pp2tp4-tp8",
+                                    "deepseek-v3-dcp4-dcp2", "kimi-linear-pp2tp4-tp1"])
 def test_packed_plans_draw_the_same_cells_as_direct_ones(preset: str) -> None:
     """Mapping a D byte back through its unpack, the D slot, the wire row, the P slot and its pack must
     find the P block a direct copy reads (and the prefill view the same reading D ranks), in chunks too."""

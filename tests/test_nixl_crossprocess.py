@@ -263,3 +263,25 @@ def test_packed_push_across_processes(stopper: list[Any]) -> None:
     assert sum(r.bytes_moved for r in pushed) == plan.bytes_copied and sum(r.pack_s > 0 for r in pushed) == 1
     assert sum(r["bytes_zeroed"] for r in accepted) == plan.bytes_zeroed
     assert verdict[0] == 0, verdict[2]
+
+
+def test_packed_pull_from_two_pipeline_stages_across_processes(stopper: list[Any]) -> None:
+    """Child: P PP2 x TP1 with staging rings serving a packed pull; each stage packs only its layers
+    (docs/design.md §11, §12). Parent: D TP2 pulling one wire row per (stage, D rank) and chunk."""
+    m = ModelSpec("m", [AttentionSpec("attn", "full", 4, 4, 128)])
+    pair = Pair(EngineGeometry.build(m, tp=1, kernel_block_tokens=16, num_blocks=16, name="prefill",
+                                     topology=Topology(pp=2)),
+                EngineGeometry.build(m, tp=2, kernel_block_tokens=8, num_blocks=32, name="decode", layout="NHD"))
+    request = fresh_request(pair, 190, prefill_first_block=1, decode_first_block=3)
+    child, eps, d_caches, links = _connected(pair, request, "prefill", stopper, PACKED_SLOT)
+    plan = links[0].plan(request, strategy="packed")
+    assert len(plan.chunks) >= 2 and set(zip(plan.wire.p_rank.tolist(), plan.wire.d_rank.tolist())) == \
+        {(0, 0), (0, 1), (1, 0), (1, 1)}
+    child.send("serve_pull", "pp-packed", "coalesced", 20.0, "packed")
+    results = wait_all([lk.pull("pp-packed", request, plan=plan, timeout_s=20) for lk in links], peers=eps)
+    served = child.recv("done", 30)[1]
+    # each stage served its 2 layers: tokens x 2 layers x 2 planes x 4 heads x 128 B over both D ranks
+    assert [r["bytes_moved"] for r in sorted(served, key=lambda r: r["rank"])] == [190 * 2 * 2 * 4 * 128] * 2
+    assert sum(r.descriptors for r in results) == len(plan.wire)
+    violations, checked = check_caches(pair, request, d_caches)
+    assert violations == [] and checked == 2 * sum(r.nbytes for r in pair.decode.regions)

@@ -98,7 +98,7 @@ def _check(out: dict[str, Any], pair: Pair, push: bool) -> None:
     assert sum(r.bytes_moved for r in initiators) == plan.wire.total_bytes == plan.bytes_copied
     assert sum(r.descriptors for r in initiators) == len(plan.wire)  # one descriptor per wire row
     assert sum(r.nixl_descs for r in initiators) == len(plan.wire)
-    assert len(plan.wire) <= pair.prefill.tp * pair.decode.tp * len(plan.chunks)
+    assert len(plan.wire) <= pair.prefill.num_ranks * pair.decode.num_ranks * len(plan.chunks)
     assert sum(r.bytes_zeroed for r in results if r.role == "decode") == plan.bytes_zeroed
     assert {r.chunks for r in initiators} <= set(range(len(plan.chunks) + 1))
 

@@ -208,7 +208,7 @@ def test_wire_rows_per_pair_and_chunk(name: str) -> None:
     pair, req = get_preset(name).build(None, layers=2)
     capacity = 3 * min_staging_bytes(pair, req)
     plan = pair.plan(req, strategy="packed", staging_bytes=capacity)
-    assert len(plan.wire) <= pair.prefill.tp * pair.decode.tp * len(plan.chunks)
+    assert len(plan.wire) <= pair.prefill.num_ranks * pair.decode.num_ranks * len(plan.chunks)
     keys = plan.wire.chunk * 10_000 + plan.wire.p_rank * 100 + plan.wire.d_rank
     assert len(np.unique(keys)) == len(plan.wire)  # at most one row per (chunk, P rank, D rank)
     assert int(plan.staging_used("prefill").max()) <= capacity and int(plan.staging_used("decode").max()) <= capacity
@@ -276,7 +276,7 @@ def test_state_sections_split_when_one_layer_does_not_fit() -> None:
 
 def test_nothing_to_move_is_an_empty_packed_plan() -> None:
     pair = Pair(P_ENGINE, D_ENGINE)
-    req = Request(4, [GroupRequest(BlockList([5]), BlockList([1], first_token=4))])  # D needs [4, 8), P has [0, 4)
+    req = Request(4, [GroupRequest(BlockList([5]), BlockList([1], first_token=4))], partial=True)  # P has [0, 4)
     plan = pair.plan(req, strategy="packed")
     assert not plan.wire and not plan.packs and any(n.kind is NoteKind.NOTHING_TO_MOVE for n in plan.notes)
     assert len(plan.zeros) and simulate(pair, req, plan).ok

@@ -74,7 +74,7 @@ def test_packed_plans_in_drawn_chunks_are_correct() -> None:
     def prop(t: kst.PackedTransfer) -> None:
         p, d = t.pair
         plan = plan_transfer(p, d, t.request, strategy="packed", staging_bytes=t.staging_bytes)
-        assert len(plan.wire) <= p.tp * d.tp * max(1, len(plan.chunks))
+        assert len(plan.wire) <= p.num_ranks * d.num_ranks * max(1, len(plan.chunks))
         assert int(plan.staging_used("prefill").max(initial=0)) <= t.staging_bytes
         assert int(plan.staging_used("decode").max(initial=0)) <= t.staging_bytes
         replan = plan_transfer(p, d, t.request, strategy="packed", staging_bytes=t.staging_bytes)

@@ -40,6 +40,7 @@ from ..values.pair import EnginePair
 from ..values.plan import TransferPlan
 from ..values.request import Request
 from ..values.staging import StagingStep
+from .bounds import _held_sizes
 from .describe import describe
 from .hashing import fill_pattern
 from .memory import CHUNK, Memory
@@ -65,22 +66,25 @@ def _side(step: StagingStep) -> str:
     return step.side
 
 
-def step_problem(engine: EngineGeometry, step: StagingStep, chunks: int, slot: int) -> tuple[ViolationKind, str] | None:
-    """Why ``step`` leaves its engine or its slot (None when it does not)."""
-    tp = engine.tp
-    if step.rank >= tp:
-        return ViolationKind.OUT_OF_BOUNDS, f"rank {step.rank} outside tp={tp}"
+def step_problem(engine: EngineGeometry, step: StagingStep, chunks: int, slot: int,
+                 held: np.ndarray | None = None) -> tuple[ViolationKind, str] | None:
+    """Why ``step`` leaves its engine or its slot (None when it does not). ``held`` is
+    ``[rank, region]`` bytes (0 where the rank's stage does not hold the region, docs/design.md
+    §11.4); computed when not given."""
+    if not 0 <= step.rank < engine.num_ranks:
+        return ViolationKind.OUT_OF_BOUNDS, f"rank {step.rank} outside the engine's {engine.num_ranks} ranks"
     n_regions = len(engine.regions)
-    if len(step.regions) and int(step.regions.max()) >= n_regions:
+    if len(step.regions) and (int(step.regions.max()) >= n_regions or int(step.regions.min()) < 0):
         return ViolationKind.OUT_OF_BOUNDS, f"region {int(step.regions.max())} does not exist ({n_regions} regions)"
     span = sum((n - 1) * s for n, s in zip(step.shape, step.cache_strides)) + step.unit_bytes
     if len(step.regions) and len(step.pages):
-        sizes = np.array([r.nbytes for r in engine.regions], np.int64)[step.regions]
+        sizes = (held if held is not None else _held_sizes(engine))[step.rank][step.regions]
         end = int(step.pages.max()) * step.page_bytes + step.offsets + span
         if np.any(end > sizes):
             i = int(np.argmax(end > sizes))
+            whose = "" if sizes[i] else f", held by another pipeline stage than rank {step.rank}'s"
             return ViolationKind.OUT_OF_BOUNDS, (f"layer entry {i}: elements reach byte {int(end[i])} of region "
-                                                 f"{int(step.regions[i])} ({int(sizes[i])} B)")
+                                                 f"{int(step.regions[i])} ({int(sizes[i])} B{whose})")
     if step.chunk >= chunks:
         return ViolationKind.STAGING_OUT_OF_SLOT, f"chunk {step.chunk} is not one of the plan's {chunks} chunks"
     lo, hi = step.staging_span()
@@ -96,15 +100,16 @@ def packed_bounds(P: EngineGeometry, D: EngineGeometry, plan: TransferPlan,
     masks = []
     for name, engine, steps in (("pack", P, plan.packs), ("unpack", D, plan.unpacks)):
         bad = np.zeros(len(steps), bool)
+        held = _held_sizes(engine)
         for k, st in enumerate(steps):
-            why = step_problem(engine, st, chunks, slot)
+            why = step_problem(engine, st, chunks, slot, held)
             if why is not None:
                 bad[k] = True
                 sink.one(Violation(why[0], st.side, st.rank, int(st.regions[0]) if len(st.regions) else -1, 0,
                                    0, "", f"{name} step {k}: {why[1]}"), st.nbytes)
         masks.append(bad)
     w = plan.wire
-    rank_bad = (w.p_rank >= P.tp) | (w.d_rank >= D.tp)
+    rank_bad = (w.p_rank < 0) | (w.p_rank >= P.num_ranks) | (w.d_rank < 0) | (w.d_rank >= D.num_ranks)
     slot_bad = ~rank_bad & ((w.chunk >= chunks) | (w.p_offset + w.nbytes > slot) | (w.d_offset + w.nbytes > slot))
     for kind, bad in ((ViolationKind.OUT_OF_BOUNDS, rank_bad), (ViolationKind.STAGING_OUT_OF_SLOT, slot_bad)):
         rows = np.flatnonzero(bad)

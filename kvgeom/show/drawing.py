@@ -141,10 +141,12 @@ def _by_key(columns: dict[str, np.ndarray], keys: tuple[str, ...], start: str, p
     return out
 
 
-def _step_intervals(steps: Sequence[Any], *, by_cache: bool) -> dict[tuple[int, ...], _Intervals]:
+def _step_intervals(steps: Sequence[Any], *, by_cache: bool, per_peer: bool = False
+                    ) -> dict[tuple[int, ...], _Intervals]:
     """Every element of ``steps`` as an interval: keyed by (rank, cache region) with payload (chunk,
     cache start, staging start) when ``by_cache``, else by (rank, chunk) over the slot with payload
-    (cache region, cache start, staging start)."""
+    (cache region, cache start, staging start). ``per_peer`` adds the other side's rank to the key:
+    pack elements of different D ranks may read one P byte (replicated heads), one D rank's never."""
     parts: dict[tuple[int, ...], list[tuple[np.ndarray, ...]]] = {}
     for st in steps:
         for lam in range(len(st.regions)):
@@ -153,14 +155,16 @@ def _step_intervals(steps: Sequence[Any], *, by_cache: bool) -> dict[tuple[int, 
             n = np.full(cache.shape, st.unit_bytes, np.int64)
             region = int(st.regions[lam])
             if by_cache:
-                parts.setdefault((st.rank, region), []).append((cache, n, np.full(cache.shape, st.chunk), cache, staging))
+                key: tuple[int, ...] = (st.rank, region, st.d_rank if st.side == "prefill" else st.p_rank) if per_peer else \
+                    (st.rank, region)
+                parts.setdefault(key, []).append((cache, n, np.full(cache.shape, st.chunk), cache, staging))
             else:
                 parts.setdefault((st.rank, st.chunk), []).append((staging, n, np.full(cache.shape, region), cache,
                                                                    staging))
-    out = {}
-    for key, chunks in parts.items():
+    out: dict[tuple[int, ...], _Intervals] = {}
+    for k, chunks in parts.items():
         start, n, a, b, c = (np.concatenate([x[i] for x in chunks]) for i in range(5))
-        out[key] = _Intervals(start, n, [a, b, c])
+        out[k] = _Intervals(start, n, [a, b, c])
     return out
 
 
@@ -189,7 +193,7 @@ class _Resolver:
         self.wire_p = _by_key(wcols, ("p_rank", "chunk"), "p_offset", ("d_rank",))
         self.unpack_cache = _step_intervals(plan.unpacks, by_cache=True)  # (d_rank, region) -> chunk, staging
         self.pack_staging = _step_intervals(plan.packs, by_cache=False)  # (p_rank, chunk) -> region, cache
-        self.pack_cache = _step_intervals(plan.packs, by_cache=True)  # (p_rank, region) -> chunk, staging
+        self.pack_cache = _step_intervals(plan.packs, by_cache=True, per_peer=True)  # (p_rank, region, d_rank) -> ...
 
     def _inverse_map(self, k: int) -> np.ndarray:
         """In-page byte -> the in-page byte it was read from, for rearrange ``k``."""
@@ -304,24 +308,26 @@ class _Resolver:
         return np.where(count == 0, UNTOUCHED, lowest * SOURCE_STRIDE + np.where(count > 1, SEVERAL, 0))
 
     def _packed_readers(self, rank: int, region: int, addr: np.ndarray) -> list[tuple[int, np.ndarray]]:
-        """(D rank, mask) for every D rank whose wire rows carry P addresses a pack gathers."""
-        iv = self.pack_cache.get((rank, region))
-        if iv is None:
-            return []
-        i = iv.find(addr)
-        got = i >= 0
-        j = np.maximum(i, 0)
-        chunk, elem_cache, elem_staging = (x[j] for x in iv.payload)
-        p_slot = elem_staging + (addr - elem_cache)
+        """(D rank, mask) for every D rank whose wire rows carry P addresses a pack gathers for it."""
         out: list[tuple[int, np.ndarray]] = []
-        for c in np.unique(chunk[got]).tolist():
-            wv = self.wire_p.get((rank, c))
-            if wv is None:
+        for d in range(self.decode_ranks):
+            iv = self.pack_cache.get((rank, region, d))
+            if iv is None:
                 continue
-            k = wv.find(p_slot)
-            ok = got & (chunk == c) & (k >= 0)
-            d_rank = wv.payload[0][np.maximum(k, 0)]
-            out.extend((int(d), ok & (d_rank == d)) for d in np.unique(d_rank[ok]).tolist())
+            i = iv.find(addr)
+            got = i >= 0
+            j = np.maximum(i, 0)
+            chunk, elem_cache, elem_staging = (x[j] for x in iv.payload)
+            p_slot = elem_staging + (addr - elem_cache)
+            hit = np.zeros(addr.shape, bool)
+            for c in np.unique(chunk[got]).tolist():
+                wv = self.wire_p.get((rank, c))
+                if wv is None:
+                    continue
+                k = wv.find(p_slot)
+                hit |= got & (chunk == c) & (k >= 0) & (wv.payload[0][np.maximum(k, 0)] == d)
+            if hit.any():
+                out.append((d, hit))
         return out
 
 

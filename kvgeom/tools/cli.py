@@ -422,7 +422,7 @@ def _fuzz_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, metavar="S",
                         help="random seed (default: a fresh one, printed so the run can be repeated)")
     parser.add_argument("--strategy", choices=(*STRATEGIES, "all"), default="all",
-                        help="planner strategy to check on every example (default all three)")
+                        help="planner strategy to check on every example (default all four)")
     parser.add_argument("--max-tokens", type=int, default=64, metavar="M",
                         help="longest request drawn, in computed tokens (default 64)")
     parser.add_argument("--mismatch-probability", type=float, default=0.1, metavar="P",

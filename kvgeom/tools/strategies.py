@@ -980,8 +980,8 @@ def _packed_transfers(draw: Any, transfer_strategy: st.SearchStrategy[Transfer])
     used = whole.wire
     hi = lo
     if len(used):
-        per_p = np.zeros(gp.prefill.tp, np.int64)
-        per_d = np.zeros(gp.decode.tp, np.int64)
+        per_p = np.zeros(gp.prefill.num_ranks, np.int64)
+        per_d = np.zeros(gp.decode.num_ranks, np.int64)
         np.add.at(per_p, used.p_rank, used.nbytes)
         np.add.at(per_d, used.d_rank, used.nbytes)
         hi = max(lo, int(per_p.max()), int(per_d.max()))
