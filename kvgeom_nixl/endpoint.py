@@ -283,9 +283,10 @@ class Link:
     # ---- planning --------------------------------------------------------------------------
     def plan(self, request: Request, *, strategy: str = "direct") -> TransferPlan:
         """The plan for ``request`` on this pair (:func:`kvgeom.planning.plan_pair`); packed and auto
-        plans use :attr:`staging_bytes` as the chunk capacity."""
-        extra = {"staging_bytes": self.staging_bytes} if self.staging_bytes else {}
-        return plan_pair(self.pair, request, strategy=strategy, **extra)  # type: ignore[arg-type]
+        plans use :attr:`staging_bytes` as the chunk capacity, so without staging on both sides auto
+        never picks packed and packed raises :class:`~kvgeom.errors.StagingCapacityError`."""
+        return plan_pair(self.pair, request, strategy=strategy,  # type: ignore[arg-type]
+                         staging_bytes=self.staging_bytes)
 
     @property
     def staging_bytes(self) -> int:

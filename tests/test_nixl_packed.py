@@ -29,6 +29,7 @@ from kvgeom import (  # noqa: E402
     ModelSpec,
     Pair,
     Request,
+    StagingCapacityError,
     TransferPlan,
     fresh_request,
     min_staging_bytes,
@@ -166,6 +167,13 @@ def test_a_packed_plan_needs_staging_on_both_sides() -> None:
     with LocalDeployment(pair, p_caches, d_caches) as dep:  # no staging buffers
         with pytest.raises(ExecutorError, match="staging buffer"):
             dep.d_links[0].pull("x", request, plan=plan)
+        with pytest.raises(StagingCapacityError):
+            dep.d_links[0].plan(request, strategy="packed")
+    gqa, gqa_request = _case("preset gqa-tp2-tp4")
+    assert gqa.plan(gqa_request, strategy="auto").packed
+    with LocalDeployment(gqa, allocate_caches(gqa.prefill, "cpu"), allocate_caches(gqa.decode, "cpu")) as dep:
+        link = dep.d_links[0]
+        assert link.staging_bytes == 0 and not link.plan(gqa_request, strategy="auto").packed  # no rings: not packed
     with LocalDeployment(pair, p_caches, d_caches, staging_bytes=4096) as dep:  # slots too small
         t = dep.d_links[0].pull("y", request, plan=plan)
         with pytest.raises(TransferFailed) as ei:

@@ -308,6 +308,19 @@ def test_auto_packs_a_large_layout_mismatch_and_not_a_small_equal_pair() -> None
     assert small == same.plan(fresh_request(same, 100), strategy="direct")
 
 
+def test_no_staging_leaves_packed_out_of_auto() -> None:
+    """staging_bytes=0 (a link without staging rings): auto plans as if packed did not exist, packed
+    refuses anything that moves, and a request that moves nothing still plans."""
+    pair, req = get_preset("gqa-tp2-tp4").build(2048, 0)
+    plan = pair.plan(req, strategy="auto", staging_bytes=0)
+    assert not plan.packed and NoteKind.AUTO_PACKED not in {n.kind for n in plan.notes}
+    with pytest.raises(StagingCapacityError):
+        pair.plan(req, strategy="packed", staging_bytes=0)
+    empty = Pair(P_ENGINE, D_ENGINE)
+    nothing = Request(4, [GroupRequest(BlockList([5]), BlockList([1], first_token=4))], partial=True)
+    assert simulate(empty, nothing, empty.plan(nothing, strategy="packed", staging_bytes=0)).ok
+
+
 def test_auto_weighs_packed_by_the_design_worked_number() -> None:
     """docs/design.md §5: one layer, 2 heads of 256 B, P HND K=4 (blocks 5, 1) -> D NHD K=8 (block 3),
     M = 8. Direct 32 copies = 48 us; staged 2 copies + 8192 B rearranged = 8.46 us; packed 1 wire

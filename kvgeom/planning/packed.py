@@ -726,7 +726,7 @@ class PackedCount:
 
 def _layout(pair: EnginePair, request: Request, staging_bytes: int
             ) -> tuple[_Planner, list[list[ChunkPiece]], list[dict[tuple[int, int], int]]]:
-    check_int("staging_bytes", staging_bytes, minimum=1)
+    check_int("staging_bytes", staging_bytes, minimum=0)  # 0: no staging (only a request moving nothing fits)
     pair.check_request(request)
     pl = _Planner(pair, request)
     chunks = _chunk_pieces(pl, staging_bytes)

@@ -75,7 +75,9 @@ def plan_transfer(
     The pair is checked once (and cached) before any request; raises
     :class:`~kvgeom.errors.IncompatibleGeometry` if the engines cannot be paired and
     :class:`~kvgeom.errors.RequestError` if the request does not fit them. ``staging_bytes`` is
-    the packed strategy's slot capacity per rank (docs/design.md §12.3).
+    the packed strategy's slot capacity per rank (docs/design.md §12.3); 0 means no staging, so
+    ``auto`` leaves packed out and ``packed`` raises :class:`~kvgeom.errors.StagingCapacityError`
+    unless nothing moves.
     """
     return plan_pair(_pair(prefill, decode), request, strategy=strategy, cost_model=cost_model,
                      staging_bytes=staging_bytes)
