@@ -7,9 +7,11 @@
 Five campaigns, each a stream of cases drawn from ``random.Random(seed * 1_000_003 + index)`` (so a
 case is reproduced from its index alone, ``--case api:1234``)::
 
-    api          pairable / plan_transfer / fresh_request / constructors with wrong types and extreme sizes
+    api          pairable / plan_transfer (every strategy, hostile staging_bytes) / fresh_request / constructors
+                 with wrong types and extreme sizes
     files        pair files (load_pair_file + plan + simulate), mutated as JSON and as bytes
-    cli          `kvgeom plan --pair FILE` and hostile flags (--tokens, --layers, --svg, --timeout), one process each
+    cli          `kvgeom plan --pair FILE` and hostile flags (--tokens, --layers, --svg, --timeout, --staging-bytes),
+                 one process each
     handshakes   a peer's handshake payload mutated, then connect (and a pull if it connects), real NIXL
     lying        a peer whose handshake lies about its geometry, pulled through real NIXL, D's tensors
                  inside guard bytes
@@ -586,8 +588,9 @@ def _plan(r: random.Random) -> Case:
     from kvgeom import BlockList, GroupRequest, Request, plan_transfer
 
     pair, req = small_pair(r)
-    strategy: Any = r.choice(("direct", "staged", "auto"))
-    what = r.choice(("request", "strategy", "ids", "first", "M", "S", "none"))
+    strategy: Any = r.choice(("direct", "staged", "auto", "packed"))
+    what = r.choice(("request", "strategy", "staging", "ids", "first", "M", "S", "none"))
+    staging: Any = r.choice((1 << 20, 0, 1, 7, 64, 4096, 2**62, -1, 2.5, "lots", None, np.int64(4096)))
     bad = hostile(r)
     gi = r.randrange(len(req.groups))
     extra_id = r.choice((2**40, 2**47, 2**48, 10**6))
@@ -599,6 +602,7 @@ def _plan(r: random.Random) -> Case:
     def call() -> Any:
         request: Any = req
         strat = strategy
+        kw: dict[str, Any] = {"staging_bytes": staging} if what == "staging" else {}
         if what == "request":
             request = bad
         elif what == "strategy":
@@ -618,7 +622,7 @@ def _plan(r: random.Random) -> Case:
             M = req.computed_tokens if what == "S" else big_m
             request = Request(M, req.groups, req.prefix_hit_tokens if what == "M" else min(M, small_s))
         box[0] = request
-        return plan_transfer(pair.prefill, pair.decode, request, strategy=strat)
+        return plan_transfer(pair.prefill, pair.decode, request, strategy=strat, **kw)
 
     return Case(f"plan_transfer({what})", call, lambda plan: plan_wrong(pair, box[0], plan))
 
@@ -854,9 +858,16 @@ def cli_case(r: random.Random) -> tuple[list[str], bytes | None, bool, str]:
     what = r.random()
     if what < 0.75:
         data, must, label = pair_file_case(r)
-        extra = r.choice(([], ["--strategy", "auto"], ["--json"], ["--tokens", "64"]))
+        extra = r.choice(([], ["--strategy", "auto"], ["--strategy", "packed"], ["--json"], ["--tokens", "64"]))
         return ["plan", "--pair", "{file}", *extra], data, must, label
-    flag = r.choice(("tokens", "layers", "pair-dev", "svg", "timeout", "prefix", "transfer-tokens"))
+    flag = r.choice(("tokens", "layers", "pair-dev", "svg", "timeout", "prefix", "staging", "transfer-tokens"))
+    if flag == "staging":
+        n, tokens = r.choice((("1", "100"), ("0", "100"), ("-1", "100"), ("x", "100"), ("99999999999999999999", "100"),
+                              ("4096", "100000"), ("1048576", "1000000")))
+        strategy = r.choice(("packed", "auto"))
+        must = n in ("-1", "x", "99999999999999999999") or (strategy == "packed" and n in ("0", "1"))
+        return ["plan", "--strategy", strategy, "--staging-bytes", n, "--tokens", tokens], None, must, \
+            f"--strategy {strategy} --staging-bytes {n} --tokens {tokens}"
     if flag == "tokens":
         n = r.choice(("100000000", "4294967296", "-5", "1e9", "0", "300000000000000"))
         return ["plan", "--tokens", n, "--preset", r.choice(("gqa-tp2-tp4", "llama3-70b-tp8-tp4"))], None, \

@@ -14,15 +14,20 @@ and the notifications it received::
       .post_coalesced(op, local, remote, ...)   initialize_xfer + transfer   -> handle (PROC)
       .post_prepped(op, table, idx, table, idx) make_prepped_xfer + transfer -> handle (PROC)
       .state(handle) -> "PROC" | "DONE" | ...   .descriptor_count(handle) (telemetry)   .release(handle)
-      .drain()                           get_new_notifs -> inbox[(kind, request id)] = {sender agents}
-      .claim(kind, id) / .senders(kind, id) / .drop(kind, id) / .pending()
+      .send(peer, message)               a standalone notification (packed transfers' slot protocol)
+      .drain()                           get_new_notifs -> inbox[(kind, request id)] = {sender: [args]}
+      .claim(kind, id) / .unclaim(kind, id) / .senders(kind, id) / .messages(kind, id) / .drop(kind, id) / .pending()
       .close()                           release tables, deregister
 
-Notifications carry ``kvgeom1|<kind>|<request id>`` (kinds ``pulled`` and ``pushed``); anything
-else a peer sends is ignored. A notification no transfer has claimed yet stays in the inbox, for
-at most ``inbox_ttl_s`` (default 300 s) and among at most ``inbox_max`` (default 4096) unclaimed
-entries, the oldest evicted first (logged at WARNING): a pull that P never serves cannot hold
-memory forever. Entries a transfer has claimed (it waits for them) are never evicted.
+Notifications carry ``kvgeom1|<kind>|<args...>|<request id>``: ``pulled`` and ``pushed`` (no args,
+direct plans); ``slot`` (chunk, slot), ``packed`` (chunk, slot), ``chunk_pulled`` and ``landed``
+(chunk) and ``abort`` (none) for packed plans (docs/design.md §12.5). Args are integers below
+2**32; anything else a peer sends is ignored. A notification no transfer has claimed yet stays in
+the inbox, for at most ``inbox_ttl_s`` (default 300 s) and among at most ``inbox_max`` (default
+4096) unclaimed entries, the oldest evicted first (logged at WARNING): a pull that P never serves
+cannot hold memory forever. Entries a transfer has claimed (it waits for them) are never evicted;
+one entry keeps at most ``INBOX_MESSAGES`` messages per sender (a peer repeating one message
+cannot grow it either).
 
 **Loading a peer's metadata.** NIXL 1.5 loads a metadata blob in two steps, the UCX connection
 first and the memory sections second; when the second fails (a truncated or corrupted blob), the
@@ -41,7 +46,7 @@ thread by default (it busy-spins one core per agent): the executor's wait loops 
 
 Worked number: a D rank that pulled request ``r1`` from P ranks 0 and 1 sends
 ``b"kvgeom1|pulled|r1"`` to each; once both arrived, each P rank's inbox holds
-``{("pulled", "r1"): {"<its D agent>"}}`` until its ``serve_pull`` transfer drops it.
+``{("pulled", "r1"): {"<its D agent>": [()]}}`` until its ``serve_pull`` transfer drops it.
 """
 
 from __future__ import annotations
@@ -60,10 +65,11 @@ from .probe import ProbeRefused, ProberUnavailable, prober
 logger = logging.getLogger(__name__)
 
 __all__ = ["RankAgent", "notification", "nixl_available", "make_agent", "nixl_errors", "classify",
-           "use_local_defaults", "INBOX_TTL_S", "INBOX_MAX"]
+           "use_local_defaults", "KINDS", "INBOX_TTL_S", "INBOX_MAX", "INBOX_MESSAGES"]
 
 INBOX_TTL_S = 300.0  # an unclaimed notification older than this is evicted
 INBOX_MAX = 4096  # unclaimed notifications kept at most (the oldest are evicted first)
+INBOX_MESSAGES = 1 << 16  # messages one entry keeps per sender (a packed plan sends a few per chunk)
 
 _TAG = "kvgeom1"
 _ERROR_NAMES = (
@@ -118,17 +124,37 @@ def classify(exc: BaseException) -> str:
     return "nixl_error"
 
 
-def notification(kind: str, request_id: str) -> bytes:
-    """The message a transfer of ``kind`` (``pulled`` | ``pushed``) sends with its NIXL requests."""
-    return f"{_TAG}|{kind}|{request_id}".encode()
+KINDS = {"pulled": 0, "pushed": 0, "slot": 2, "packed": 2, "chunk_pulled": 1, "landed": 1, "abort": 0}
+"""Notification kinds and how many integer arguments each carries before the request id."""
+_MAX_ARG = 1 << 32
 
 
-def _parse(msg: bytes) -> tuple[str, str] | None:
+def notification(kind: str, request_id: str, *args: int) -> bytes:
+    """The message of ``kind`` (:data:`KINDS`) for ``request_id`` with its integer ``args``."""
+    if KINDS.get(kind) != len(args):
+        raise ExecutorError("notification", f"kind {kind!r} takes {KINDS.get(kind)} arguments, got {len(args)}",
+                            actual=(kind, args), expected=KINDS)
+    return "|".join([_TAG, kind, *(str(int(a)) for a in args), request_id]).encode()
+
+
+def _parse(msg: bytes) -> tuple[str, str, tuple[int, ...]] | None:
+    """``(kind, request id, args)`` of a well-formed message, else None (a peer's input is hostile)."""
     try:
-        tag, kind, rid = msg.decode("utf-8").split("|", 2)
+        tag, kind, rest = msg.decode("utf-8").split("|", 2)
     except (UnicodeDecodeError, ValueError):
         return None
-    return (kind, rid) if tag == _TAG else None
+    n = KINDS.get(kind)
+    if tag != _TAG or n is None:
+        return None
+    parts = rest.split("|", n)
+    if len(parts) != n + 1:
+        return None
+    args = []
+    for a in parts[:n]:
+        if not (a.isdigit() and len(a) <= 10 and int(a) < _MAX_ARG):
+            return None
+        args.append(int(a))
+    return kind, parts[n], tuple(args)
 
 
 def _name(agent_result: Any) -> str:
@@ -158,11 +184,12 @@ class RankAgent:
         self.inbox_ttl_s = inbox_ttl_s
         self.inbox_max = inbox_max
         self._tables: dict[tuple[str, int], Any] = {}  # (agent, tile) -> prepared descriptor list
-        self._inbox: dict[tuple[str, str], set[str]] = {}  # (kind, request id) -> sender agents
+        self._inbox: dict[tuple[str, str], dict[str, list[tuple[int, ...]]]] = {}  # (kind, id) -> sender -> args
         self._arrived: dict[tuple[str, str], float] = {}  # (kind, request id) -> first arrival (monotonic)
         self._claimed: set[tuple[str, str]] = set()  # keys a transfer waits for: never evicted
         self._probe: Any = None  # the scratch agent peer metadata is loaded into first
         self.evicted = 0  # unclaimed notifications evicted so far
+        self.ignored = 0  # messages beyond INBOX_MESSAGES for one entry and sender
         nixl = make_agent(name, telemetry=telemetry, progress_thread=progress_thread)
         try:
             self._reg = nixl.register_memory(regions, mem_type)
@@ -293,8 +320,13 @@ class RankAgent:
             for m in msgs:
                 parsed = _parse(bytes(m))
                 if parsed is not None:
-                    self._inbox.setdefault(parsed, set()).add(_name(sender))
-                    self._arrived.setdefault(parsed, now)
+                    kind, rid, args = parsed
+                    per_sender = self._inbox.setdefault((kind, rid), {}).setdefault(_name(sender), [])
+                    if len(per_sender) < INBOX_MESSAGES:
+                        per_sender.append(args)
+                    else:
+                        self.ignored += 1
+                    self._arrived.setdefault((kind, rid), now)
         self._evict(now)
 
     def _evict(self, now: float) -> None:
@@ -318,9 +350,21 @@ class RankAgent:
         """A transfer waits for ``kind`` notifications of ``request_id``: keep them until :meth:`drop`."""
         self._claimed.add((kind, request_id))
 
+    def unclaim(self, kind: str, request_id: str) -> None:
+        """Keep ``kind`` notifications of ``request_id`` only as long as unclaimed ones (the TTL and maximum)."""
+        self._claimed.discard((kind, request_id))
+
     def senders(self, kind: str, request_id: str) -> set[str]:
         """The agents whose ``kind`` notification for ``request_id`` has arrived."""
         return set(self._inbox.get((kind, request_id), ()))
+
+    def messages(self, kind: str, request_id: str) -> dict[str, list[tuple[int, ...]]]:
+        """Per sender agent, the arguments of every ``kind`` notification for ``request_id``."""
+        return {k: list(v) for k, v in self._inbox.get((kind, request_id), {}).items()}
+
+    def send(self, peer: str, message: bytes) -> None:
+        """Send a standalone notification to ``peer`` (raises NIXL's errors, e.g. a dead peer)."""
+        self.nixl.send_notif(peer, message)
 
     def drop(self, kind: str, request_id: str) -> None:
         """Forget the ``kind`` notifications of ``request_id`` (claimed, or of a failed attempt)."""
@@ -329,7 +373,7 @@ class RankAgent:
         self._claimed.discard((kind, request_id))
 
     def pending(self) -> dict[tuple[str, str], set[str]]:
-        """Notifications no transfer has claimed yet."""
+        """Notifications no transfer has claimed yet: (kind, request id) -> sender agents."""
         return {k: set(v) for k, v in self._inbox.items()}
 
     # ---- teardown --------------------------------------------------------------------------

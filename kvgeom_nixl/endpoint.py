@@ -25,7 +25,7 @@ bounded inbox (:mod:`kvgeom_nixl.agent`). Nothing polls in the background: every
 (registration, handshake, failure and invalid blocks) is docs/design.md §8; every copy is checked
 to stay in its regions before posting (docs/design.md §4.2 (invariant 1)).
 
-Hostile peers (docs/design.md §12): ``connect`` refuses payloads beyond the endpoint's
+Hostile peers (docs/design.md §13): ``connect`` refuses payloads beyond the endpoint's
 :class:`~kvgeom_nixl.handshake.HandshakeLimits`; every planning call of a link (``plan``, ``pull``,
 ``push``, ``serve_pull``, ``accept_push``) takes a ``strategy`` and a ``budget``
 (:class:`kvgeom.PlanBudget`, the endpoint's by default) and refuses a request whose plan would
@@ -66,15 +66,17 @@ from kvgeom import (
     value_text,
 )
 from kvgeom.lowering import check_in_regions, tile_index_pairs
-from kvgeom.values import check_instance, check_seconds
+from kvgeom.values import check_instance, check_int, check_seconds
 
 from .agent import INBOX_MAX, INBOX_TTL_S, RankAgent, classify, nixl_errors, notification
 from .errors import ExecutorError, HandshakeError
 from .handshake import DEFAULT_LIMITS, ROLES, HandshakeLimits, RankInfo, decode_rank, encode_rank
 from .lowering import MAX_TABLE_TILES, MODES, capped_table, copy_descs, table_descs
 from .memory import RankMemory
+from .packed import DEFAULT_GRACE_S, PackedTransfer
 from .probe import ProbeRefused
 from .receive import apply_receive_steps
+from .staging import DEFAULT_SLOTS, StagingBuffer, run_steps
 from .transfer import Transfer, TransferResult, wait_all
 
 __all__ = ["Endpoint", "Link", "Transfer", "TransferResult", "wait_all", "MAX_TABLE_TILES", "DEFAULT_TIMEOUT_S",
@@ -99,13 +101,17 @@ class Endpoint:
 
     def __init__(self, engine: EngineGeometry, role: str, rank: int, regions: Sequence[Any], *,
                  agent_name: str | None = None, mem_type: str | None = None, device: int | None = None,
-                 telemetry: bool = False, progress_thread: bool = False,
+                 telemetry: bool = False, progress_thread: bool = False, staging_bytes: int = 0,
+                 staging_slots: int = DEFAULT_SLOTS, staging_grace_s: float = DEFAULT_GRACE_S,
                  limits: HandshakeLimits = DEFAULT_LIMITS, budget: PlanBudget = DEFAULT_BUDGET,
                  inbox_ttl_s: float = INBOX_TTL_S, inbox_max: int = INBOX_MAX) -> None:
         check_instance("engine", engine, EngineGeometry, error=ExecutorError)
         check_instance("limits", limits, HandshakeLimits, error=ExecutorError)
         check_instance("budget", budget, PlanBudget, error=ExecutorError)
         inbox_ttl_s = check_seconds("inbox_ttl_s", inbox_ttl_s, error=ExecutorError)
+        inbox_max = check_int("inbox_max", inbox_max, minimum=0, error=ExecutorError)
+        staging_bytes = check_int("staging_bytes", staging_bytes, minimum=0, error=ExecutorError)
+        staging_grace_s = check_seconds("staging_grace_s", staging_grace_s, error=ExecutorError)
         if not isinstance(role, str) or role not in ROLES:
             raise ExecutorError("role", f"unknown role {value_text(role, 60)}", actual=role, expected=list(ROLES))
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < engine.num_ranks:
@@ -124,7 +130,13 @@ class Endpoint:
         self._links: list[Link] = []
         self._inflight: list[Transfer] = []
         self._stream: Any = None
-        self.rank_agent = RankAgent(self.name, self.memory.descs(), self.memory.mem_type, telemetry=telemetry,
+        # packed plans (docs/design.md §12.5): one staging ring on the cache's device, registered with the regions
+        self.staging = StagingBuffer(self.memory, staging_bytes, staging_slots) if staging_bytes else None
+        self.staging_grace_s = staging_grace_s
+        descs = self.memory.descs()
+        if self.staging is not None:
+            descs = np.concatenate([descs, np.array([self.staging.desc()], np.uint64)])
+        self.rank_agent = RankAgent(self.name, descs, self.memory.mem_type, telemetry=telemetry,
                                     progress_thread=progress_thread, inbox_ttl_s=inbox_ttl_s, inbox_max=inbox_max)
 
     @property
@@ -136,8 +148,10 @@ class Endpoint:
     def info(self) -> RankInfo:
         self._open()
         regions = tuple((r.addr, r.nbytes, r.device) for r in self.memory.regions)
+        st = self.staging
+        staging = None if st is None else (st.addr, st.nbytes, st.device_id, st.slot_bytes, st.slots)
         return RankInfo(self.engine, self.role, self.rank, self.name, self.memory.mem_type, regions,
-                        self.rank_agent.metadata())
+                        self.rank_agent.metadata(), staging)
 
     def handshake(self) -> bytes:
         """This rank's payload for the peer engine's :meth:`connect`."""
@@ -184,7 +198,7 @@ class Endpoint:
 
         Every blob is probed in a scratch agent first (:meth:`RankAgent.probe`): a blob NIXL refuses, or
         one naming another agent than its payload, never reaches this endpoint's agent, which stays
-        able to load the honest peer afterwards (docs/design.md §12)."""
+        able to load the honest peer afterwards (docs/design.md §13)."""
         loaded: list[str] = []
         try:
             for info in peers.values():
@@ -243,6 +257,23 @@ class Endpoint:
         wait for, or ``None`` once done (host memory)."""
         return apply_receive_steps(self.memory.byte_views(), rearranges, zeros, stream=self.stream())
 
+    def run_staged(self, steps: Sequence[Any], slot: int, pack: bool) -> Any:
+        """Pack steps into (``pack``) or unpack steps out of staging ``slot`` on this rank's regions
+        (on :meth:`stream` for VRAM): a CUDA event to wait for, or ``None`` once done."""
+        if self.staging is None:
+            raise ExecutorError("staging", "this endpoint has no staging buffer", fix="pass staging_bytes")
+        stream = self.stream()
+        if stream is None:
+            run_steps(steps, self.memory.byte_views(), self.staging, slot, pack=pack)
+            return None
+        import torch
+
+        with torch.cuda.stream(stream):
+            run_steps(steps, self.memory.byte_views(), self.staging, slot, pack=pack)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
     def stream(self) -> Any:
         """The CUDA stream receive steps run on (``None`` for host memory)."""
         if self.memory.mem_type != "VRAM":
@@ -271,6 +302,7 @@ class Endpoint:
         self.rank_agent.close()
         self.closed = True
         self.memory.release()
+        self.staging = None
 
     def __enter__(self) -> Endpoint:
         return self
@@ -303,9 +335,19 @@ class Link:
     def plan(self, request: Request, *, strategy: str = "direct", budget: PlanBudget | None = None) -> TransferPlan:
         """The plan for ``request`` on this pair (:func:`kvgeom.planning.plan_pair`) under ``budget``
         (default: the endpoint's); raises :class:`kvgeom.PlanBudgetExceeded` before building a plan
-        beyond it."""
+        beyond it. Packed and auto plans use :attr:`staging_bytes` as the chunk capacity, so without
+        staging on both sides auto never picks packed and packed raises
+        :class:`~kvgeom.errors.StagingCapacityError`."""
         return plan_pair(self.pair, request, strategy=strategy,  # type: ignore[arg-type]
-                         budget=self.endpoint.budget if budget is None else budget)
+                         staging_bytes=self.staging_bytes, budget=self.endpoint.budget if budget is None else budget)
+
+    @property
+    def staging_bytes(self) -> int:
+        """The slot size both sides have (0 when either has no staging buffer): what a packed plan's
+        busiest chunk may stage on one rank."""
+        own = self.endpoint.staging
+        sizes = [info.staging[3] if info.staging is not None else 0 for info in self.peers.values()]
+        return min([own.slot_bytes if own is not None else 0] + sizes)
 
     @property
     def tile_bytes(self) -> int:
@@ -317,17 +359,18 @@ class Link:
     def pull(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
              mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct",
              budget: PlanBudget | None = None) -> Transfer:
-        """D rank: post READs of this rank's rows from every P rank it needs; returns at once.
+        """D rank: post READs of this rank's rows from every P rank it needs; returns at once (a
+        packed plan announces its first slots and pulls chunk by chunk, docs/design.md §12.5).
 
         Without ``plan`` the request is planned with ``strategy`` under ``budget`` (the endpoint's by
         default); ``timeout_s`` counts from this call, planning included."""
         started = time.perf_counter()
         timeout_s = self._begin("decode", "pull", request_id, timeout_s)
         plan = self._plan(request, plan, strategy, budget)
+        if plan.packed:
+            return self._packed("pull", request_id, request, plan, mode, timeout_s, started)
         t = self._transfer("pull", request_id, request, plan, self._mode(mode), timeout_s, started)
-        if t.expired():
-            t.fail("timeout", f"planning took longer than the {timeout_s:.3g} s timeout; nothing was posted")
-        else:
+        if not self._expired(t, timeout_s):
             self._post(t, plan.for_decode_rank(self.endpoint.rank).copies, "READ",
                        notification("pulled", request_id))
         return self.endpoint.track(t)
@@ -335,15 +378,16 @@ class Link:
     def push(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
              mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct",
              budget: PlanBudget | None = None) -> Transfer:
-        """P rank: post WRITEs of this rank's rows to every D rank that needs them; returns at once
-        (``strategy``, ``budget`` and ``timeout_s`` as in :meth:`pull`)."""
+        """P rank: post WRITEs of this rank's rows to every D rank that needs them; returns at once (a
+        packed plan packs and writes each chunk once its D ranks have announced their slots;
+        ``strategy``, ``budget`` and ``timeout_s`` as in :meth:`pull`)."""
         started = time.perf_counter()
         timeout_s = self._begin("prefill", "push", request_id, timeout_s)
         plan = self._plan(request, plan, strategy, budget)
+        if plan.packed:
+            return self._packed("push", request_id, request, plan, mode, timeout_s, started)
         t = self._transfer("push", request_id, request, plan, self._mode(mode), timeout_s, started)
-        if t.expired():
-            t.fail("timeout", f"planning took longer than the {timeout_s:.3g} s timeout; nothing was posted")
-        else:
+        if not self._expired(t, timeout_s):
             self._post(t, plan.for_prefill_rank(self.endpoint.rank), "WRITE", notification("pushed", request_id))
         return self.endpoint.track(t)
 
@@ -352,10 +396,13 @@ class Link:
                     timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct",
                     budget: PlanBudget | None = None) -> Transfer:
         """D rank: wait for the WRITE notification of every P rank this rank reads from, then run
-        the receive steps (``strategy``, ``budget`` and ``timeout_s`` as in :meth:`pull`)."""
+        the receive steps (packed: announce slots, unpack each chunk as it lands; ``strategy``,
+        ``budget`` and ``timeout_s`` as in :meth:`pull`)."""
         started = time.perf_counter()
         timeout_s = self._begin("decode", "accept_push", request_id, timeout_s)
         plan = self._plan(request, plan, strategy, budget)
+        if plan.packed:
+            return self._packed("accept_push", request_id, request, plan, "coalesced", timeout_s, started)
         rank = self.endpoint.rank
         expect = {self._peer(p).agent for p in plan.sources_of(rank)}
         t = self._transfer("accept_push", request_id, request, plan, "-", timeout_s, started, notif_kind="pushed",
@@ -365,7 +412,8 @@ class Link:
     def serve_pull(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
                    timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct",
                    budget: PlanBudget | None = None) -> Transfer:
-        """P rank: done when every D rank that reads from this rank (``plan.consumers()``) has said so.
+        """P rank: done when every D rank that reads from this rank (``plan.consumers()``) has said so
+        (packed: pack each chunk once its D ranks have announced their slots).
 
         The plan is built from the peer's self-description under ``budget`` (the endpoint's by
         default), and ``timeout_s`` counts from this call, so a hostile geometry can neither make
@@ -373,6 +421,8 @@ class Link:
         started = time.perf_counter()
         timeout_s = self._begin("prefill", "serve_pull", request_id, timeout_s)
         plan = self._plan(request, plan, strategy, budget)
+        if plan.packed:
+            return self._packed("serve_pull", request_id, request, plan, "coalesced", timeout_s, started)
         p = self.endpoint.rank
         mine = plan.for_prefill_rank(p)
         consumers = {int(d) for d in np.unique(mine.d_rank)}
@@ -393,6 +443,43 @@ class Link:
                                 f"characters), got {type(request_id).__name__}", actual=request_id,
                                 expected="a string", fix="use the scheduler's request id as a string")
         return check_timeout("timeout_s", timeout_s)
+
+    @staticmethod
+    def _expired(t: Transfer, timeout_s: float) -> bool:
+        """Fail ``t`` (nothing posted) when planning used up its timeout."""
+        if t.expired():
+            t.fail("timeout", f"planning took longer than the {timeout_s:.3g} s timeout; nothing was posted")
+            return True
+        return False
+
+    def _packed(self, kind: str, request_id: str, request: Request | None, plan: TransferPlan, mode: str,
+                timeout_s: float, started: float) -> Transfer:
+        """A packed request (docs/design.md §12.5); a plan this pair cannot run raises before anything moves."""
+        ep = self.endpoint
+        mode = self._mode(mode)
+        if ep.staging is None:
+            raise ExecutorError("staging", f"a packed plan needs a staging buffer on {ep.name}",
+                                fix="create the endpoint with staging_bytes >= the plan's busiest chunk")
+        if len(plan.copies) or plan.rearranges:
+            raise ExecutorError("plan", "a packed plan with copies or rearranges (mixed plans are not executed)",
+                                actual=(len(plan.copies), len(plan.rearranges)), expected=(0, 0))
+        peer_col = plan.wire.p_rank if self.local_is_decode else plan.wire.d_rank
+        own_col = plan.wire.d_rank if self.local_is_decode else plan.wire.p_rank
+        peers = {int(p): self._peer(int(p)) for p in np.unique(peer_col[own_col == ep.rank])}
+        invalid = self.pair.writable_blocks(request) if request is not None and self.local_is_decode else {}
+        t = PackedTransfer(ep, ep.rank_agent, kind, request_id, request, plan, timeout_s, role=ep.role, rank=ep.rank,
+                           buffer=ep.staging, peers=peers, run_steps=ep.run_staged,
+                           receive=ep.receive if self.local_is_decode else None, grace_s=ep.staging_grace_s,
+                           started=started, invalid_blocks=invalid)
+        if mode == "prepped":
+            t.fall_back("coalesced", "packed plans post their wire rows as coalesced lists")
+        if self._expired(t, timeout_s):
+            return ep.track(t)
+        try:
+            t.check_fit()
+        except PlanError as e:
+            t.fail("plan_error", f"{type(e).__name__}: {e}")
+        return ep.track(t)
 
     def _transfer(self, kind: str, request_id: str, request: Request | None, plan: TransferPlan, mode: str,
                   timeout_s: float, started: float, *, notif_kind: str = "", expect: Iterable[str] = (),

@@ -1,10 +1,13 @@
-"""The work budget (docs/design.md §12): the estimate bounds the real plan, and a plan beyond the budget is
+"""The work budget (docs/design.md §13): the estimate bounds the real plan, and a plan beyond the budget is
 refused before it is built.
 
 The property tests plan drawn pairs for real and compare: the estimate is never below the rows the
 planner built (copies and zeros before coalescing, rearranged page entries), and where no pages are
 consecutive on both sides (P's block ids reversed, so no whole-page run forms) it is at most
-2 x ppl times the real count: an upper bound that is not absurdly loose.
+2 x ppl times the real count: an upper bound that is not absurdly loose. Packed plans (drawn with a
+staging capacity that cuts them into chunks, layers, token ranges or state sections) are bounded in
+chunks, wire rows, pack/unpack steps and their entries, in closed form and with the classes counted
+on windows of the tokens.
 """
 
 from __future__ import annotations
@@ -39,10 +42,16 @@ from kvgeom import (  # noqa: E402
     plan_transfer,
 )
 from kvgeom.building import fresh_shape, get_preset  # noqa: E402
+from kvgeom.planning import budget as budget_module  # noqa: E402
+from kvgeom.planning import min_staging_bytes  # noqa: E402
 from kvgeom.tools import strategies as kst  # noqa: E402
 
 TRANSFERS = kst.transfers(pairs=kst.pairs(mismatch_probability=0.0, max_tokens=96), max_tokens=96)
 SETTINGS = settings(max_examples=250, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+PACKED = kst.packed_transfers(transfers=kst.transfers(pairs=kst.pairs(mismatch_probability=0.0, max_tokens=200),
+                                                      max_tokens=200))
+LONG_PACKED = kst.packed_transfers(transfers=kst.transfers(pairs=kst.pairs(mismatch_probability=0.0,
+                                                                           max_tokens=2000), max_tokens=2000))
 
 
 def _reverse_prefill(request: Request) -> Request:
@@ -80,6 +89,80 @@ def test_the_estimate_is_not_loose_where_no_pages_collapse(t: Any, strategy: str
     assert plan.copies_before_coalescing <= est.copy_rows <= 2 * ppl * plan.copies_before_coalescing + 16
 
 
+def _packed_bound(t: Any) -> None:
+    pair = Pair(*t.pair)
+    plan = plan_pair(pair, t.request, strategy="packed", staging_bytes=t.staging_bytes, budget=None)
+    est = estimate_plan(pair, RequestShape.of(t.request), "packed", staging_bytes=t.staging_bytes)
+    steps = plan.packs + plan.unpacks
+    assert est.chunks >= len(plan.chunks) and est.wire_rows >= len(plan.wire)
+    assert est.staging_steps >= len(steps)
+    assert est.staging_entries >= sum(len(s.pages) + len(s.regions) for s in steps)
+    assert est.zero_rows >= plan.zeros_before_coalescing and est.copy_rows == len(plan.copies) == 0
+
+
+@SETTINGS
+@given(PACKED)
+def test_the_packed_estimate_is_an_upper_bound_of_the_real_plan(t: Any) -> None:
+    _packed_bound(t)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(LONG_PACKED)
+def test_the_packed_estimate_counted_on_windows_is_an_upper_bound(t: Any) -> None:
+    """Classes counted on a head and a tail window of long token ranges (every estimate counts them)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(budget_module, "REFINE_STEPS", 0)
+        _packed_bound(t)
+
+
+@SETTINGS
+@given(PACKED)
+def test_auto_counts_the_packed_candidate(t: Any) -> None:
+    pair = Pair(*t.pair)
+    plan = plan_pair(pair, t.request, strategy="auto", staging_bytes=t.staging_bytes, budget=None)
+    est = estimate_plan(pair, RequestShape.of(t.request), "auto", staging_bytes=t.staging_bytes)
+    assert est.copy_rows >= plan.copies_before_coalescing and est.wire_rows >= len(plan.wire)
+    assert est.staging_steps >= len(plan.packs) + len(plan.unpacks)
+
+
+def test_a_tiny_staging_capacity_is_refused_before_planning() -> None:
+    """One token per chunk: llama3-70b TP8 -> TP4 at 131,072 tokens would cut 80 layers into 10M chunks;
+    refused from the estimate (no chunk is laid out). Auto leaves packed out and plans direct."""
+    pair, request = get_preset("llama3-70b-tp8-tp4").build(131072, 0, layers=4, budget=None, strategy="direct")
+    tiny = min_staging_bytes(pair, request)
+    t0 = time.perf_counter()
+    with pytest.raises(PlanBudgetExceeded, match="chunks"):
+        plan_pair(pair, request, strategy="packed", staging_bytes=tiny)
+    assert time.perf_counter() - t0 < 60  # a generous ceiling: planning it would take hours
+    plan = plan_pair(pair, request, strategy="auto", staging_bytes=tiny)
+    over = [n for n in plan.notes if n.kind.name == "AUTO_OVER_BUDGET"]
+    assert not plan.packed and len(over) == 1 and "packed left out" in over[0].text
+
+
+def test_auto_plans_packed_when_direct_and_staged_are_over_the_budget() -> None:
+    """DeepSeek-V3 DCP4 -> DCP2 at 32k tokens, 2 layers: direct cuts every token (interleave 1) into
+    one row per token and layer; packed folds them into a few strided steps."""
+    pair, request = get_preset("deepseek-v3-dcp4-dcp2").build(32768, 0, layers=2, budget=None, strategy="direct")
+    shape = RequestShape.of(request)
+    direct = estimate_plan(pair, shape, "auto", staging_bytes=0)
+    packed = estimate_plan(pair, shape, "packed")
+    budget = PlanBudget(max_bytes=(direct.bytes + packed.bytes) // 2)
+    assert budget.admits(packed) and not budget.admits(direct)
+    plan = plan_pair(pair, request, strategy="auto", budget=budget)
+    assert plan.packed and [n.kind.name for n in plan.notes].count("AUTO_OVER_BUDGET") == 1
+    with pytest.raises(PlanBudgetExceeded):
+        plan_pair(pair, request, strategy="auto", budget=PlanBudget(max_bytes=packed.bytes // 2))
+
+
+def test_the_default_budget_admits_packed_presets_at_128k_tokens() -> None:
+    for name in ("llama3-70b-tp8-tp4", "deepseek-v3-tp8-dcp8", "deepseek-v3-dcp4-dcp2", "kimi-linear-tp1-tp8"):
+        preset = get_preset(name)
+        prefill, decode = preset.geometries(131072, 0)
+        pair = Pair(prefill, decode)
+        shape = fresh_shape(pair, 131072, decode_tokens=preset.decode_tokens(131072))
+        assert DEFAULT_BUDGET.admits(estimate_plan(pair, shape, "packed")), name
+
+
 def test_fresh_shape_is_the_shape_of_fresh_request() -> None:
     for name in ("qwen-swa-tp2-tp4", "kimi-linear-tp8-tp1", "gqa-tp2-tp4"):
         preset = get_preset(name)
@@ -90,7 +173,7 @@ def test_fresh_shape_is_the_shape_of_fresh_request() -> None:
 
 
 def test_worked_number_whole_pages() -> None:
-    """docs/design.md §12: TP1 -> TP1, HND, K = 16, 80 layers of 8 heads x 256 B, M = 16384: 1024 segments,
+    """docs/design.md §13: TP1 -> TP1, HND, K = 16, 80 layers of 8 heads x 256 B, M = 16384: 1024 segments,
     the token, head and plane modes all fold (a whole 64 KiB page per row), so 1024 x 80 rows are
     estimated; the planner builds 80 (the consecutive pages of each layer collapse into one run)."""
     m = ModelSpec("m", [AttentionSpec("a", "full", 80, 8, 256)])

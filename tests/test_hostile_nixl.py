@@ -1,4 +1,4 @@
-"""A hostile peer through real NIXL (issue 11, docs/design.md §8 and §12).
+"""A hostile peer through real NIXL (issue 11, docs/design.md §8 and §13).
 
 Two fuzzers share one honest P endpoint and one D endpoint whose regions sit inside guard bytes
 (``benchmarks/hostile.py``'s ``NixlBench``):
@@ -180,7 +180,7 @@ def test_serve_pull_refuses_a_huge_remote_before_planning() -> None:
         assert time.perf_counter() - t0 < CEILING_S
 
 
-def _deployment(S: int = 0) -> tuple[LocalDeployment, Any, Request, list[Any]]:
+def _deployment(S: int = 0, staging_bytes: int = 0) -> tuple[LocalDeployment, Any, Request, list[Any]]:
     m = ModelSpec("m", [AttentionSpec("a", "full", 2, 4, 64)])
     pair = Pair(EngineGeometry.build(m, tp=2, kernel_block_tokens=16, num_blocks=8, name="prefill"),
                 EngineGeometry.build(m, tp=1, kernel_block_tokens=16, num_blocks=8, layout="NHD", name="decode"))
@@ -191,7 +191,7 @@ def _deployment(S: int = 0) -> tuple[LocalDeployment, Any, Request, list[Any]]:
     p = allocate_caches(pair.prefill)
     d = allocate_caches(pair.decode)
     fill_caches(pair, request, p, d)
-    return LocalDeployment(pair, p, d), pair, request, d
+    return LocalDeployment(pair, p, d, staging_bytes=staging_bytes, staging_grace_s=0.05), pair, request, d
 
 
 def test_the_timeout_covers_the_planning() -> None:
@@ -206,6 +206,37 @@ def test_the_timeout_covers_the_planning() -> None:
         s = dep.p_links[0].serve_pull("late", request, timeout_s=1e-9)
         with pytest.raises(TransferFailed, match="timeout"):
             s.poll()
+
+
+def test_packed_transfers_take_the_timeout_budget_and_invalid_blocks_too() -> None:
+    """The packed path of a link (docs/design.md §12.5) keeps issue 11's rules: the deadline covers
+    planning, the budget refuses before a plan is built, the inbox keeps what it waits for, and a
+    failure names only the writable blocks."""
+    dep, pair, request, d_caches = _deployment(S=32, staging_bytes=1 << 16)
+    packed = plan_pair(pair, request, strategy="packed", staging_bytes=1 << 16)
+    assert packed.packed and pair.writable_blocks(request) == {0: (6, 7)}
+    with dep:
+        t = dep.d_links[0].pull("late", request, strategy="packed", timeout_s=1e-9)
+        with pytest.raises(TransferFailed) as info:
+            t.poll()
+        assert info.value.reason == "timeout" and "nothing was posted" in info.value.detail
+        assert info.value.invalid_blocks == {0: (6, 7)}
+        with pytest.raises(PlanBudgetExceeded):
+            dep.d_links[0].pull("b", request, strategy="packed", budget=PlanBudget(max_steps=1))
+        with pytest.raises(PlanBudgetExceeded):
+            dep.p_links[0].serve_pull("b", request, strategy="packed", budget=PlanBudget(max_steps=1))
+        t = dep.d_links[0].pull("unserved", request, strategy="packed", timeout_s=0.3)
+        with pytest.raises(TransferFailed) as info:
+            t.wait()  # P is never progressed
+        assert info.value.reason == "timeout" and info.value.invalid_blocks == {0: (6, 7)}
+        ts = [lk.pull("ok", request, strategy="packed", timeout_s=10) for lk in dep.d_links]
+        ts += [lk.serve_pull("ok", request, strategy="packed", timeout_s=10) for lk in dep.p_links]
+        for t in ts:  # a packed transfer claims its kinds: nothing it waits for is evicted meanwhile
+            assert {("slot", "ok"), ("landed", "ok")} <= t.agent._claimed
+            t.agent.inbox_max, t.agent.inbox_ttl_s = 0, 1e-6
+        results = wait_all(ts, peers=dep.endpoints)
+        assert results[0].chunks >= 1 and not any(k[1] == "ok" for t in ts for k in t.agent._claimed)
+    assert check_caches(pair, request, d_caches)[0] == []
 
 
 # ---- defect 4: timeout_s=nan disabled the deadline ---------------------------------------------------------

@@ -64,8 +64,9 @@ import attrs
 from ..arith.ints import ceil_div
 from ..arith.shard import local_count
 from ..errors import GeometryError, KvGeomError, RequestError, value_text
-from ..planning.budget import DEFAULT_BUDGET, PlanBudget, estimate_plan
-from ..planning.transfer import Pair
+from ..planning.budget import DEFAULT_BUDGET, PlanBudget
+from ..planning.packed import DEFAULT_STAGING_BYTES
+from ..planning.transfer import Pair, check_budget
 from ..values.engine import EngineGeometry
 from ..values.fields import check_int
 from ..values.model import AttentionSpec, GroupSpec, ModelSpec, StateSection, StateSpec
@@ -132,20 +133,22 @@ class Preset:
     def build(
         self, tokens: int | None = None, prefix: int = 0, *, layers: int | None = None,
         budget: PlanBudget | None = DEFAULT_BUDGET, strategy: str = "auto",
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> tuple[Pair, Request]:
         """The pair and a request on fresh blocks: P computed ``tokens``, D holds ``[0, prefix)``.
 
         Raises :class:`~kvgeom.errors.IncompatibleGeometry` for the unpairable demo,
         :class:`~kvgeom.errors.RequestError` when ``prefix`` is not on a D block boundary, and
         :class:`~kvgeom.errors.PlanBudgetExceeded` when planning the request under ``strategy``
-        would exceed ``budget`` (checked before the request's block lists are built).
+        would exceed ``budget`` (checked before the request's block lists are built; a packed plan
+        with ``staging_bytes`` per rank).
         """
         tokens, prefix, layers = self._arguments(tokens, prefix, layers)
         prefill, decode = self.geometries(tokens, prefix, layers=layers)
         pair = Pair(prefill, decode)
         if budget is not None:
             shape = fresh_shape(pair, tokens, decode_tokens=self.decode_tokens(tokens), prefix_hit_tokens=prefix)
-            budget.check(estimate_plan(pair, shape, strategy, budget=budget))
+            check_budget(pair, shape, strategy, staging_bytes=staging_bytes, budget=budget)
         request = fresh_request(
             pair,
             tokens,

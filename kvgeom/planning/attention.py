@@ -41,7 +41,7 @@ from .group import GroupPlan
 from .rows import Rows
 from .sides import SideView, stage_parts
 
-__all__ = ["needed_tokens", "zero_intervals", "plan_attention_group"]
+__all__ = ["needed_tokens", "zero_intervals", "plan_attention_group", "attention_zeros"]
 
 
 def needed_tokens(request: Request, pair: EnginePair, group: int) -> tuple[int, int]:
@@ -240,7 +240,22 @@ def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
                                   f"layers {d_layers} heads {d_slice} tokens {D.tokens_of(d)} <- " + ", ".join(read)))
     if not materialize:
         return GroupPlan(Copies.empty(), Zeros.empty(), (), notes, n_copies)
+    zeros, zero_notes = attention_zeros(pair, request, group)
+    return GroupPlan(copies.copies(), zeros, (), notes + zero_notes, n_copies)
 
+
+def attention_zeros(pair: EnginePair, request: Request, group: int) -> tuple[Zeros, list[Note]]:
+    """The zero rows of one attention group, in D's own layout (every strategy's), with a
+    ``ZEROED`` note per zeroed token interval."""
+    spec = pair.model.groups[group]
+    g = request.groups[group]
+    if not (isinstance(spec, AttentionSpec) and isinstance(g.decode, BlockList)):
+        raise InternalError("an attention group lists BlockLists (checked by Pair)")
+    D = pair.decode
+    ds_final = SideView(D, group)
+    hb = spec.head_bytes
+    d_dcp = D.topology.dcp
+    notes: list[Note] = []
     zeros = Rows()
     d_planes_inner = spec.planes > 1 and ds_final.planes_share_region()
     d_plane_sets: Sequence[tuple[int, ...]] = [(0,)] if spec.planes == 1 or d_planes_inner else [(0,), (1,)]
@@ -274,4 +289,4 @@ def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
                         z = one.zeros()
                         for d in members:
                             zeros.add(0, 0, 0, d, z.d_region, z.d_offset, z.nbytes)
-    return GroupPlan(copies.copies(), zeros.zeros(), (), notes, n_copies)
+    return zeros.zeros(), notes

@@ -1,7 +1,7 @@
 """The work budget: how large a request's plan will be, estimated before any row is built.
 
 A geometry can come from a remote peer and a request from a connector on every step, so the
-planner bounds its work before doing it (docs/design.md §12). :func:`estimate_plan` mirrors the
+planner bounds its work before doing it (docs/design.md §13). :func:`estimate_plan` mirrors the
 planners in O(groups x ranks) arithmetic on the geometry and the request's *shape* (token ranges
 and block counts, never the ids); :meth:`PlanBudget.check` refuses an estimate over the budget
 with :class:`~kvgeom.errors.PlanBudgetExceeded`::
@@ -46,7 +46,8 @@ import numpy as np
 
 from ..arith.ints import ceil_div
 from ..arith.runs import Mode, fold_modes
-from ..arith.shard import sources
+from ..arith.shard import local_count, sources
+from ..arith.tokens import SideTokens
 from ..errors import InternalError, KvGeomError, PlanBudgetExceeded
 from ..values.engine import EngineGeometry
 from ..values.fields import check_int
@@ -54,11 +55,12 @@ from ..values.layout import PageLayout
 from ..values.model import AttentionSpec, StateSpec
 from ..values.pair import EnginePair
 from ..values.request import ListingShape, RequestShape
+from .packed import DEFAULT_STAGING_BYTES, class_counts, cuts_of
 from .sides import SideView, stage_parts
 from .staged import arrival, is_identity, rearrange_modes
 
 __all__ = ["PlanBudget", "PlanEstimate", "DEFAULT_BUDGET", "estimate_plan", "ROW_BYTES", "SEGMENT_BYTES",
-           "PAGE_ENTRY_BYTES", "STEP_WORK"]
+           "PAGE_ENTRY_BYTES", "STAGING_ENTRY_BYTES", "STAGING_STEP_BYTES", "STEP_WORK"]
 
 # Peak bytes of planner memory per unit, measured with tracemalloc on the presets and synthetic pairs
 # (benchmarks/hostile.py --calibrate); rounded up. A copy row is 7 int64 columns, built, repeated,
@@ -67,13 +69,16 @@ __all__ = ["PlanBudget", "PlanEstimate", "DEFAULT_BUDGET", "estimate_plan", "ROW
 ROW_BYTES = 200
 SEGMENT_BYTES = 160
 PAGE_ENTRY_BYTES = 48
+STAGING_ENTRY_BYTES = 24  # a page (or layer) entry of a step: its int64 page and staging offset, and a share
+                          # of the token maps the steps are cut from
+STAGING_STEP_BYTES = 2048  # one pack or unpack step: the object, its five arrays and its checks' temporaries
 BASE_BYTES = 1 << 20  # a plan of a few rows still makes its arrays, notes and coalescing buffers
 STEP_WORK = 2000  # one Python-level planner iteration costs about as much as this many row operations
 
 
 @attrs.frozen
 class PlanEstimate:
-    """Upper bounds of what planning one request builds and does (docs/design.md §12).
+    """Upper bounds of what planning one request builds and does (docs/design.md §13).
 
     ``copy_rows`` / ``zero_rows``: rows before coalescing; ``segments``: token segments cut;
     ``rearrange_pages``: page entries of the staged rearranges; ``steps``: Python-level planner
@@ -87,11 +92,17 @@ class PlanEstimate:
     rearrange_pages: int = 0
     steps: int = 0
     work: int = 0
+    wire_rows: int = 0
+    staging_steps: int = 0
+    staging_entries: int = 0
+    chunks: int = 0
 
     @property
     def bytes(self) -> int:
-        return (BASE_BYTES + self.copy_rows * ROW_BYTES + self.zero_rows * ROW_BYTES + self.segments * SEGMENT_BYTES
-                + self.rearrange_pages * PAGE_ENTRY_BYTES)
+        return (BASE_BYTES + (self.copy_rows + self.zero_rows + self.wire_rows) * ROW_BYTES
+                + self.segments * SEGMENT_BYTES + self.rearrange_pages * PAGE_ENTRY_BYTES
+                + self.staging_entries * STAGING_ENTRY_BYTES
+                + self.staging_steps * STAGING_STEP_BYTES)
 
     def __add__(self, other: PlanEstimate) -> PlanEstimate:
         return PlanEstimate(*(a + b for a, b in zip(attrs.astuple(self), attrs.astuple(other))))
@@ -100,11 +111,15 @@ class PlanEstimate:
         """Two alternatives of which one is built: the larger sizes, the summed time."""
         return PlanEstimate(max(self.copy_rows, other.copy_rows), max(self.zero_rows, other.zero_rows),
                             self.segments + other.segments, max(self.rearrange_pages, other.rearrange_pages),
-                            self.steps + other.steps, self.work + other.work)
+                            self.steps + other.steps, self.work + other.work, max(self.wire_rows, other.wire_rows),
+                            max(self.staging_steps, other.staging_steps),
+                            max(self.staging_entries, other.staging_entries), max(self.chunks, other.chunks))
 
     def __str__(self) -> str:
-        return (f"{self.copy_rows:,} copy rows, {self.zero_rows:,} zero rows, {self.segments:,} token segments, "
-                f"{self.rearrange_pages:,} rearranged page entries, {self.steps:,} planner steps "
+        packed = (f"{self.wire_rows:,} wire rows in {self.chunks:,} chunks, {self.staging_steps:,} pack/unpack steps "
+                  f"of {self.staging_entries:,} entries, " if self.chunks else "")
+        return (f"{self.copy_rows:,} copy rows, {self.zero_rows:,} zero rows, {packed}{self.segments:,} token "
+                f"segments, {self.rearrange_pages:,} rearranged page entries, {self.steps:,} planner steps "
                 f"(~{_gib(self.bytes)} of planner memory)")
 
 
@@ -131,6 +146,11 @@ class PlanBudget:
     def __attrs_post_init__(self) -> None:
         for name in ("max_bytes", "max_work", "max_steps"):
             check_int(f"PlanBudget.{name}", getattr(self, name), minimum=1, error=KvGeomError)
+
+    def admits(self, estimate: PlanEstimate) -> bool:
+        """Whether ``estimate`` is within all three limits."""
+        return (estimate.bytes <= self.max_bytes and estimate.work <= self.max_work
+                and estimate.steps <= self.max_steps)
 
     def check(self, estimate: PlanEstimate, *, what: str = "plan") -> None:
         """Raise :class:`PlanBudgetExceeded` when ``estimate`` exceeds any of the three limits."""
@@ -434,8 +454,22 @@ def _attention(pair: EnginePair, shape: RequestShape, gi: int, staged: bool) -> 
         rearrange_pages = f.rearranges * touched
         touched_segs = touched + 1
         steps += f.rearranges
-    # zeros: D's own layout, once per zero interval, repeated for every D rank
-    zero_rows = zsegs = 0
+    zeros = _zeros(pair, shape, gi, f)
+    scans += segs * lengths + touched_segs
+    work = copy_rows + rearrange_pages + scans + steps * STEP_WORK
+    return PlanEstimate(copy_rows, 0, segs + touched_segs, rearrange_pages, steps, work) + zeros
+
+
+def _zeros(pair: EnginePair, shape: RequestShape, gi: int, f: _AttentionFactors) -> PlanEstimate:
+    """Zero rows of one attention group (:func:`kvgeom.planning.attention.attention_zeros`, every
+    strategy): D's own layout, once per zero interval, repeated for every D rank."""
+    P, D = pair.prefill, pair.decode
+    p_list, d_list = shape.groups[gi]
+    p0, p1 = _span(p_list, P.logical_block_tokens)
+    d0, d1 = _span(d_list, D.logical_block_tokens)
+    S = shape.prefix_hit_tokens
+    lo, hi = max(S, d0, p0), min(shape.computed_tokens, d1, p1)
+    zero_rows = zsegs = steps = scans = 0
     zs = max(S, d0)
     intervals = [(zs, d1)] if hi <= lo else [(zs, lo), (max(hi, zs), d1)]
     step_z, every_z = f.step_z
@@ -449,10 +483,8 @@ def _attention(pair: EnginePair, shape: RequestShape, gi: int, staged: bool) -> 
         zero_rows += f.zero_times * _rows(f.zeros, z_counts, k, z1 - z0)
         steps += f.zero_groups * f.zero_planes * z_lengths * (1 + f.zero_members)
         scans += k * (z_lengths + f.zero_groups)
-    segments = segs + zsegs + touched_segs
-    scans += segs * lengths + touched_segs
-    work = copy_rows + zero_rows + rearrange_pages + scans + steps * STEP_WORK
-    return PlanEstimate(copy_rows, zero_rows, segments, rearrange_pages, steps, work)
+    return PlanEstimate(zero_rows=zero_rows, segments=zsegs, steps=steps,
+                        work=zero_rows + scans + steps * STEP_WORK)
 
 
 def _state_factors(pair: EnginePair, gi: int) -> tuple[int, int]:
@@ -494,6 +526,328 @@ def _state(pair: EnginePair, shape: RequestShape, gi: int) -> PlanEstimate:
                         work=rows + steps * STEP_WORK)
 
 
+# ---- packed plans (kvgeom.planning.packed) ---------------------------------------------------------------
+
+LIGHT_WORK = 200  # one light Python call of the packed planner (a pair's bytes in a chunk, a piece's dispatch)
+TOKEN_MAP_STEPS = 8  # a token map (one range, one pair of DCP owners) costs about this many steps
+
+
+@attrs.frozen
+class _Side:
+    """One side's token geometry for the packed estimate: K, ppl, dcp, interleave."""
+
+    K: int
+    ppl: int
+    dcp: int
+    interleave: int
+
+    @property
+    def cut(self) -> int:
+        """Tokens between two cuts (kernel pages; every DCP chunk on a DCP side)."""
+        return self.interleave if self.dcp > 1 else self.K
+
+    @property
+    def span(self) -> int:
+        """Request tokens one kernel page covers."""
+        return self.K * self.dcp
+
+    def owned(self, tokens: int) -> int:
+        """At most how many of ``tokens`` consecutive tokens one DCP rank holds."""
+        if self.dcp == 1:
+            return tokens
+        return min(tokens, self.interleave * (ceil_div(tokens, self.interleave * self.dcp) + 1))
+
+    def tokens(self, first: int, lo: int, hi: int) -> SideTokens:
+        """Consecutive ids from a block boundary at or before ``lo`` (same cuts, slots and owners as
+        any listing of this side: only their positions matter, never the ids)."""
+        block = self.K * self.ppl * self.dcp
+        start = first + (lo - first) // block * block
+        ids = np.arange(ceil_div(hi - start, block) + 1, dtype=np.int64)
+        return SideTokens(ids, start, self.K, self.ppl, False, cp=self.dcp, interleave=self.interleave)
+
+
+def _side(e: EngineGeometry) -> _Side:
+    return _Side(e.kernel_block_tokens, e.blocks_per_logical, e.topology.dcp, e.topology.interleave)
+
+
+@attrs.frozen
+class _PackedFactors:
+    """What one group's packed estimate needs of the pair alone (cached per pair and group)."""
+
+    pairs: int  # (P rank, D rank) slices: the planner's _attention_pairs / _state_pairs, summed over sections
+    owners: int  # (D DCP rank, P DCP rank) pairs the tokens split into (1 for state)
+    per_item: int  # bytes one token (attention) or one paired slot (state) of one layer stages on the busiest
+                   # rank, counted as the planner's token_bound does (every token every pair's)
+    per_d: int = 0  # attention: bytes one token of one layer stages on a D rank (summed over its P owners)
+    per_p: int = 0  # and on a P rank (summed over the D ranks of its owned tokens)
+    entries: int = 1  # layer entries of a step per layer (planes not sharing a page, or 1)
+    page_sizes: int = 1  # steps one class makes at most: distinct page sizes on the busier side
+    p: _Side = _Side(1, 1, 1, 1)
+    d: _Side = _Side(1, 1, 1, 1)
+    sections: int = 1
+    need: int = 0  # staging bytes below which the planner certainly refuses (StagingCapacityError) once this
+                   # group moves anything: one token on its D rank, or the largest state section on a D rank
+
+
+def _dup(n: int, tp: int, local: int) -> int:
+    """How many of ``tp`` ranks hold one item of ``n`` when each holds ``local`` (1 when sharded exactly)."""
+    return max(1, ceil_div(tp * local, n))
+
+
+def _page_sizes(engine: EngineGeometry) -> int:
+    return len({r.page_bytes for r in engine.regions})
+
+
+def _packed_attention_factors(pair: EnginePair, gi: int) -> _PackedFactors:
+    """Pairs and per-rank bytes of one attention group (the planner's :func:`_attention_pairs` rule
+    counted, never listed): a D rank pairs with every P DCP owner of every source of its head group
+    in every P stage holding its layers; one token of one layer costs a D rank its heads x planes x
+    head bytes, and a P rank its heads x every D rank that may read them."""
+    P, D = pair.prefill, pair.decode
+    spec = pair.model.groups[gi]
+    if not isinstance(spec, AttentionSpec):
+        raise InternalError("an attention group's factors")
+    H = spec.num_kv_heads
+    n_src = 0
+    for hg in range(D.head_tp):
+        n_src += len(sources(H, p_tp=P.head_tp, p_replicated=spec.replicated, d_tp=D.head_tp, d_rank=hg,
+                             d_replicated=spec.replicated))
+    reps, d_dcp, p_dcp = D.topology.replicas, D.topology.dcp, P.topology.dcp
+    pairs = n_src * reps * d_dcp * p_dcp * _stage_overlaps(pair, gi)
+    unit = spec.planes * spec.head_bytes
+    d_heads = D.local_heads(gi)
+    per_d = unit * d_heads
+    per_p = unit * P.local_heads(gi) * _dup(H, D.head_tp, d_heads) * reps
+    ps, ds = SideView(P, gi), SideView(D, gi)
+    entries = 1 if spec.planes == 1 or (ps.planes_share_region() and ds.planes_share_region()) else spec.planes
+    return _PackedFactors(pairs, d_dcp * p_dcp, max(per_d * p_dcp, per_p * d_dcp), per_d, per_p, entries,
+                          max(_page_sizes(P), _page_sizes(D)), _side(P), _side(D), need=per_d)
+
+
+def _packed_state_factors(pair: EnginePair, gi: int) -> _PackedFactors:
+    """Pairs and per-rank bytes of one state group per paired slot (the planner's :func:`_state_pairs`)."""
+    P, D = pair.prefill, pair.decode
+    spec = pair.model.groups[gi]
+    if not isinstance(spec, StateSpec):
+        raise InternalError("a state group's factors")
+    overlaps = _stage_overlaps(pair, gi)
+    reps = D.topology.replicas
+    pairs = per_d = per_p = need = 0
+    for sec in spec.sections:
+        for d in range(D.tp):
+            pairs += len(sources(sec.channels, p_tp=P.tp, p_replicated=sec.replicated, d_tp=D.tp, d_rank=d,
+                                 d_replicated=sec.replicated)) * reps * overlaps
+        d_local = local_count(sec.channels, D.tp, replicated=sec.replicated)
+        p_local = local_count(sec.channels, P.tp, replicated=sec.replicated)
+        per_d += sec.rows * sec.unit_bytes * d_local
+        need = max(need, sec.rows * sec.unit_bytes * d_local)
+        per_p += sec.rows * sec.unit_bytes * p_local * _dup(sec.channels, D.tp, d_local) * reps
+    return _PackedFactors(pairs, 1, max(per_d, per_p), page_sizes=max(_page_sizes(P), _page_sizes(D)),
+                          sections=len(spec.sections), need=need)
+
+
+def _chunks(layers: int, per_layer: int, staging: int) -> tuple[int, bool]:
+    """(chunks holding some of a group's layers, whether one layer may not fit a chunk): the greedy
+    fill takes at least ``staging // per_layer`` layers into every chunk after its first."""
+    if per_layer <= staging:
+        return min(layers, 1 + ceil_div(layers, max(1, staging // max(1, per_layer)))), False
+    return layers, True
+
+
+def _classes(segs: int, cut_steps: list[int], page: int, period: int) -> int:
+    """Step classes one (token range, pair) makes on one side at most, in closed form: an entry's key
+    (slot, tokens, folding, tokens of the D page) repeats every ``period`` tokens, except in the
+    range's first and last D page; never more than its segments."""
+    per_period = sum(period // step for step in cut_steps) + 1
+    per_page = page // min(cut_steps) + 2
+    return min(segs + 1, per_period + 2 * per_page)
+
+
+REFINE_STEPS = 1 << 12  # above this many closed-form steps, count a group's classes on windows of its tokens
+REFINE_LIMIT = 1 << 18  # segments x owner pairs the counting may scan (else the closed form stands)
+MAX_COUNTED = 256  # windows counted and kept per pair and group
+
+
+@attrs.frozen
+class _Counted:
+    """Classes and entries of a group's token range, summed over its owner pairs, counted on windows."""
+
+    classes: int  # classes the whole range makes
+    entries: int  # page entries the whole range lists
+    head: int  # classes of the head window (every key a sub-range's whole pages can have)
+    page: int  # most entries one D page holds, plus one (what a sub-range's cut first or last page adds)
+
+
+def _counted_classes(pair: EnginePair, gi: int, f: _PackedFactors, p0: int, d0: int, lo: int,
+                     hi: int) -> _Counted | None:
+    """Classes and entries of tokens ``[lo, hi)``, counted with the planner's own code
+    (:func:`kvgeom.planning.packed.class_counts`) on the range when it is short, else on a head and
+    a tail window: keys repeat every period outside the first and last D page, so the head window
+    (the first page, one whole period of pages, a page of margin) and the tail window hold every
+    key; entries are bounded by the head's per period. ``None`` when that scan would pass
+    ``REFINE_LIMIT``."""
+    period = math.lcm(f.p.span, f.d.span)
+    window = 2 * f.d.span + period
+    fine = min(f.p.cut, f.d.cut)
+    parts = [(lo, hi)] if hi - lo <= 2 * window else [(lo, lo + window), (hi - window, hi)]
+    if sum(b - a for a, b in parts) // fine * f.owners > REFINE_LIMIT:
+        return None
+
+    def count(a: int, b: int) -> tuple[int, int, int]:
+        cuts = cuts_of(f.p.tokens(p0, a, b), f.d.tokens(d0, a, b), a, b)
+        q = e = most = 0
+        for dr in range(f.d.dcp):
+            for po in range(f.p.dcp):
+                cq, ce, cm = class_counts(cuts, dr, po)
+                q, e, most = q + cq, e + ce, most + cm + 1
+        return q, e, most
+
+    # a window's counts depend on its ends' phases and its length only: cached per pair (bounded)
+    table: dict[tuple[int, ...], tuple[int, int, int]] = _factors(pair, ("counted", gi), dict)
+    if len(table) > MAX_COUNTED:
+        table.clear()
+    counted = []
+    for a, b in parts:
+        key = ((a - p0) % period, (a - d0) % period, (b - p0) % period, (b - d0) % period, b - a)
+        if key not in table:
+            table[key] = count(a, b)
+        counted.append(table[key])
+    if len(counted) == 1:
+        q, e, most = counted[0]
+        return _Counted(q, e, q, most)
+    (qh, eh, mh), (qt, et, mt) = counted
+    return _Counted(qh + qt, et + (ceil_div(hi - lo, period) + 1) * eh, qh, max(mh, mt))
+
+
+def _packed_attention(pair: EnginePair, shape: RequestShape, gi: int, staging: int) -> PlanEstimate:
+    """Chunks, wire rows, pack/unpack steps and their entries of one attention group's packed plan
+    (:func:`kvgeom.planning.packed.plan_packed`), plus the direct strategy's zeros it adds."""
+    P, D = pair.prefill, pair.decode
+    f = _packed_factors(pair, gi, True)
+    zeros = _zeros(pair, shape, gi, _factors(pair, ("attention", gi, False),
+                                             lambda: _attention_factors(pair, gi, False)))
+    p_list, d_list = shape.groups[gi]
+    p0, p1 = _span(p_list, P.logical_block_tokens)
+    d0, d1 = _span(d_list, D.logical_block_tokens)
+    lo, hi = max(shape.prefix_hit_tokens, d0, p0), min(shape.computed_tokens, d1, p1)
+    T = hi - lo
+    if T <= 0 or f.pairs == 0:
+        return zeros
+    L = pair.model.groups[gi].num_layers
+    cut_p, cut_d = f.p.cut, f.d.cut
+    seg_p = 1 + _union_cuts(lo, hi, (p0, cut_p), (d0, cut_d))  # cut at P and D pages: packs
+    if f.p.dcp > 1:  # D pages and P's owner changes: unpacks
+        seg_u = 1 + _union_cuts(lo, hi, (d0, cut_d), (p0, cut_p))
+    else:
+        seg_u = 1 + _cuts(lo, hi, d0, cut_d)
+    period = math.lcm(f.p.span, f.d.span)
+    per_pair = (_classes(seg_p, [cut_p, cut_d], f.d.span, period)
+                + _classes(seg_u, [cut_d] + ([cut_p] if f.p.dcp > 1 else []), f.d.span, period))
+    per_owner = f.pairs // f.owners
+    per_layer = max(f.per_d * f.d.owned(T), f.per_p * f.p.owned(T))  # a rank's pairs carry its owned tokens once
+    chunks, split = _chunks(L, min(per_layer, T * f.per_item), staging)
+    ranks = P.num_ranks + D.num_ranks
+    steps_extra = 0
+    if split:  # a layer is cut into token ranges of at least t tokens
+        t = max(1, staging // f.per_item)
+        ranges = min(T, 2 + 2 * ceil_div(T, t))
+        pieces = L * ranges
+        classes = f.pairs * min(per_pair, 2 * (t // min(cut_p, cut_d) + 3))
+        page_entries = L * per_owner * (seg_p + seg_u + 2 * ranges)
+    else:
+        ranges = 1
+        pieces = chunks
+        classes = f.pairs * per_pair
+        page_entries = chunks * per_owner * (seg_p + seg_u)
+    if pieces * classes * f.page_sizes > REFINE_STEPS:
+        counted = _counted_classes(pair, gi, f, p0, d0, lo, hi)
+        if counted is not None:
+            steps_extra = 2 * f.owners * TOKEN_MAP_STEPS  # the counting's own token maps
+            if split:  # a range's keys: the whole pages' (the head's) and its two cut end pages'
+                classes = min(classes, per_owner * (counted.head + 2 * counted.page))
+                page_entries = min(page_entries, L * per_owner * (counted.entries + 2 * ranges * counted.page))
+            else:
+                classes, page_entries = per_owner * counted.classes, pieces * per_owner * counted.entries
+    if split:
+        layer_entries = pieces * classes * f.page_sizes * f.entries
+        chunk_work = pieces * (L * ranks + f.pairs) + L * L * ranks
+    else:
+        layer_entries = classes * f.page_sizes * L * f.entries
+        chunk_work = 2 * chunks * L * ranks + L * ranks + f.pairs
+    segments = seg_p + seg_u + 2 * ranges
+    wire = pieces * f.pairs
+    staging_steps = pieces * classes * f.page_sizes
+    steps = staging_steps + ranges * f.owners * TOKEN_MAP_STEPS + 2 * pieces + f.pairs // 16 + steps_extra
+    light = 3 * pieces * f.pairs
+    work = (page_entries + layer_entries + segments * (1 + f.owners) + wire + chunk_work + light * LIGHT_WORK
+            + steps * STEP_WORK)
+    return zeros + PlanEstimate(segments=segments, steps=steps, work=work, wire_rows=wire,
+                                staging_steps=staging_steps, staging_entries=page_entries + layer_entries,
+                                chunks=pieces)
+
+
+def _packed_state(pair: EnginePair, shape: RequestShape, gi: int, staging: int, all_pairs: int) -> PlanEstimate:
+    """The same for one state group: per piece, per (P rank, D rank) and section, one pack and one
+    unpack step per page size, listing the paired slots."""
+    spec = pair.model.groups[gi]
+    p_list, d_list = shape.groups[gi]
+    known = shape.state_pairs[gi] if gi < len(shape.state_pairs) else None
+    paired = min(p_list.count, d_list.count) if known is None else known
+    if paired == 0:
+        return PlanEstimate(steps=1, work=STEP_WORK)
+    f = _packed_factors(pair, gi, False)
+    L = spec.num_layers
+    chunks, split = _chunks(L, paired * f.per_item, staging)
+    pieces = L * (f.sections + 1) if split else chunks
+    layers_in_pieces = pieces if split else L
+    wire = pieces * f.pairs
+    staging_steps = 2 * pieces * f.pairs * f.page_sizes
+    entries = staging_steps * paired + 2 * f.pairs * f.page_sizes * layers_in_pieces
+    steps = staging_steps + 2 * pieces + f.pairs // 16
+    # every pair key of a chunk looks through the group's section slices: keys x slices per piece
+    light = pieces * (all_pairs + 1) * (f.pairs + 1) // 8 + 3 * pieces * f.pairs
+    ranks = pair.prefill.num_ranks + pair.decode.num_ranks
+    work = entries + wire + 2 * pieces * L * ranks + light * LIGHT_WORK + steps * STEP_WORK
+    return PlanEstimate(segments=2 * paired * L, steps=steps, work=work, wire_rows=wire, staging_steps=staging_steps,
+                        staging_entries=entries, chunks=pieces)
+
+
+def _packed_factors(pair: EnginePair, gi: int, attention: bool) -> _PackedFactors:
+    if attention:
+        return _factors(pair, ("packed", gi), lambda: _packed_attention_factors(pair, gi))
+    return _factors(pair, ("packed-state", gi), lambda: _packed_state_factors(pair, gi))
+
+
+def _packed(pair: EnginePair, shape: RequestShape, staging: int) -> PlanEstimate:
+    """The packed plan of every group (:func:`kvgeom.planning.packed.plan_packed`)."""
+    total = PlanEstimate()
+    all_pairs = 0
+    for gi, spec in enumerate(pair.model.groups):
+        all_pairs += _packed_factors(pair, gi, isinstance(spec, AttentionSpec)).pairs
+    for gi, spec in enumerate(pair.model.groups):
+        f = _packed_factors(pair, gi, isinstance(spec, AttentionSpec))
+        moved = _moved(pair, shape, gi)
+        if moved and f.pairs and staging < f.need * (1 if isinstance(spec, AttentionSpec) else moved):
+            # the planner lays out the groups in order and refuses here (StagingCapacityError)
+            return total + PlanEstimate(steps=1 + f.pairs // 16, work=STEP_WORK + f.pairs * LIGHT_WORK)
+        if isinstance(spec, AttentionSpec):
+            total = total + _packed_attention(pair, shape, gi, staging)
+        else:
+            total = total + _packed_state(pair, shape, gi, staging, all_pairs)
+    return total
+
+
+def _moved(pair: EnginePair, shape: RequestShape, gi: int) -> int:
+    """Tokens an attention group moves (``hi - lo``), or a state group's paired slots."""
+    p_list, d_list = shape.groups[gi]
+    if isinstance(pair.model.groups[gi], StateSpec):
+        known = shape.state_pairs[gi] if gi < len(shape.state_pairs) else None
+        return min(p_list.count, d_list.count) if known is None else known
+    p0, p1 = _span(p_list, pair.prefill.logical_block_tokens)
+    d0, d1 = _span(d_list, pair.decode.logical_block_tokens)
+    return max(0, min(shape.computed_tokens, d1, p1) - max(shape.prefix_hit_tokens, d0, p0))
+
+
 # Factors depend on the pair alone: cached per pair object (by identity: hashing a large geometry costs
 # more than the estimate), dropped when the pair is.
 _CACHE: dict[int, tuple[weakref.ref[EnginePair], dict[Any, Any]]] = {}
@@ -525,16 +879,22 @@ def _coarse_steps(pair: EnginePair) -> int:
 
 
 def estimate_plan(pair: EnginePair, shape: RequestShape, strategy: str = "direct", *,
-                  budget: PlanBudget | None = None) -> PlanEstimate:
-    """Upper bounds of the rows, segments, rearranged pages and steps of planning ``shape`` on ``pair``.
+                  budget: PlanBudget | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES) -> PlanEstimate:
+    """Upper bounds of the rows, segments, rearranged pages and steps of planning ``shape`` on ``pair``
+    (a packed plan, or auto's packed candidate, with ``staging_bytes`` per rank: its chunks, wire
+    rows and pack/unpack steps too).
 
     Refuses first, in O(groups), when the ranks alone exceed ``budget``'s steps (without a budget,
     2**24 of them), so the estimate itself never loops over a hostile TP.
     """
+    staging_bytes = check_int("staging_bytes", staging_bytes, minimum=0, error=KvGeomError)
     coarse = _coarse_steps(pair)
     limit = budget if budget is not None else ESTIMATE_LIMIT
     if coarse > limit.max_steps:
         limit.check(PlanEstimate(steps=coarse, work=coarse * STEP_WORK), what="plan")
+    if strategy == "packed":
+        total = _packed(pair, shape, staging_bytes)
+        return attrs.evolve(total, work=total.work + total.zero_rows)
     total = PlanEstimate()
     for gi, spec in enumerate(pair.model.groups):
         if isinstance(spec, StateSpec):
@@ -548,5 +908,9 @@ def estimate_plan(pair: EnginePair, shape: RequestShape, strategy: str = "direct
             staged = _attention(pair, shape, gi, staged=True)
             total = total + direct.peak(staged) + PlanEstimate(segments=direct.segments + staged.segments)
     # coalescing sorts and merges every copy and zero row once more
-    return attrs.evolve(total, work=total.work + total.copy_rows + total.zero_rows)
-
+    total = attrs.evolve(total, work=total.work + total.copy_rows + total.zero_rows)
+    if strategy == "auto" and staging_bytes > 0:
+        # auto also counts the packed plan (count_packed) and may build it while holding the others
+        packed = _packed(pair, shape, staging_bytes)
+        total = total + packed + PlanEstimate(steps=packed.chunks, work=packed.work // 4)
+    return total

@@ -37,7 +37,7 @@ from .group import GroupPlan
 from .rows import Rows
 from .sides import stage_parts
 
-__all__ = ["paired_slots", "plan_state_group"]
+__all__ = ["paired_slots", "plan_state_group", "state_notes"]
 
 
 def paired_slots(request: Request, group: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
@@ -55,22 +55,29 @@ def paired_slots(request: Request, group: int) -> tuple[list[tuple[int, int, int
     return paired, unpaired
 
 
+def state_notes(pair: EnginePair, request: Request, group: int) -> list[Note]:
+    """How D slots pair with P slots (``STATE_PAIRS``) and every unpaired D slot (``STATE_UNPAIRED``)."""
+    spec = pair.model.groups[group]
+    paired, unpaired = paired_slots(request, group)
+    pgeo, dgeo = pair.prefill.groups[group], pair.decode.groups[group]
+    notes = [Note(NoteKind.STATE_PAIRS,
+                  f"{spec.name}: state layout P {getattr(pgeo, 'layout', '?')} -> D {getattr(dgeo, 'layout', '?')}; "
+                  + (", ".join(f"D slot {ds} <- P slot {ps} (after {t} tokens)" for ps, ds, t in paired)
+                     or "no slot pairs"))]
+    for ds, t in unpaired:
+        notes.append(Note(NoteKind.STATE_UNPAIRED, f"{spec.name}: D slot {ds} (state after {t} tokens) has no P slot "
+                          "at that position: not transferred"))
+    return notes
+
+
 def plan_state_group(pair: EnginePair, request: Request, group: int) -> GroupPlan:
     """Uncoalesced copies of one state group, plus notes (pairing, layouts, unpaired slots); no zeros."""
     spec = pair.model.groups[group]
     if not isinstance(spec, StateSpec):
         raise InternalError("dispatched on kind")
     P, D = pair.prefill, pair.decode
-    paired, unpaired = paired_slots(request, group)
-    notes: list[Note] = []
-    pgeo, dgeo = P.groups[group], D.groups[group]
-    notes.append(Note(NoteKind.STATE_PAIRS,
-                      f"{spec.name}: state layout P {getattr(pgeo, 'layout', '?')} -> D {getattr(dgeo, 'layout', '?')}; "
-                      + (", ".join(f"D slot {ds} <- P slot {ps} (after {t} tokens)" for ps, ds, t in paired)
-                         or "no slot pairs")))
-    for ds, t in unpaired:
-        notes.append(Note(NoteKind.STATE_UNPAIRED, f"{spec.name}: D slot {ds} (state after {t} tokens) has no P slot "
-                          "at that position: not transferred"))
+    paired, _ = paired_slots(request, group)
+    notes = state_notes(pair, request, group)
     if not paired:
         return GroupPlan(Copies.empty(), Zeros.empty(), (), notes, 0)
     p_slots = np.array([p for p, _, _ in paired], np.int64)

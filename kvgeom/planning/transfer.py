@@ -1,11 +1,15 @@
 """plan_transfer: two engine geometries and one request in, a :class:`TransferPlan` out.
 
 Pure addressing arithmetic: no torch, no NIXL, no device, no I/O. Per group it chooses the
-strategy (:mod:`kvgeom.planning.choose`), then coalesces every group's rows once::
+strategy (:mod:`kvgeom.planning.choose`), then coalesces every group's rows once; a packed plan
+is planned whole (:mod:`kvgeom.planning.packed`)::
 
     request --> plan_group(g) for every group --> coalesce --> TransferPlan(copies, zeros,
-                (attention: direct/staged/auto;                  rearranges, notes)
+                (attention: direct/staged;                       rearranges, notes)
                  state: direct)
+            --> plan_packed (every group) -----------------> TransferPlan(packs, wire, unpacks,
+                                                                           chunks, zeros, notes)
+            auto: per group the cheaper of direct and staged, then that whole plan against packed
 
 :class:`Pair` is the pair users build: the validated :class:`~kvgeom.values.pair.EnginePair`
 plus :meth:`Pair.plan`.
@@ -24,19 +28,21 @@ import logging
 
 import attrs
 
-from ..errors import IncompatibleGeometry, KvGeomError, value_text
+from ..errors import IncompatibleGeometry, InternalError, KvGeomError, StagingCapacityError, value_text
 from ..values.engine import EngineGeometry
-from ..values.fields import check_instance
+from ..values.fields import check_instance, check_int
 from ..values.model import StateSpec
 from ..values.notes import Note, NoteKind
 from ..values.pair import EnginePair
 from ..values.plan import Copies, TransferPlan, Zeros
 from ..values.request import Request, RequestShape
 from .budget import DEFAULT_BUDGET, PlanBudget, PlanEstimate, estimate_plan
-from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy, plan_group
+from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy, choose_group, plan_group
 from .coalesce import coalesce, coalesce_zeros
+from .group import GroupPlan
+from .packed import DEFAULT_STAGING_BYTES, PackedCount, count_packed, plan_packed
 
-__all__ = ["Pair", "plan_transfer", "plan_pair"]
+__all__ = ["Pair", "plan_transfer", "plan_pair", "check_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +53,18 @@ class Pair(EnginePair):
     otherwise, naming the field), and the way to plan requests between them."""
 
     def plan(self, request: Request, *, strategy: Strategy = "direct",
-             cost_model: CostModel = DEFAULT_COST_MODEL,
+             cost_model: CostModel = DEFAULT_COST_MODEL, staging_bytes: int = DEFAULT_STAGING_BYTES,
              budget: PlanBudget | None = DEFAULT_BUDGET) -> TransferPlan:
         """Plan ``request`` for this pair (:func:`plan_pair`)."""
-        return plan_pair(self, request, strategy=strategy, cost_model=cost_model, budget=budget)
+        return plan_pair(self, request, strategy=strategy, cost_model=cost_model, staging_bytes=staging_bytes,
+                         budget=budget)
 
-    def estimate(self, request: Request, *, strategy: Strategy = "direct") -> PlanEstimate:
+    def estimate(self, request: Request, *, strategy: Strategy = "direct",
+                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> PlanEstimate:
         """Upper bounds of what planning ``request`` builds (:func:`~kvgeom.planning.budget.estimate_plan`)."""
         self.check_request(request)
-        return estimate_plan(self, RequestShape.of(request), _strategy(strategy))
+        return estimate_plan(self, RequestShape.of(request), _strategy(strategy),
+                             staging_bytes=_staging(staging_bytes))
 
 
 @functools.lru_cache(maxsize=64)
@@ -70,6 +79,7 @@ def plan_transfer(
     *,
     strategy: Strategy = "direct",
     cost_model: CostModel = DEFAULT_COST_MODEL,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
     budget: PlanBudget | None = DEFAULT_BUDGET,
 ) -> TransferPlan:
     """Plan ``request``'s transfer from ``prefill`` to ``decode``.
@@ -78,12 +88,16 @@ def plan_transfer(
     :class:`~kvgeom.errors.IncompatibleGeometry` if the engines cannot be paired,
     :class:`~kvgeom.errors.RequestError` if the request does not fit them and
     :class:`~kvgeom.errors.PlanBudgetExceeded` if its plan would exceed ``budget``
-    (docs/design.md §12; ``budget=None`` plans whatever the size).
+    (docs/design.md §13; ``budget=None`` plans whatever the size). ``staging_bytes`` is the packed
+    strategy's slot capacity per rank (docs/design.md §12.3); 0 means no staging, so ``auto``
+    leaves packed out and ``packed`` raises :class:`~kvgeom.errors.StagingCapacityError` unless
+    nothing moves.
     """
     for side, engine in (("prefill", prefill), ("decode", decode)):
         check_instance(f"plan_transfer.{side}", engine, EngineGeometry, error=IncompatibleGeometry,
                        fix="build engines with EngineGeometry(...) or EngineGeometry.build(...)")
-    return plan_pair(_pair(prefill, decode), request, strategy=strategy, cost_model=cost_model, budget=budget)
+    return plan_pair(_pair(prefill, decode), request, strategy=strategy, cost_model=cost_model,
+                     staging_bytes=staging_bytes, budget=budget)
 
 
 def _strategy(strategy: object) -> str:
@@ -93,8 +107,12 @@ def _strategy(strategy: object) -> str:
     return strategy
 
 
+def _staging(staging_bytes: object) -> int:
+    return check_int("staging_bytes", staging_bytes, minimum=0, error=KvGeomError)
+
+
 def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direct",
-              cost_model: CostModel = DEFAULT_COST_MODEL,
+              cost_model: CostModel = DEFAULT_COST_MODEL, staging_bytes: int = DEFAULT_STAGING_BYTES,
               budget: PlanBudget | None = DEFAULT_BUDGET) -> TransferPlan:
     """:func:`plan_transfer` for an already built pair.
 
@@ -102,38 +120,124 @@ def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direc
     against ``budget`` (:class:`~kvgeom.errors.PlanBudgetExceeded` when over it).
     """
     strategy = _strategy(strategy)  # type: ignore[assignment]
+    staging_bytes = _staging(staging_bytes)
     check_instance("cost_model", cost_model, CostModel, error=KvGeomError, fix="pass a kvgeom.CostModel(...)")
     if budget is not None:
         check_instance("budget", budget, PlanBudget, error=KvGeomError, fix="pass a kvgeom.PlanBudget(...) or None")
     check_instance("pair", pair, EnginePair, error=IncompatibleGeometry, fix="build the pair with kvgeom.Pair(P, D)")
     pair.check_request(request)
+    first = (Note(NoteKind.STRATEGY, f"strategy {strategy}"),) + topology_notes(pair)
+    chosen: str = strategy
     if budget is not None:
-        budget.check(estimate_plan(pair, RequestShape.of(request), strategy, budget=budget))
-    groups = [plan_group(pair, request, gi, strategy, cost_model) for gi in range(len(pair.model.groups))]
+        chosen, staging_bytes, over = _within_budget(pair, RequestShape.of(request), strategy, staging_bytes, budget)
+        first += over
+    if chosen == "packed":
+        plan = _packed_plan(pair, request, staging_bytes, first)
+    elif chosen == "auto":
+        plan = _auto_plan(pair, request, cost_model, staging_bytes, first)
+    else:
+        groups = [plan_group(pair, request, gi, strategy) for gi in range(len(pair.model.groups))]
+        plan = _assemble(pair, groups, first)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("planned M=%d S=%d%s (%s): %d copies (%d before coalescing), %d B; %d zero rows, %d B; "
+                     "%d rearranges; %d wire rows in %d chunks", request.computed_tokens, request.prefix_hit_tokens,
+                     " partial" if request.partial else "", strategy, len(plan.copies),
+                     plan.copies_before_coalescing, plan.bytes_copied, len(plan.zeros), plan.bytes_zeroed,
+                     len(plan.rearranges), len(plan.wire), len(plan.chunks))
+    return plan
+
+
+def check_budget(pair: EnginePair, shape: RequestShape, strategy: str = "direct", *,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, budget: PlanBudget = DEFAULT_BUDGET) -> None:
+    """Raise :class:`~kvgeom.errors.PlanBudgetExceeded` when planning a request of ``shape`` would
+    exceed ``budget`` (what :func:`plan_pair` checks first, ``auto``'s fallbacks included), without
+    building the request."""
+    _within_budget(pair, shape, _strategy(strategy), _staging(staging_bytes), budget)
+
+
+def _within_budget(pair: EnginePair, shape: RequestShape, strategy: str, staging_bytes: int,
+                   budget: PlanBudget) -> tuple[str, int, tuple[Note, ...]]:
+    """Check the plan's estimate against ``budget`` (:class:`~kvgeom.errors.PlanBudgetExceeded` when
+    over it). ``auto`` weighs only the candidates within the budget: without packed when packed alone
+    is too large, only packed when direct and staged are (an ``AUTO_OVER_BUDGET`` note says which)."""
+    estimate = estimate_plan(pair, shape, strategy, budget=budget, staging_bytes=staging_bytes)
+    if strategy != "auto" or not staging_bytes or budget.admits(estimate):
+        budget.check(estimate)
+        return strategy, staging_bytes, ()
+    without = estimate_plan(pair, shape, "auto", budget=budget, staging_bytes=0)
+    if budget.admits(without):
+        return "auto", 0, (Note(NoteKind.AUTO_OVER_BUDGET, f"auto: packed left out, its plan with {staging_bytes} B "
+                                f"per rank would exceed the budget (auto with it: {estimate})"),)
+    packed = estimate_plan(pair, shape, "packed", budget=budget, staging_bytes=staging_bytes)
+    if budget.admits(packed):
+        return "packed", staging_bytes, (Note(NoteKind.AUTO_OVER_BUDGET, f"auto: direct and staged left out, their "
+                                              f"plans would exceed the budget ({without}); packed"),)
+    budget.check(estimate)
+    raise InternalError("an estimate over the budget was admitted")
+
+
+def _packed_plan(pair: EnginePair, request: Request, staging_bytes: int, notes: tuple[Note, ...]) -> TransferPlan:
+    parts = plan_packed(pair, request, staging_bytes)
+    return TransferPlan(
+        prefill_tp=pair.prefill.tp,
+        decode_tp=pair.decode.tp,
+        copies=Copies.empty(),
+        zeros=coalesce_zeros(parts.zeros),
+        notes=notes + parts.notes,
+        copies_before_coalescing=0,
+        zeros_before_coalescing=len(parts.zeros),
+        packs=parts.packs,
+        unpacks=parts.unpacks,
+        wire=parts.wire,
+        chunks=parts.chunks,
+        staging_bytes=parts.staging_bytes,
+        prefill_ranks=pair.prefill.num_ranks,
+        decode_ranks=pair.decode.num_ranks,
+    )
+
+
+def _auto_plan(pair: EnginePair, request: Request, cost_model: CostModel, staging_bytes: int,
+               first: tuple[Note, ...]) -> TransferPlan:
+    """Per group the cheaper of direct and staged, then that plan against the packed plan, each
+    counted by what it posts (docs/design.md §12.6)."""
+    choices = [choose_group(pair, request, gi, cost_model) for gi in range(len(pair.model.groups))]
+    unpacked = sum(c.cost for c in choices)
+    try:
+        count = count_packed(pair, request, staging_bytes)
+    except StagingCapacityError:  # packed cannot be planned with this capacity: not a candidate
+        count = PackedCount(0, 0, 0, 0)
+    packed = cost_model.packed_cost(count.wire_rows, count.bytes, count.operations)
+    why = (f"auto: direct/staged {unpacked * 1e6:.1f} us (posted copies of every group); packed "
+           f"{count.wire_rows} wire rows in {count.chunks} chunks + 2 x {count.bytes} B copied + "
+           f"{count.operations} operations = {packed * 1e6:.1f} us ({cost_model.describe()}); "
+           f"{count.bytes} B on the wire either way ({cost_model.wire_seconds(count.bytes) * 1e6:.1f} us)")
+    if count.wire_rows and packed < unpacked:
+        logger.debug("%s -> packed", why)
+        return _packed_plan(pair, request, staging_bytes, first + (Note(NoteKind.AUTO_PACKED, why + " -> packed"),))
+    groups = [c.plan.with_notes(c.note) if c.note is not None else c.plan for c in choices]
+    kind = NoteKind.AUTO_STAGED if any(g.rearranges for g in groups) else NoteKind.AUTO_DIRECT
+    logger.debug("%s -> not packed", why)
+    return _assemble(pair, groups, first, (Note(kind, why + " -> not packed"),))
+
+
+def _assemble(pair: EnginePair, groups: list[GroupPlan], first: tuple[Note, ...],
+              last: tuple[Note, ...] = ()) -> TransferPlan:
     copies = [g.copies for g in groups]
     zeros = [g.zeros for g in groups if len(g.zeros)] or [Zeros.empty()]
     raw_c = copies[0] if len(copies) == 1 else Copies.concat(copies)
     raw_z = zeros[0] if len(zeros) == 1 else Zeros.concat(zeros)
-    topology = topology_notes(pair)
-    plan = TransferPlan(
+    return TransferPlan(
         prefill_tp=pair.prefill.tp,
         decode_tp=pair.decode.tp,
         copies=coalesce(raw_c),
         zeros=coalesce_zeros(raw_z),
         rearranges=[r for g in groups for r in g.rearranges],
-        notes=(Note(NoteKind.STRATEGY, f"strategy {strategy}"),) + topology + tuple(n for g in groups for n in g.notes),
+        notes=first + tuple(n for g in groups for n in g.notes) + last,
         copies_before_coalescing=sum(g.rows_before_coalescing for g in groups),
         zeros_before_coalescing=len(raw_z),
         prefill_ranks=pair.prefill.num_ranks,
         decode_ranks=pair.decode.num_ranks,
     )
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("planned M=%d S=%d%s (%s): %d copies (%d before coalescing), %d B; %d zero rows, %d B; "
-                     "%d rearranges", request.computed_tokens, request.prefix_hit_tokens,
-                     " partial" if request.partial else "", strategy, len(plan.copies),
-                     plan.copies_before_coalescing, plan.bytes_copied, len(plan.zeros), plan.bytes_zeroed,
-                     len(plan.rearranges))
-    return plan
 
 
 def _side_topology(e: EngineGeometry) -> str:

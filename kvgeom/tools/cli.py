@@ -1,10 +1,11 @@
 """The ``kvgeom`` command line: plan and verify a transfer, list presets, run one with NIXL.
 
-    kvgeom plan [--preset NAME] [--tokens M] [--prefix S] [--strategy direct|staged|auto]
-                [--layers L] [--json] [--pair FILE] [--svg FILE | --png FILE] [--budget-mb MB]
+    kvgeom plan [--preset NAME] [--tokens M] [--prefix S] [--strategy direct|staged|auto|packed]
+                [--staging-bytes N] [--layers L] [--json] [--pair FILE] [--svg FILE | --png FILE]
+                [--budget-mb MB]
     kvgeom presets
-    kvgeom transfer [--preset NAME] [--tokens M] [--prefix S] [--push] [--mode coalesced|prepped] [--json]
-                    [--timeout SEC] [--budget-mb MB]
+    kvgeom transfer [--preset NAME] [--tokens M] [--prefix S] [--strategy ...] [--staging-bytes N] [--push]
+                    [--mode coalesced|prepped] [--json] [--timeout SEC] [--budget-mb MB]
 
     argv --> COMMANDS[name] --> add_arguments(parser) --> run(args) --> exit status
                                                           0 ok, 1 verification failed or internal error,
@@ -13,7 +14,7 @@
 Worked number: ``kvgeom plan`` (preset ``gqa-tp2-tp4``, M=100, S=16) moves tokens [16, 100):
 84 tokens x 4 layers x 2 planes x 8 heads x 256 B = 1,376,256 B over the four D ranks.
 
-Bounded work (docs/design.md §12): every input is checked before the work it sizes. Output paths
+Bounded work (docs/design.md §13): every input is checked before the work it sizes. Output paths
 (``--svg``, ``--png``) are opened before planning; pair files are read to at most 4 MiB; the plan
 is estimated from the request's shape before any block list is built, and refused over the budget
 (``--budget-mb``, default 4096) with exit 2, and so is a simulation (``plan``) or cache
@@ -49,9 +50,10 @@ from ..building.requests import fresh_request, fresh_shape
 from ..checking.report import Report
 from ..checking.simulator import simulate
 from ..errors import IncompatibleGeometry, KvGeomError, PlanBudgetExceeded
-from ..planning.budget import DEFAULT_BUDGET, PlanBudget, estimate_plan
+from ..planning.budget import DEFAULT_BUDGET, PlanBudget
 from ..planning.choose import STRATEGIES
-from ..planning.transfer import Pair, plan_pair
+from ..planning.packed import DEFAULT_STAGING_BYTES
+from ..planning.transfer import Pair, check_budget, plan_pair
 from ..show.drawing import draw
 from ..values.engine import EngineGeometry, engine_line
 from ..values.fields import check_seconds
@@ -157,7 +159,11 @@ def _preset_arguments(p: argparse.ArgumentParser) -> None:
                    help="layers per group (default: the preset's; fewer is faster)")
     p.add_argument("--strategy", choices=STRATEGIES, default="direct",
                    help="direct: every copy lands in place; staged: copy pages whole, then rearrange; "
+                        "packed: gather on P, one wire row per (P rank, D rank, chunk), scatter on D; "
                         "auto: choose by cost (default direct)")
+    p.add_argument("--staging-bytes", type=int, default=DEFAULT_STAGING_BYTES, metavar="N",
+                   help="packed: the most bytes one chunk stages on one rank (one ring slot; default "
+                        f"{DEFAULT_STAGING_BYTES >> 20} MiB)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     p.add_argument("--budget-mb", type=_budget_mb, default=DEFAULT_BUDGET.max_bytes >> 20, metavar="MB",
                    help=f"refuse (exit 2) a request whose plan, simulation or caches would need more memory "
@@ -216,7 +222,7 @@ def _load_pair(args: argparse.Namespace) -> tuple[dict[str, Any], Pair | None, A
             hybrid = any(isinstance(g, StateSpec) for g in pair.model.groups)
             decode_tokens = tokens + 1 if hybrid else tokens
             shape = fresh_shape(pair, tokens, decode_tokens=decode_tokens, prefix_hit_tokens=prefix)
-            budget.check(estimate_plan(pair, shape, args.strategy, budget=budget))
+            check_budget(pair, shape, args.strategy, staging_bytes=args.staging_bytes, budget=budget)
             request = fresh_request(pair, tokens, decode_tokens=decode_tokens, prefix_hit_tokens=prefix)
             pair.check_request(request)
         header.update(tokens=request.computed_tokens, prefix=request.prefix_hit_tokens, layers=None)
@@ -228,7 +234,8 @@ def _load_pair(args: argparse.Namespace) -> tuple[dict[str, Any], Pair | None, A
     if not pairable(prefill, decode):
         return header, None, None, (prefill, decode)
     _check_simulation(Pair(prefill, decode), budget, "plan fewer --tokens or --layers")
-    pair, request = preset.build(tokens, prefix, layers=args.layers, budget=budget, strategy=args.strategy)
+    pair, request = preset.build(tokens, prefix, layers=args.layers, budget=budget, strategy=args.strategy,
+                                 staging_bytes=args.staging_bytes)
     return header, pair, request, (pair.prefill, pair.decode)
 
 
@@ -301,9 +308,10 @@ def _plan_and_report(args: argparse.Namespace, out: OutputFile | None) -> int:
         compat = pairable(*engines)
         return _report_unpairable(header, list(compat.reasons), engines, args)
     budget = _budget(args)
-    plan = plan_pair(pair, request, strategy=args.strategy, budget=budget)
+    plan = plan_pair(pair, request, strategy=args.strategy, staging_bytes=args.staging_bytes, budget=budget)
     # planning twice lets the simulator check determinism (docs/design.md §4.2 (invariant 6))
-    report = simulate(pair, request, plan, replan=plan_pair(pair, request, strategy=args.strategy, budget=budget))
+    report = simulate(pair, request, plan, replan=plan_pair(pair, request, strategy=args.strategy,
+                                                            staging_bytes=args.staging_bytes, budget=budget))
     if out is not None:
         _draw(plan, pair, request, out, "svg" if args.svg else "png")
     verified = report.ok
@@ -357,6 +365,14 @@ def _plan_json(header: dict[str, Any], pair: Pair, plan: TransferPlan, report: R
         "zeros": len(plan.zeros),
         "zero_bytes": plan.bytes_zeroed,
         "rearranges": len(plan.rearranges),
+        "packed": plan.packed,
+        "wire_descriptors": plan.descriptors,
+        "chunks": len(plan.chunks),
+        "staging_bytes": plan.staging_bytes,
+        "staging_per_prefill_rank": [int(x) for x in plan.staging_used("prefill").max(axis=0, initial=0)],
+        "staging_per_decode_rank": [int(x) for x in plan.staging_used("decode").max(axis=0, initial=0)],
+        "packs": len(plan.packs),
+        "unpacks": len(plan.unpacks),
         "per_decode_rank": per_rank,
         "violations": sim["violations"],
         "verified": verified,
@@ -372,12 +388,19 @@ def _print_plan(header: dict[str, Any], pair: Pair, plan: TransferPlan, report: 
     _print(f"  P  {engine_line(pair.prefill)}")
     _print(f"  D  {engine_line(pair.decode)}")
     rows = plan_rank_rows(plan)
-    rows.append(["total", "", len(plan.copies), plan.bytes_copied, len(plan.zeros), plan.bytes_zeroed,
-                 sum(len(r.pages) for r in plan.rearranges)])
+    rows.append(["total", "", plan.descriptors, plan.bytes_copied, len(plan.zeros), plan.bytes_zeroed,
+                 sum(int(r[6]) for r in rows[1:])])
     _print(text_table(rows))
     before = plan.copies_before_coalescing
-    _print(f"descriptors: {before:,} before coalescing, {len(plan.copies):,} after" if before >= 0
-           else f"descriptors: {len(plan.copies):,}")
+    if plan.packed:
+        used_p, used_d = plan.staging_used("prefill"), plan.staging_used("decode")
+        _print(f"descriptors: {len(plan.wire):,} wire rows in {len(plan.chunks)} chunk"
+               f"{'s' if len(plan.chunks) != 1 else ''} ({len(plan.packs)} pack and {len(plan.unpacks)} unpack "
+               f"steps); staging up to {format_bytes(int(used_p.max(initial=0)))} per P rank, "
+               f"{format_bytes(int(used_d.max(initial=0)))} per D rank")
+    else:
+        _print(f"descriptors: {before:,} before coalescing, {len(plan.copies):,} after" if before >= 0
+               else f"descriptors: {len(plan.copies):,}")
     _print(f"moved {format_bytes(plan.bytes_copied)}, zeroed {format_bytes(plan.bytes_zeroed)}")
     notes = [n.text for n in plan.notes]
     if notes:
@@ -487,10 +510,11 @@ def _run_transfer(args: argparse.Namespace) -> int:
                       "transfer fewer --tokens or --layers")
         _check_simulation(pair, budget, "transfer fewer --tokens or --layers")
         shape = fresh_shape(pair, tokens, decode_tokens=preset.decode_tokens(tokens), prefix_hit_tokens=prefix)
-        budget.check(estimate_plan(pair, shape, args.strategy, budget=budget))
+        check_budget(pair, shape, args.strategy, staging_bytes=args.staging_bytes, budget=budget)
     transfer_report = _executor()
     report = transfer_report(preset.name, tokens, prefix, layers=args.layers, push=args.push, mode=args.mode,
-                             strategy=args.strategy, timeout_s=timeout_s, budget=budget)
+                             strategy=args.strategy, timeout_s=timeout_s, staging_bytes=args.staging_bytes,
+                             budget=budget)
     if args.json:
         print(json.dumps(report, sort_keys=True))
     else:
@@ -510,6 +534,10 @@ def _print_transfer(r: dict[str, Any]) -> None:
     rate = r["bytes_moved"] / r["transfer_s"] / 1e9 if r["transfer_s"] > 0 else 0.0
     print(f"  NIXL: {r['agents']} agents (connect {r['connect_s'] * 1e3:.1f} ms), {r['nixl_requests']} requests, "
           f"{r['descriptors']:,} descriptors posted{merged}")
+    if r.get("plan_packed"):
+        print(f"  packed: {r['plan_chunks']} chunks, {r['plan_wire_rows']} wire rows, slots of "
+              f"{format_bytes(r['staging_bytes'])}; pack {r['pack_s'] * 1e3:.2f} ms, wire {r['wire_s'] * 1e3:.2f} ms, "
+              f"unpack {r['unpack_s'] * 1e3:.2f} ms (summed over ranks)")
     print(f"  moved {format_bytes(r['bytes_moved'])} in {r['transfer_s'] * 1e3:.2f} ms ({rate:.2f} GB/s, "
           f"incl. first-contact wire-up and receive steps); zeroed {format_bytes(r['bytes_zeroed'])}, "
           f"{r['rearranges']} rearranges")
@@ -532,7 +560,7 @@ def _fuzz_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, metavar="S",
                         help="random seed (default: a fresh one, printed so the run can be repeated)")
     parser.add_argument("--strategy", choices=(*STRATEGIES, "all"), default="all",
-                        help="planner strategy to check on every example (default all three)")
+                        help="planner strategy to check on every example (default all four)")
     parser.add_argument("--max-tokens", type=int, default=64, metavar="M",
                         help="longest request drawn, in computed tokens (default 64)")
     parser.add_argument("--mismatch-probability", type=float, default=0.1, metavar="P",

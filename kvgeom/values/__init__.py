@@ -99,6 +99,14 @@ from .request import (
     request_html,
     request_repr,
 )
+from .staging import (
+    STAGING_SIDES,
+    WIRE_COLUMNS,
+    Chunk,
+    ChunkPiece,
+    StagingStep,
+    WireCopies,
+)
 from .tensors import (
     AXIS_NAMES,
     LayerTensors,
@@ -186,6 +194,12 @@ __all__ = [
     "plan_html",
     "plan_rank_rows",
     "plan_pair_bytes",
+    "StagingStep",
+    "WireCopies",
+    "WIRE_COLUMNS",
+    "ChunkPiece",
+    "Chunk",
+    "STAGING_SIDES",
     "MAX_LISTED",
     "BlockList",
     "StateSlots",
