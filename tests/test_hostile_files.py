@@ -115,6 +115,10 @@ def test_parse_json_worked_limits() -> None:
     ["transfer", "--timeout", "0"],
     ["transfer", "--timeout", "-1"],
     ["transfer", "--timeout", "inf"],
+    ["plan", "--strategy", "packed", "--tokens", "16384", "--staging-bytes", "2048"],
+    ["plan", "--strategy", "packed", "--staging-bytes", "-1"],
+    ["plan", "--strategy", "packed", "--staging-bytes", "99999999999999999999"],
+    ["transfer", "--strategy", "packed", "--tokens", "4096", "--budget-mb", "64"],
 ])
 def test_hostile_flags_exit_2_at_once(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     t0 = time.perf_counter()

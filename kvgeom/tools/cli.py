@@ -17,8 +17,8 @@ Worked number: ``kvgeom plan`` (preset ``gqa-tp2-tp4``, M=100, S=16) moves token
 Bounded work (docs/design.md §13): every input is checked before the work it sizes. Output paths
 (``--svg``, ``--png``) are opened before planning; pair files are read to at most 4 MiB; the plan
 is estimated from the request's shape before any block list is built, and refused over the budget
-(``--budget-mb``, default 4096) with exit 2, and so is a simulation (``plan``) or cache
-allocation (``transfer``) larger than the budget; ``--timeout`` must be finite and positive.
+(``--budget-mb``, default 4096) with exit 2, and so is a simulation (``plan``) or cache and
+staging-ring allocation (``transfer``) larger than the budget; ``--timeout`` must be finite and positive.
 
 Adding a subcommand: write ``add_arguments(parser)`` and ``run(args) -> int`` and add one
 ``Command`` to :data:`COMMANDS`. Arguments never need an optional extra, so ``--help`` always
@@ -506,8 +506,13 @@ def _run_transfer(args: argparse.Namespace) -> int:
     prefill, decode = preset.geometries(tokens, prefix, layers=args.layers)
     if pairable(prefill, decode):  # the executor reports an unpairable preset itself
         pair = Pair(prefill, decode)
-        _check_memory("caches and check", _engine_bytes(prefill) + 2 * _engine_bytes(decode), budget,
-                      "transfer fewer --tokens or --layers")
+        rings = 0
+        if args.strategy in ("packed", "auto") and args.staging_bytes > 0:
+            # a ring of 2 slots per rank, each the busiest chunk: at most the slot and every byte D receives
+            rings = 2 * min(args.staging_bytes, _engine_bytes(decode)) * (prefill.num_ranks + decode.num_ranks)
+        _check_memory("caches, staging rings and check", _engine_bytes(prefill) + 2 * _engine_bytes(decode) + rings,
+                      budget, "transfer fewer --tokens or --layers" + (", or pass a smaller --staging-bytes"
+                                                                          if rings else ""))
         _check_simulation(pair, budget, "transfer fewer --tokens or --layers")
         shape = fresh_shape(pair, tokens, decode_tokens=preset.decode_tokens(tokens), prefix_hit_tokens=prefix)
         check_budget(pair, shape, args.strategy, staging_bytes=args.staging_bytes, budget=budget)
