@@ -659,7 +659,7 @@ def _classes(segs: int, cut_steps: list[int], page: int, period: int) -> int:
     (slot, tokens, folding, tokens of the D page) repeats every ``period`` tokens, except in the
     range's first and last D page; never more than its segments."""
     per_period = sum(period // step for step in cut_steps) + 1
-    per_page = page // min(cut_steps) + 2
+    per_page = sum(page // step for step in cut_steps) + 2
     return min(segs + 1, per_period + 2 * per_page)
 
 
@@ -748,36 +748,37 @@ def _packed_attention(pair: EnginePair, shape: RequestShape, gi: int, staging: i
     chunks, split = _chunks(L, min(per_layer, T * f.per_item), staging)
     ranks = P.num_ranks + D.num_ranks
     steps_extra = 0
-    if split:  # a layer is cut into token ranges of at least t tokens
+    if split:  # a layer is cut into token ranges of at least t tokens; ranges partition [lo, hi), so over
+        # them a pair's classes are at most its segments plus a few per cut
         t = max(1, staging // f.per_item)
         ranges = min(T, 2 + 2 * ceil_div(T, t))
         pieces = L * ranges
-        classes = f.pairs * min(per_pair, 2 * (t // min(cut_p, cut_d) + 3))
+        classes = L * f.pairs * min(ranges * per_pair, seg_p + seg_u + 4 * ranges)  # over every piece
         page_entries = L * per_owner * (seg_p + seg_u + 2 * ranges)
     else:
         ranges = 1
         pieces = chunks
-        classes = f.pairs * per_pair
+        classes = pieces * f.pairs * per_pair
         page_entries = chunks * per_owner * (seg_p + seg_u)
-    if pieces * classes * f.page_sizes > REFINE_STEPS:
+    if classes * f.page_sizes > REFINE_STEPS:
         counted = _counted_classes(pair, gi, f, p0, d0, lo, hi)
         if counted is not None:
             steps_extra = 2 * f.owners * TOKEN_MAP_STEPS  # the counting's own token maps
             if split:  # a range's keys: the whole pages' (the head's) and its two cut end pages'
-                classes = min(classes, per_owner * (counted.head + 2 * counted.page))
+                classes = min(classes, pieces * per_owner * (counted.head + 2 * counted.page))
                 page_entries = min(page_entries, L * per_owner * (counted.entries + 2 * ranges * counted.page))
             else:
-                classes, page_entries = per_owner * counted.classes, pieces * per_owner * counted.entries
-    if split:
-        layer_entries = pieces * classes * f.page_sizes * f.entries
+                classes, page_entries = pieces * per_owner * counted.classes, pieces * per_owner * counted.entries
+    staging_steps = classes * f.page_sizes
+    if split:  # one layer per piece
+        layer_entries = staging_steps * f.entries
         chunk_work = pieces * (L * ranks + f.pairs) + L * L * ranks
-    else:
-        layer_entries = classes * f.page_sizes * L * f.entries
+    else:  # every piece's classes, each listing the layers of its piece: the layers once in all
+        layer_entries = classes // pieces * f.page_sizes * L * f.entries
         chunk_work = 2 * chunks * L * ranks + L * ranks + f.pairs
     segments = seg_p + seg_u + 2 * ranges
     wire = pieces * f.pairs
-    staging_steps = pieces * classes * f.page_sizes
-    steps = staging_steps + ranges * f.owners * TOKEN_MAP_STEPS + 2 * pieces + f.pairs // 16 + steps_extra
+    steps = staging_steps + ranges * f.owners * TOKEN_MAP_STEPS + 2 * pieces + steps_extra
     light = 3 * pieces * f.pairs
     work = (page_entries + layer_entries + segments * (1 + f.owners) + wire + chunk_work + light * LIGHT_WORK
             + steps * STEP_WORK)
@@ -803,7 +804,7 @@ def _packed_state(pair: EnginePair, shape: RequestShape, gi: int, staging: int, 
     wire = pieces * f.pairs
     staging_steps = 2 * pieces * f.pairs * f.page_sizes
     entries = staging_steps * paired + 2 * f.pairs * f.page_sizes * layers_in_pieces
-    steps = staging_steps + 2 * pieces + f.pairs // 16
+    steps = staging_steps + 2 * pieces
     # every pair key of a chunk looks through the group's section slices: keys x slices per piece
     light = pieces * (all_pairs + 1) * (f.pairs + 1) // 8 + 3 * pieces * f.pairs
     ranks = pair.prefill.num_ranks + pair.decode.num_ranks
@@ -820,16 +821,17 @@ def _packed_factors(pair: EnginePair, gi: int, attention: bool) -> _PackedFactor
 
 def _packed(pair: EnginePair, shape: RequestShape, staging: int) -> PlanEstimate:
     """The packed plan of every group (:func:`kvgeom.planning.packed.plan_packed`)."""
-    total = PlanEstimate()
     all_pairs = 0
     for gi, spec in enumerate(pair.model.groups):
         all_pairs += _packed_factors(pair, gi, isinstance(spec, AttentionSpec)).pairs
+    # the planner lists every group's pairs first
+    total = PlanEstimate(steps=1 + all_pairs // 16, work=STEP_WORK + all_pairs * LIGHT_WORK)
     for gi, spec in enumerate(pair.model.groups):
         f = _packed_factors(pair, gi, isinstance(spec, AttentionSpec))
         moved = _moved(pair, shape, gi)
         if moved and f.pairs and staging < f.need * (1 if isinstance(spec, AttentionSpec) else moved):
             # the planner lays out the groups in order and refuses here (StagingCapacityError)
-            return total + PlanEstimate(steps=1 + f.pairs // 16, work=STEP_WORK + f.pairs * LIGHT_WORK)
+            return total
         if isinstance(spec, AttentionSpec):
             total = total + _packed_attention(pair, shape, gi, staging)
         else:
