@@ -1,7 +1,8 @@
 """Direct copies and zeros for attention groups (full, sliding window, MLA): any K, ppl, TP, layout.
 
-For one group, D rank ``d`` needs tokens ``[lo, hi)`` with ``lo = max(S, d0, p0)`` and
-``hi = min(M, d1, p1)`` ([p0, p1) and [d0, d1) being the tokens each side lists) and the heads of
+For one group, D rank ``d`` needs tokens ``[lo, hi)`` with ``lo = max(S, d0, p0, ws)`` and
+``hi = min(M, d1, p1)`` ([p0, p1) and [d0, d1) being the tokens each side lists, ``ws`` a sliding
+group's window start ``max(0, M - W + 1)``, 0 otherwise) and the heads of
 its slice, each read from exactly one P rank (:func:`kvgeom.arith.shard.sources`). Every other token
 D lists from ``max(S, d0)`` on is zeroed, in D's layout, for every head D holds::
 
@@ -30,7 +31,7 @@ import numpy as np
 
 from ..arith.runs import Mode, fold_modes, strided_rows
 from ..arith.shard import owned_slice, sources
-from ..arith.tokens import Segments, segments
+from ..arith.tokens import Segments, segments, window_start
 from ..errors import InternalError
 from ..values.model import AttentionSpec
 from ..values.notes import Note, NoteKind
@@ -45,13 +46,20 @@ __all__ = ["needed_tokens", "zero_intervals", "plan_attention_group"]
 
 
 def needed_tokens(request: Request, pair: EnginePair, group: int) -> tuple[int, int]:
-    """``[lo, hi)``: the tokens D needs and P has for ``group`` (may be empty: lo >= hi)."""
+    """``[lo, hi)``: the tokens D needs and P has for ``group`` (may be empty: lo >= hi).
+
+    A sliding group needs nothing before its window: ``lo`` is at least
+    ``window_start(M, W) = max(0, M - W + 1)`` (docs/design.md §3.4), so the partial first block
+    outside the window is zeroed, not copied.
+    """
     g = request.groups[group]
-    if not (isinstance(g.prefill, BlockList) and isinstance(g.decode, BlockList)):
+    spec = pair.model.groups[group]
+    if not (isinstance(g.prefill, BlockList) and isinstance(g.decode, BlockList) and isinstance(spec, AttentionSpec)):
         raise InternalError("checked by Pair")
     p0, p1 = g.prefill.token_range(pair.prefill.logical_block_tokens)
     d0, d1 = g.decode.token_range(pair.decode.logical_block_tokens)
-    return max(request.prefix_hit_tokens, d0, p0), min(request.computed_tokens, d1, p1)
+    M = request.computed_tokens
+    return max(request.prefix_hit_tokens, d0, p0, window_start(M, spec.window_tokens)), min(M, d1, p1)
 
 
 def zero_intervals(request: Request, pair: EnginePair, group: int) -> list[tuple[int, int]]:
