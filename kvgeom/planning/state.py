@@ -37,7 +37,7 @@ from .group import GroupPlan
 from .rows import Rows
 from .sides import stage_parts
 
-__all__ = ["paired_slots", "plan_state_group"]
+__all__ = ["paired_slots", "plan_state_group", "state_rows", "state_notes"]
 
 
 def paired_slots(request: Request, group: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
@@ -55,26 +55,43 @@ def paired_slots(request: Request, group: int) -> tuple[list[tuple[int, int, int
     return paired, unpaired
 
 
+def state_notes(pair: EnginePair, group: int, paired: list[tuple[int, int, int]],
+                unpaired: list[tuple[int, int]]) -> list[Note]:
+    """``STATE_PAIRS`` (the layouts and every pairing) and one ``STATE_UNPAIRED`` per unpaired D slot."""
+    spec = pair.model.groups[group]
+    pgeo, dgeo = pair.prefill.groups[group], pair.decode.groups[group]
+    notes = [Note(NoteKind.STATE_PAIRS,
+                  f"{spec.name}: state layout P {getattr(pgeo, 'layout', '?')} -> D {getattr(dgeo, 'layout', '?')}; "
+                  + (", ".join(f"D slot {ds} <- P slot {ps} (after {t} tokens)" for ps, ds, t in paired)
+                     or "no slot pairs"))]
+    for ds, t in unpaired:
+        notes.append(Note(NoteKind.STATE_UNPAIRED, f"{spec.name}: D slot {ds} (state after {t} tokens) has no P slot "
+                          "at that position: not transferred"))
+    return notes
+
+
 def plan_state_group(pair: EnginePair, request: Request, group: int) -> GroupPlan:
     """Uncoalesced copies of one state group, plus notes (pairing, layouts, unpaired slots); no zeros."""
     spec = pair.model.groups[group]
     if not isinstance(spec, StateSpec):
         raise InternalError("dispatched on kind")
-    P, D = pair.prefill, pair.decode
     paired, unpaired = paired_slots(request, group)
-    notes: list[Note] = []
-    pgeo, dgeo = P.groups[group], D.groups[group]
-    notes.append(Note(NoteKind.STATE_PAIRS,
-                      f"{spec.name}: state layout P {getattr(pgeo, 'layout', '?')} -> D {getattr(dgeo, 'layout', '?')}; "
-                      + (", ".join(f"D slot {ds} <- P slot {ps} (after {t} tokens)" for ps, ds, t in paired)
-                         or "no slot pairs")))
-    for ds, t in unpaired:
-        notes.append(Note(NoteKind.STATE_UNPAIRED, f"{spec.name}: D slot {ds} (state after {t} tokens) has no P slot "
-                          "at that position: not transferred"))
+    notes = state_notes(pair, group, paired, unpaired)
     if not paired:
         return GroupPlan(Copies.empty(), Zeros.empty(), (), notes, 0)
-    p_slots = np.array([p for p, _, _ in paired], np.int64)
-    d_slots = np.array([d for _, d, _ in paired], np.int64)
+    rows = Rows()
+    state_rows(pair, group, np.array([p for p, _, _ in paired], np.int64),
+               np.array([d for _, d, _ in paired], np.int64), rows)
+    return GroupPlan(rows.copies(), Zeros.empty(), (), notes, rows.count)
+
+
+def state_rows(pair: EnginePair, group: int, p_slots: np.ndarray, d_slots: np.ndarray, rows: Rows) -> None:
+    """The copy rows of state group ``group`` for the paired slots ``p_slots[i] -> d_slots[i]``, added
+    to ``rows``: per section, D rank, P stage part and source, layer-major over (layer, slot pair)."""
+    spec = pair.model.groups[group]
+    if not isinstance(spec, StateSpec):
+        raise InternalError("dispatched on kind")
+    P, D = pair.prefill, pair.decode
     p_places, d_places = P.state_sections(group), D.state_sections(group)
     pgeo, dgeo = P.groups[group], D.groups[group]
     if not (isinstance(pgeo, StateGroupGeometry) and isinstance(dgeo, StateGroupGeometry)):
@@ -86,13 +103,12 @@ def plan_state_group(pair: EnginePair, request: Request, group: int) -> GroupPla
     d_lpb = np.array([D.logical_page_bytes(r) for r in range(len(D.regions))], np.int64)[d_reg]
     p_view = np.array([v.offset for v in pgeo.views], np.int64)
     d_view = np.array([v.offset for v in dgeo.views], np.int64)
+    n_slots = len(p_slots)
     # slot x layer, layer-major like the attention rows
     p_base = (p_slots[None, :] * p_lpb[:, None] + p_view[:, None]).ravel()
     d_base = (d_slots[None, :] * d_lpb[:, None] + d_view[:, None]).ravel()
-    p_regs = np.repeat(p_reg, len(paired))
-    d_regs = np.repeat(d_reg, len(paired))
-    rows = Rows()
-    n_slots = len(paired)
+    p_regs = np.repeat(p_reg, n_slots)
+    d_regs = np.repeat(d_reg, n_slots)
     p_reps = P.topology.replicas
     for si, sec in enumerate(spec.sections):
         pp, dp = p_places[si], d_places[si]
@@ -118,4 +134,3 @@ def plan_state_group(pair: EnginePair, request: Request, group: int) -> GroupPla
                          d_base[b] + dp.offset + dc0 * dp.channel_stride])
                     rows.add(P.rank_of(p_stage, src.p_rank, q % p_reps), np.repeat(p_regs[b], per), op, d,
                              np.repeat(d_regs[b], per), od, np.asarray(run, np.int64))
-    return GroupPlan(rows.copies(), Zeros.empty(), (), notes, rows.count)

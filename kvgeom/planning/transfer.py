@@ -26,13 +26,13 @@ import attrs
 
 from ..errors import KvGeomError
 from ..values.engine import EngineGeometry
-from ..values.model import StateSpec
 from ..values.notes import Note, NoteKind
 from ..values.pair import EnginePair
 from ..values.plan import Copies, TransferPlan, Zeros
 from ..values.request import Request
 from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy, plan_group
 from .coalesce import coalesce, coalesce_zeros
+from .topology import topology_notes
 
 __all__ = ["Pair", "plan_transfer", "plan_pair"]
 
@@ -104,28 +104,3 @@ def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direc
                      plan.copies_before_coalescing, plan.bytes_copied, len(plan.zeros), plan.bytes_zeroed,
                      len(plan.rearranges))
     return plan
-
-
-def _side_topology(e: EngineGeometry) -> str:
-    t = e.topology
-    text = f"{e.topology.describe(e.tp)} ({e.num_ranks} ranks)"
-    if t.pp > 1:
-        layers = ", ".join(str(e.stage_global_layers(s)) for s in range(t.pp))
-        text += f", global layers per stage {layers}"
-    if t.dcp > 1:
-        text += f", token t on DCP rank (t // {t.interleave}) % {t.dcp} of its head group"
-    if t.replicas > 1:
-        text += f", {t.replicas} replicas (D ranks spread their reads over them)"
-    return text
-
-
-def topology_notes(pair: EnginePair) -> tuple[Note, ...]:
-    """One ``TOPOLOGY`` note when either side has stages, DCP or replicas (docs/design.md §11.3)."""
-    P, D = pair.prefill, pair.decode
-    if P.topology.trivial and D.topology.trivial:
-        return ()
-    text = f"topology: P {_side_topology(P)} -> D {_side_topology(D)}"
-    states = [s.name for s in pair.model.groups if isinstance(s, StateSpec)]
-    if states and (P.topology.dcp > 1 or D.topology.dcp > 1):
-        text += f"; state groups {states} are not sharded by token (SGLang's DCP leaves request state unchanged)"
-    return (Note(NoteKind.TOPOLOGY, text),)

@@ -22,7 +22,10 @@ for one stage, no DCP groups of their own and one replica). For P PP2 x TP4 -> D
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import html
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -41,8 +44,31 @@ COPY_COLUMNS = ("p_rank", "p_region", "p_offset", "d_rank", "d_region", "d_offse
 ZERO_COLUMNS = ("d_rank", "d_region", "d_offset", "nbytes")
 
 
+_PLANNER_COLUMNS: contextvars.ContextVar[bool] = contextvars.ContextVar("kvgeom_planner_columns", default=False)
+
+
+@contextlib.contextmanager
+def planner_columns() -> Iterator[None]:
+    """Inside this block :class:`Copies`, :class:`Zeros` and :class:`TransferPlan` skip the scans of
+    their column values (non-negative offsets, positive sizes, ranks below the rank counts) and take
+    fresh int64 columns as they are (made read-only, not viewed): the compiled planner builds its
+    columns from a validated pair and request, non-negative by construction, and those scans are 10
+    passes over a plan's columns (25 ms for 10M rows here). Column lengths are still checked. Plans
+    from anywhere else (a file, a peer, a connector) are always scanned.
+    """
+    token = _PLANNER_COLUMNS.set(True)
+    try:
+        yield
+    finally:
+        _PLANNER_COLUMNS.reset(token)
+
+
 def _as_column(name: str, value: Any) -> np.ndarray:
     """A read-only, contiguous int64 column; anything else is a :class:`PlanError` naming it."""
+    if (_PLANNER_COLUMNS.get() and type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1
+            and value.flags.c_contiguous):
+        value.setflags(write=False)  # the planner's own fresh column: no view, no copy
+        return value
     arr = np.asarray(value)
     if arr.size == 0:
         arr = arr.reshape(0)
@@ -61,15 +87,16 @@ class _Columns:
 
     def _check(self) -> None:
         n = len(getattr(self, self._names[0]))
+        trusted = _PLANNER_COLUMNS.get()
         for c in self._names:
             col = getattr(self, c)
             if len(col) != n:
                 raise PlanError(f"{type(self).__name__}.{c}", f"has {len(col)} rows, {self._names[0]} has {n}",
                                 actual=len(col), expected=n, fix="give every column the same length")
-            if n and int(col.min()) < 0:
+            if n and not trusted and int(col.min()) < 0:
                 raise PlanError(f"{type(self).__name__}.{c}", f"holds a negative value {int(col.min())}",
                                 actual=int(col.min()), expected=">= 0")
-        if n and int(self.nbytes.min()) <= 0:  # type: ignore[attr-defined]
+        if n and not trusted and int(self.nbytes.min()) <= 0:  # type: ignore[attr-defined]
             raise PlanError(f"{type(self).__name__}.nbytes", "every row must move at least one byte",
                             actual=int(self.nbytes.min()), expected=">= 1")  # type: ignore[attr-defined]
 
@@ -259,6 +286,8 @@ class TransferPlan:
                 raise PlanError(f"TransferPlan.{name}", f"expected {'Copies' if name == 'copies' else 'Zeros'}, got "
                                 f"{type(cols).__name__}", actual=type(cols).__name__,
                                 fix="build the columns with Copies(...) / Zeros(...)")
+        if _PLANNER_COLUMNS.get():
+            return  # the compiled planner's ranks are below the rank counts by construction
         for col, n, tp in (("p_rank", self.prefill_ranks, self.prefill_tp), ("d_rank", self.decode_ranks, self.decode_tp)):
             arr = getattr(self.copies, col)
             if len(arr) and int(arr.max()) >= n:
