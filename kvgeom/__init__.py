@@ -31,7 +31,17 @@ from .errors import (
     SchemaError,
 )
 from .lowering import tile_bytes
-from .planning import STRATEGIES, CostModel, Pair, coalesce, coalesce_zeros, plan_pair, plan_transfer
+from .planning import (
+    STRATEGIES,
+    CompiledPair,
+    CostModel,
+    Pair,
+    coalesce,
+    coalesce_zeros,
+    plan_pair,
+    plan_reference,
+    plan_transfer,
+)
 from .show import draw
 from .tools import SCHEMA_VERSION, dump_pair_file, load_pair_file
 from .values import (
@@ -78,6 +88,7 @@ __all__ = [
     "AttentionView",
     "BlockList",
     "Compatibility",
+    "CompiledPair",
     "Copies",
     "CostModel",
     "EngineGeometry",
@@ -128,6 +139,7 @@ __all__ = [
     "owned_slice",
     "pairable",
     "plan_pair",
+    "plan_reference",
     "plan_transfer",
     "request_from_block_tables",
     "simulate",

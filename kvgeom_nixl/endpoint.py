@@ -54,7 +54,8 @@ from kvgeom import (
     plan_pair,
     tile_bytes,
 )
-from kvgeom.lowering import check_in_regions, tile_index_pairs
+from kvgeom.lowering import check_in_regions, tile_index_blocks, tile_index_pairs
+from kvgeom.values import CopyBlock
 
 from .agent import RankAgent, classify, nixl_errors, notification
 from .errors import ExecutorError, HandshakeError
@@ -256,6 +257,25 @@ class Link:
         """The plan for ``request`` on this pair (:func:`kvgeom.planning.plan_pair`)."""
         return plan_pair(self.pair, request, strategy=strategy)  # type: ignore[arg-type]
 
+    def rank_plan(self, request: Request, *, strategy: str = "direct") -> TransferPlan:
+        """What this rank posts and applies for ``request``, planned on the compiled pair for this
+        rank only (``plan.for_decode_rank(rank)`` on D, ``plan.for_prefill_rank(rank)``'s copies on
+        P; docs/design.md §12). The pair compiles on the link's first request."""
+        rank = self.endpoint.rank
+        compiled = self.pair.compile()
+        if self.local_is_decode:
+            return compiled.plan(request, strategy=strategy, decode_rank=rank)  # type: ignore[arg-type]
+        return compiled.plan(request, strategy=strategy, prefill_rank=rank)  # type: ignore[arg-type]
+
+    def _rank_blocks(self, request: Request) -> tuple[CopyBlock, ...]:
+        """This rank's copies for ``request`` as outer-sum blocks (the prepped fast path: tile
+        indices straight from them, no byte columns)."""
+        rank = self.endpoint.rank
+        compiled = self.pair.compile()
+        if self.local_is_decode:
+            return compiled.copy_blocks(request, decode_rank=rank)
+        return compiled.copy_blocks(request, prefill_rank=rank)
+
     @property
     def tile_bytes(self) -> int:
         if self._tile is None:
@@ -267,19 +287,28 @@ class Link:
              mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S) -> Transfer:
         """D rank: post READs of this rank's rows from every P rank it needs; returns at once."""
         self._require("decode", "pull")
+        blocks = self._blocks_for(request, plan, mode)
         plan = self._plan(request, plan)
         t = self._transfer("pull", request_id, request, plan, self._mode(mode), timeout_s)
-        self._post(t, plan.for_decode_rank(self.endpoint.rank).copies, "READ", notification("pulled", request_id))
+        self._post(t, plan.for_decode_rank(self.endpoint.rank).copies, "READ", notification("pulled", request_id),
+                   blocks)
         return self.endpoint.track(t)
 
     def push(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
              mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S) -> Transfer:
         """P rank: post WRITEs of this rank's rows to every D rank that needs them; returns at once."""
         self._require("prefill", "push")
+        blocks = self._blocks_for(request, plan, mode)
         plan = self._plan(request, plan)
         t = self._transfer("push", request_id, request, plan, self._mode(mode), timeout_s)
-        self._post(t, plan.for_prefill_rank(self.endpoint.rank), "WRITE", notification("pushed", request_id))
+        self._post(t, plan.for_prefill_rank(self.endpoint.rank), "WRITE", notification("pushed", request_id), blocks)
         return self.endpoint.track(t)
+
+    def _blocks_for(self, request: Request | None, plan: TransferPlan | None, mode: str) -> tuple[CopyBlock, ...] | None:
+        """The prepped fast path's blocks: only when this link plans the request itself."""
+        if mode != "prepped" or plan is not None or request is None:
+            return None
+        return self._rank_blocks(request)
 
     # ---- passive sides ---------------------------------------------------------------------
     def accept_push(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
@@ -319,7 +348,8 @@ class Link:
                         rank=ep.rank, notif_kind=notif_kind, expect=expect, bytes_moved=bytes_moved,
                         receive=ep.receive if self.local_is_decode else None)
 
-    def _post(self, t: Transfer, copies: Copies, op: str, notif: bytes) -> None:
+    def _post(self, t: Transfer, copies: Copies, op: str, notif: bytes,
+              blocks: tuple[CopyBlock, ...] | None = None) -> None:
         """Lower this rank's ``copies`` to one NIXL request per peer rank and post them.
 
         Every row is checked against the regions the two ranks hold (a region of another pipeline
@@ -338,7 +368,7 @@ class Link:
                     check_in_regions(mine, info.sizes, self.endpoint.memory.sizes)
                 else:
                     check_in_regions(mine, self.endpoint.memory.sizes, info.sizes)
-            prepped = self._tile_indices(t, copies, rows_of) if t.mode == "prepped" and len(copies) else None
+            prepped = self._tile_indices(t, copies, rows_of, blocks) if t.mode == "prepped" and len(copies) else None
             for info in peers:
                 rows = rows_of[info.rank]
                 nbytes = int(copies.nbytes[rows].sum())
@@ -367,15 +397,28 @@ class Link:
             return copies.p_rank, copies.d_region, copies.d_offset, copies.p_region, copies.p_offset
         return copies.d_rank, copies.p_region, copies.p_offset, copies.d_region, copies.d_offset
 
-    def _tile_indices(self, t: Transfer, copies: Copies,
-                      rows_of: dict[int, np.ndarray]) -> dict[int, tuple[np.ndarray, np.ndarray]] | None:
+    def _tile_indices(self, t: Transfer, copies: Copies, rows_of: dict[int, np.ndarray],
+                      blocks: tuple[CopyBlock, ...] | None = None) -> dict[int, tuple[np.ndarray, np.ndarray]] | None:
         """Mode prepped: per peer rank, (local indices, peer indices) into the two ranks' tables, or
         ``None`` (``t`` falls back to coalesced) when the plan is off the tile grid or a table is
-        too large. Each rank's table has tiles only for the regions it holds."""
+        too large. Each rank's table has tiles only for the regions it holds. With ``blocks`` (the
+        compiled pair's rows of this rank) the indices come straight from them
+        (:func:`kvgeom.lowering.tile_index_blocks`), not from the byte columns."""
         tile = self.tile_bytes
         me = self.endpoint.rank
         out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         try:
+            if blocks is not None:
+                pair = self.pair
+                got = tile_index_blocks(blocks, tile, p_tables=lambda r: capped_table(pair.prefill, tile, r),
+                                        d_tables=lambda r: capped_table(pair.decode, tile, r))
+                for (p_rank, d_rank), (p_idx, d_idx) in got.items():
+                    peer = p_rank if self.local_is_decode else d_rank
+                    out[peer] = (d_idx, p_idx) if self.local_is_decode else (p_idx, d_idx)
+                if set(out) != set(rows_of):
+                    raise PlanError("blocks", "the blocks and the plan's copies name different peers",
+                                    actual=sorted(out), expected=sorted(rows_of))
+                return out
             for peer, rows in rows_of.items():
                 p_rank, d_rank = (peer, me) if self.local_is_decode else (me, peer)
                 p_idx, d_idx = tile_index_pairs(copies.take(rows), tile,
@@ -429,7 +472,7 @@ class Link:
             if request is None:
                 raise ExecutorError("request", "pass the request (to plan it) or a plan",
                                     fix="link.pull(request_id, request)")
-            plan = self.plan(request)
+            plan = self.rank_plan(request)
         if plan.prefill_tp != self.pair.prefill.tp or plan.decode_tp != self.pair.decode.tp:
             raise ExecutorError("plan", f"plan for TP{plan.prefill_tp}->TP{plan.decode_tp} on a "
                                 f"TP{self.pair.prefill.tp}->TP{self.pair.decode.tp} pair",

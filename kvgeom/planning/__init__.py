@@ -21,6 +21,11 @@ from .coalesce import (
     coalesce,
     coalesce_zeros,
 )
+from .compiled import (
+    CompiledGroup,
+    CompiledPair,
+    compile_pair,
+)
 from .group import (
     GroupPlan,
 )
@@ -43,6 +48,7 @@ from .state import (
 from .transfer import (
     Pair,
     plan_pair,
+    plan_reference,
     plan_transfer,
 )
 
@@ -57,6 +63,9 @@ __all__ = [
     "plan_group",
     "coalesce",
     "coalesce_zeros",
+    "CompiledGroup",
+    "CompiledPair",
+    "compile_pair",
     "GroupPlan",
     "Rows",
     "SideView",
@@ -69,4 +78,5 @@ __all__ = [
     "Pair",
     "plan_transfer",
     "plan_pair",
+    "plan_reference",
 ]

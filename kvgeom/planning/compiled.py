@@ -37,6 +37,7 @@ import numpy as np
 
 from ..arith.tokens import Segments, SideTokens, segments, window_start
 from ..errors import InternalError, KvGeomError
+from ..values.blocks import CopyBlock
 from ..values.model import AttentionSpec
 from ..values.notes import Note, NoteKind
 from ..values.pair import EnginePair
@@ -65,7 +66,7 @@ from .staged import ArrivedView, arrival, staged_rearrange_shape
 from .state import paired_slots, state_notes, state_rows
 from .topology import topology_notes
 
-__all__ = ["CompiledPair", "compile_pair"]
+__all__ = ["CompiledPair", "CompiledGroup", "compile_pair"]
 
 logger = logging.getLogger(__name__)
 
@@ -439,12 +440,15 @@ class _Work:
     keys: tuple[Any, ...]
 
 
-def _family_rows(work: _Work) -> list[FamilyRows | None]:
+def _family_rows(work: _Work, only: set[int] | None = None) -> list[FamilyRows | None]:
     src = work.src
     used = np.unique(work.units.kind)
     keys = tuple(work.keys[int(k)] for k in used)
     out: list[FamilyRows | None] = []
     for f, fam in enumerate(src.families):
+        if only is not None and f not in only:
+            out.append(None)
+            continue
         reps: list[Rep] = []
         for k in range(len(work.windows)):
             rep = src.rep(f, work.keys[k], work.windows[k])
@@ -538,8 +542,12 @@ def _merge_flat(parts: list[FlatRows], two_sided: bool) -> FlatRows:
     return FlatRows(s, d, p_, n)
 
 
-def _assemble(asm: _Assembly, works: Sequence[_Work | None], two_sided: bool) -> list[np.ndarray]:
-    """The plan's columns (copies: 7, zeros: 4) in the plan's order."""
+def _blocks(asm: _Assembly, works: Sequence[_Work | None], two_sided: bool,
+            select: tuple[int, int] | None = None) -> list[CopyBlock]:
+    """Every group's rows as outer-sum blocks in the plan's order; ``select = (key column, value)``
+    keeps only the streams of one rank (column 0: D rank, 1: P rank for copies)."""
+    keys = asm.table.keys
+    wanted = None if select is None else keys[:, select[0]] == select[1]
     fam_rows: dict[int, list[FamilyRows | None]] = {}
     flats: list[FlatRows] = []
     for g, work in enumerate(works):
@@ -548,52 +556,34 @@ def _assemble(asm: _Assembly, works: Sequence[_Work | None], two_sided: bool) ->
         if asm.flat[g]:
             src = work.src
             rows = flat_rows(work.units, work.windows, src.unit_d, src.unit_p, two_sided)
-            flats.append(FlatRows(asm.to_global[g][rows.s], rows.d, rows.p, rows.n))
-        else:
-            fam_rows[g] = _family_rows(work)
-    flat = _merge_flat(flats, two_sided)
-    keys = asm.table.keys
-    total = len(flat.n)
-    for item in asm.items:
-        if item[0] == "run":
-            got = fam_rows.get(item[1])
-            one = got[item[2]] if got is not None else None
-            if one is None:
-                continue
-            if one.split is not None:
-                total += sum(len(one.split[i][2]) for i in range(item[3], item[4]))
+            gs = asm.to_global[g][rows.s]
+            if wanted is not None:
+                keep = wanted[gs]
+                flats.append(FlatRows(gs[keep], rows.d[keep], rows.p[keep], rows.n[keep]))
             else:
-                total += (item[4] - item[3]) * len(one.n)
-    ncols = 7 if two_sided else 4
-    cols = [np.empty(total, np.int64) for _ in range(ncols)]
-    if two_sided:
-        c_prank, c_preg, c_poff, c_drank, c_dreg, c_doff, c_n = cols
-        key_cols: tuple[tuple[np.ndarray, int], ...] = ((c_drank, 0), (c_prank, 1), (c_dreg, 2), (c_preg, 3))
-        p_col: np.ndarray | None = c_poff
-    else:
-        c_drank, c_dreg, c_doff, c_n = cols
-        key_cols = ((c_drank, 0), (c_dreg, 1))
-        p_col = None
-    pos = 0
+                flats.append(FlatRows(gs, rows.d, rows.p, rows.n))
+        else:
+            fams = None
+            if wanted is not None:
+                fams = {f for f, fam in enumerate(work.src.families) if wanted[asm.to_global[g][fam.streams]].any()}
+            fam_rows[g] = _family_rows(work, fams)
+    flat = _merge_flat(flats, two_sided)
     bounds = np.searchsorted(flat.s, [it[k] for it in asm.items if it[0] == "flat" for k in (1, 2)]) \
         if len(flat.s) else None
+    out: list[CopyBlock] = []
     nflat = 0
     for item in asm.items:
         if item[0] == "flat":
-            if bounds is None:
-                nflat += 1
-                continue
-            a, b = int(bounds[2 * nflat]), int(bounds[2 * nflat + 1])
             nflat += 1
-            end = pos + b - a
-            c_doff[pos:end] = flat.d[a:b]
-            if p_col is not None:
-                p_col[pos:end] = flat.p[a:b]
-            c_n[pos:end] = flat.n[a:b]
-            gs = flat.s[a:b]
-            for col, j in key_cols:
-                col[pos:end] = keys[gs, j]
-            pos = end
+            if bounds is None:
+                continue
+            a, b = int(bounds[2 * nflat - 2]), int(bounds[2 * nflat - 1])
+            if b > a:
+                gs = flat.s[a:b]
+                k = keys[gs]
+                z = np.zeros(1, np.int64)
+                out.append(CopyBlock(k[:, 1] if two_sided else z[[0] * (b - a)], k[:, 3] if two_sided else z[[0] * (b - a)],
+                                     flat.p[a:b], k[:, 0], k[:, 2 if two_sided else 1], flat.d[a:b], z, z, flat.n[a:b]))
             continue
         _, g, f, i0, i1, gs0 = item
         got = fam_rows.get(g)
@@ -601,32 +591,64 @@ def _assemble(asm: _Assembly, works: Sequence[_Work | None], two_sided: bool) ->
         if fr is None:
             continue
         fam = fr.family
-        if fr.split is None:
-            H = len(fr.n)
-            if H == 0:
+        sel = np.arange(i0, i1, dtype=np.int64)
+        gsel = np.arange(gs0, gs0 + i1 - i0, dtype=np.int64)
+        if wanted is not None:
+            keep = wanted[gsel]
+            if not keep.any():
                 continue
-            S = i1 - i0
-            end = pos + S * H
-            np.add(fam.shift_d[i0:i1, None], fr.d[None, :], out=c_doff[pos:end].reshape(S, H))
-            if p_col is not None:
-                np.add(fam.shift_p[i0:i1, None], fr.p[None, :], out=p_col[pos:end].reshape(S, H))
-            c_n[pos:end].reshape(S, H)[...] = fr.n[None, :]
-            for col, j in key_cols:
-                col[pos:end].reshape(S, H)[...] = keys[gs0:gs0 + S, j][:, None]
-            pos = end
+            sel, gsel = sel[keep], gsel[keep]
+        k = keys[gsel]
+        p_rank, p_region = (k[:, 1], k[:, 3]) if two_sided else (np.zeros(len(k), np.int64), np.zeros(len(k), np.int64))
+        d_region = k[:, 2] if two_sided else k[:, 1]
+        if fr.split is None:
+            if len(fr.n):
+                out.append(CopyBlock(p_rank, p_region, fam.shift_p[sel], k[:, 0], d_region, fam.shift_d[sel],
+                                     fr.p if two_sided else np.zeros(len(fr.d), np.int64), fr.d, fr.n))
+            continue
+        parts = [fr.split[i] for i in sel.tolist()]
+        counts = np.array([len(q[2]) for q in parts], np.int64)
+        if counts.sum():
+            z = np.zeros(1, np.int64)
+            out.append(CopyBlock(np.repeat(p_rank, counts), np.repeat(p_region, counts),
+                                 np.concatenate([q[1] for q in parts]) if two_sided else np.zeros(int(counts.sum()), np.int64),
+                                 np.repeat(k[:, 0], counts), np.repeat(d_region, counts),
+                                 np.concatenate([q[0] for q in parts]), z, z, np.concatenate([q[2] for q in parts])))
+    return out
+
+
+def _materialize(blocks: Sequence[CopyBlock], two_sided: bool) -> list[np.ndarray]:
+    """The plan's columns (copies: 7, zeros: 4) from blocks, each written in place."""
+    total = sum(len(b) for b in blocks)
+    cols = [np.empty(total, np.int64) for _ in range(7 if two_sided else 4)]
+    if two_sided:
+        c_prank, c_preg, c_poff, c_drank, c_dreg, c_doff, c_n = cols
+    else:
+        c_drank, c_dreg, c_doff, c_n = cols
+    pos = 0
+    for b in blocks:
+        S, H = b.streams, b.per_stream
+        end = pos + S * H
+        if H == 1:
+            np.add(b.d_shift, b.d_base[0], out=c_doff[pos:end])
+            c_n[pos:end] = b.nbytes
+            c_drank[pos:end] = b.d_rank
+            c_dreg[pos:end] = b.d_region
+            if two_sided:
+                np.add(b.p_shift, b.p_base[0], out=c_poff[pos:end])
+                c_prank[pos:end] = b.p_rank
+                c_preg[pos:end] = b.p_region
         else:
-            for i in range(i0, i1):
-                d, p, n = fr.split[i]
-                end = pos + len(n)
-                c_doff[pos:end] = d
-                if p_col is not None:
-                    p_col[pos:end] = p
-                c_n[pos:end] = n
-                for col, j in key_cols:
-                    col[pos:end] = keys[gs0 + i - i0, j]
-                pos = end
-    if pos != total:
-        raise InternalError("assembled rows do not fill the plan")
+            shape = (S, H)
+            np.add(b.d_shift[:, None], b.d_base[None, :], out=c_doff[pos:end].reshape(shape))
+            c_n[pos:end].reshape(shape)[...] = b.nbytes[None, :]
+            c_drank[pos:end].reshape(shape)[...] = b.d_rank[:, None]
+            c_dreg[pos:end].reshape(shape)[...] = b.d_region[:, None]
+            if two_sided:
+                np.add(b.p_shift[:, None], b.p_base[None, :], out=c_poff[pos:end].reshape(shape))
+                c_prank[pos:end].reshape(shape)[...] = b.p_rank[:, None]
+                c_preg[pos:end].reshape(shape)[...] = b.p_region[:, None]
+        pos = end
     return cols
 
 
@@ -646,9 +668,26 @@ class _Group:
     variant: str = "direct"
 
 
+@attrs.frozen
+class CompiledGroup:
+    """What one group compiled to (:meth:`CompiledPair.stats`): its copy streams (one per
+    (d_rank, p_rank, d_region, p_region)), the families they share a pattern in, the alignment
+    classes of a D page (state groups: 1, the slot), the pieces one page (or slot pair) gives over
+    every stream, its zero streams (d_rank, d_region), and whether staged has its own patterns."""
+
+    kind: str
+    streams: int
+    families: int
+    classes: int
+    pieces_per_page: int
+    zero_streams: int = 0
+    staged: bool = False
+
+
 class CompiledPair:
     """A pair with every request-independent step of planning done: :meth:`plan` returns the same
-    :class:`~kvgeom.values.plan.TransferPlan` as :func:`kvgeom.planning.plan_pair` (docs/design.md §12)."""
+    :class:`~kvgeom.values.plan.TransferPlan` as :func:`kvgeom.planning.plan_reference`
+    (docs/design.md §12)."""
 
     def __init__(self, pair: EnginePair) -> None:
         self.pair = pair
@@ -671,10 +710,30 @@ class CompiledPair:
         self.topology = topology_notes(pair)
         self._copy_widths = (D.num_ranks, P.num_ranks, len(D.regions), len(P.regions))
         self._assemblies: dict[tuple[Any, ...], _Assembly] = {}
-        self._blocks = {side: [min(eng.num_logical_blocks(r) for r in eng.group_regions(gi))
+        self._pool = {side: [min(eng.num_logical_blocks(r) for r in eng.group_regions(gi))
                                for gi in range(len(pair.model.groups))]
                         for side, eng in (("prefill", P), ("decode", D))}
         self._shared = {side: self._sharing(eng) for side, eng in (("prefill", P), ("decode", D))}
+        self._last: tuple[Request, str, CostModel, list[_Group]] | None = None
+
+    def stats(self) -> dict[str, CompiledGroup]:
+        """Per group name, what it compiled to (:class:`CompiledGroup`)."""
+        out: dict[str, CompiledGroup] = {}
+        for gi, spec in enumerate(self.pair.model.groups):
+            if gi in self.states:
+                st = self.states[gi]
+                out[spec.name] = CompiledGroup("state", len(st.table), len(st.families), 1, st.pieces_per_unit)
+                continue
+            d = self.direct[gi]
+            out[spec.name] = CompiledGroup(spec.kind.value, len(d.table), len(d.families), d.classes,
+                                           d.pieces_per_unit, len(self.zeros[gi].table),
+                                           isinstance(self.staged[gi], _Source))
+        return out
+
+    def __repr__(self) -> str:
+        parts = [f"{name}: {g.streams} streams in {g.families} famil{'y' if g.families == 1 else 'ies'}"
+                 + (f", {g.classes} page classes" if g.classes > 1 else "") for name, g in self.stats().items()]
+        return f"CompiledPair({self.pair.prefill.summary()} -> {self.pair.decode.summary()}; {'; '.join(parts)})"
 
     def _compile_staged(self, gi: int, spec: AttentionSpec) -> None:
         P, D = self.pair.prefill, self.pair.decode
@@ -740,7 +799,7 @@ class CompiledPair:
                             return False
                         if S < M and M not in listing.tokens:
                             return False
-                if ids and max(ids) >= self._blocks[side][gi]:
+                if ids and max(ids) >= self._pool[side][gi]:
                     return False
         for side in ("prefill", "decode"):
             for gis in self._shared[side]:
@@ -756,13 +815,62 @@ class CompiledPair:
         return True
 
     # ---- planning --------------------------------------------------------------------------------------
-    def plan(self, request: Request, *, strategy: Strategy = "direct",
-             cost_model: CostModel = DEFAULT_COST_MODEL) -> TransferPlan:
-        """Plan ``request`` (the same plan as :func:`kvgeom.planning.plan_pair`)."""
+    def plan(self, request: Request, *, strategy: Strategy = "direct", cost_model: CostModel = DEFAULT_COST_MODEL,
+             decode_rank: int | None = None, prefill_rank: int | None = None) -> TransferPlan:
+        """Plan ``request``: the same plan as :func:`kvgeom.planning.plan_reference`.
+
+        ``decode_rank=d`` plans only what D rank ``d`` posts and applies (equal to
+        ``plan.for_decode_rank(d)``); ``prefill_rank=p`` only the copies P rank ``p`` reads from (equal
+        to ``plan.for_prefill_rank(p)``, no zeros or rearranges: D applies those). Notes and the
+        counts before coalescing are the whole plan's either way.
+        """
+        groups, select = self._groups(request, strategy, cost_model, decode_rank, prefill_rank)
+        copies = _materialize(self._blocks(groups, True, select), True)
+        if prefill_rank is None:
+            zeros = _materialize(self._blocks(groups, False, None if decode_rank is None else (0, decode_rank)), False)
+        else:
+            zeros = [np.zeros(0, np.int64) for _ in range(4)]
+        rearranges = [r for g in groups for r in g.rearranges
+                      if prefill_rank is None and (decode_rank is None or r.d_rank == decode_rank)]
+        with planner_columns():
+            plan = self._plan(strategy, groups, Copies(*copies), Zeros(*zeros), rearranges)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("planned M=%d S=%d%s (%s, compiled%s): %d copies (%d before coalescing), %d B; %d zero rows, "
+                         "%d B; %d rearranges", request.computed_tokens, request.prefix_hit_tokens,
+                         " partial" if request.partial else "", strategy,
+                         "" if select is None else f", {'D' if decode_rank is not None else 'P'} rank {select[1]}",
+                         len(plan.copies), plan.copies_before_coalescing, plan.bytes_copied, len(plan.zeros),
+                         plan.bytes_zeroed, len(plan.rearranges))
+        return plan
+
+    def copy_blocks(self, request: Request, *, strategy: Strategy = "direct",
+                    cost_model: CostModel = DEFAULT_COST_MODEL, decode_rank: int | None = None,
+                    prefill_rank: int | None = None) -> tuple[CopyBlock, ...]:
+        """The copies :meth:`plan` would give (for one rank, with ``decode_rank`` or ``prefill_rank``)
+        as outer-sum blocks in the plan's row order, never written out as columns: what
+        :func:`kvgeom.lowering.tile_index_blocks` turns into prepared-table indices."""
+        groups, select = self._groups(request, strategy, cost_model, decode_rank, prefill_rank)
+        return tuple(self._blocks(groups, True, select))
+
+    def _groups(self, request: Request, strategy: str, cost_model: CostModel, decode_rank: int | None,
+                prefill_rank: int | None) -> tuple[list[_Group], tuple[int, int] | None]:
         if strategy not in STRATEGIES:
             raise KvGeomError("strategy", f"unknown strategy {strategy!r}", actual=strategy,
                               expected=list(STRATEGIES), fix=f"use one of {', '.join(STRATEGIES)}")
         pair = self.pair
+        select = None
+        if decode_rank is not None and prefill_rank is not None:
+            raise KvGeomError("decode_rank", "plan for one rank: pass decode_rank or prefill_rank, not both",
+                              actual=(decode_rank, prefill_rank), fix="drop one of them")
+        if decode_rank is not None:
+            pair.decode.coords(decode_rank)  # a GeometryError names a rank outside the engine
+            select = (0, int(decode_rank))
+        elif prefill_rank is not None:
+            pair.prefill.coords(prefill_rank)
+            select = (1, int(prefill_rank))
+        last = self._last
+        if last is not None and last[0] is request and last[1] == strategy and last[2] == cost_model:
+            return last[3], select  # the same request again (an executor's plan, then its blocks)
         if not self._valid(request):
             pair.check_request(request)
         groups: list[_Group] = []
@@ -771,27 +879,18 @@ class CompiledPair:
                 groups.append(self._attention(request, gi, spec, strategy, cost_model))
             else:
                 groups.append(self._state(request, gi))
-        c_cols = self._columns([g.copies for g in groups], [g.variant for g in groups], True)
-        z_cols = self._columns([g.zeros for g in groups], ["zeros"] * len(groups), False)
-        with planner_columns():
-            plan = self._plan(request, strategy, groups, Copies(*c_cols), Zeros(*z_cols))
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("planned M=%d S=%d%s (%s, compiled): %d copies (%d before coalescing), %d B; %d zero rows, "
-                         "%d B; %d rearranges", request.computed_tokens, request.prefix_hit_tokens,
-                         " partial" if request.partial else "", strategy, len(plan.copies),
-                         plan.copies_before_coalescing, plan.bytes_copied, len(plan.zeros), plan.bytes_zeroed,
-                         len(plan.rearranges))
-        return plan
+        self._last = (request, strategy, cost_model, groups)
+        return groups, select
 
-    def _plan(self, request: Request, strategy: str, groups: Sequence[_Group], copies: Copies,
-              zeros: Zeros) -> TransferPlan:
+    def _plan(self, strategy: str, groups: Sequence[_Group], copies: Copies, zeros: Zeros,
+              rearranges: Sequence[Rearrange]) -> TransferPlan:
         pair = self.pair
         return TransferPlan(
             prefill_tp=pair.prefill.tp,
             decode_tp=pair.decode.tp,
             copies=copies,
             zeros=zeros,
-            rearranges=[r for g in groups for r in g.rearranges],
+            rearranges=rearranges,
             notes=(Note(NoteKind.STRATEGY, f"strategy {strategy}"),) + self.topology
             + tuple(n for g in groups for n in g.notes),
             copies_before_coalescing=sum(g.raw_copies for g in groups),
@@ -808,10 +907,12 @@ class CompiledPair:
         got = self.staged[gi] if variant == "staged" else self.direct[gi]
         return got if isinstance(got, _Source) else None
 
-    def _columns(self, works: Sequence[_Work | None], variants: Sequence[str], two_sided: bool) -> list[np.ndarray]:
+    def _blocks(self, groups: Sequence[_Group], two_sided: bool, select: tuple[int, int] | None) -> list[CopyBlock]:
+        works = [g.copies if two_sided else g.zeros for g in groups]
+        variants = tuple(g.variant if two_sided else "zeros" for g in groups)
         flat = tuple(w is not None and (len(w.src.families) > FAMILY_LIMIT
                                         or len(w.units.g) * w.src.pieces_per_unit < FLAT_ROWS) for w in works)
-        key = (two_sided, tuple(variants), flat)
+        key = (two_sided, variants, flat)
         asm = self._assemblies.get(key)
         if asm is None:
             sources = [self._source(gi, v) for gi, v in enumerate(variants)]
@@ -819,7 +920,7 @@ class CompiledPair:
             widths = self._copy_widths if two_sided else (D.num_ranks, len(D.regions))
             asm = _Assembly(sources, widths, flat)
             self._assemblies[key] = asm
-        return _assemble(asm, works, two_sided)
+        return _blocks(asm, works, two_sided, select)
 
     # ---- attention groups -----------------------------------------------------------------------------
     def _attention(self, request: Request, gi: int, spec: AttentionSpec, strategy: str,

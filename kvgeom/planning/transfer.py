@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 
 import attrs
 
@@ -32,22 +33,50 @@ from ..values.plan import Copies, TransferPlan, Zeros
 from ..values.request import Request
 from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy, plan_group
 from .coalesce import coalesce, coalesce_zeros
+from .compiled import CompiledPair
 from .topology import topology_notes
 
-__all__ = ["Pair", "plan_transfer", "plan_pair"]
+__all__ = ["Pair", "plan_transfer", "plan_pair", "plan_reference"]
 
 logger = logging.getLogger(__name__)
+
+
+class _Compiled:
+    """A pair's compiled form, made on its second planned request (or by :meth:`Pair.compile`)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.compiled: CompiledPair | None = None
+        self.lock = threading.Lock()
+
+    def get(self, pair: EnginePair) -> CompiledPair:
+        with self.lock:
+            if self.compiled is None:
+                self.compiled = CompiledPair(pair)
+            return self.compiled
 
 
 @attrs.frozen(repr=False)
 class Pair(EnginePair):
     """Two engines that can exchange KV cache (raises :class:`~kvgeom.errors.IncompatibleGeometry`
-    otherwise, naming the field), and the way to plan requests between them."""
+    otherwise, naming the field), and the way to plan requests between them.
+
+    A pair keeps its compiled form (docs/design.md §12): :meth:`compile` makes it now, and
+    :meth:`plan` makes it on the pair's second request (one request is cheaper on the reference
+    path than compiling); the plans are the same either way.
+    """
+
+    _compiled: _Compiled = attrs.field(init=False, factory=_Compiled, eq=False, repr=False)
 
     def plan(self, request: Request, *, strategy: Strategy = "direct",
              cost_model: CostModel = DEFAULT_COST_MODEL) -> TransferPlan:
         """Plan ``request`` for this pair (:func:`plan_pair`)."""
         return plan_pair(self, request, strategy=strategy, cost_model=cost_model)
+
+    def compile(self) -> CompiledPair:
+        """This pair with every request-independent step of planning done, once (cached): its
+        :meth:`~kvgeom.planning.compiled.CompiledPair.plan` returns :func:`plan_reference`'s plans."""
+        return self._compiled.get(self)
 
 
 @functools.lru_cache(maxsize=64)
@@ -74,7 +103,21 @@ def plan_transfer(
 
 def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direct",
               cost_model: CostModel = DEFAULT_COST_MODEL) -> TransferPlan:
-    """:func:`plan_transfer` for an already built pair."""
+    """:func:`plan_transfer` for an already built pair: the compiled path (docs/design.md §12) for a
+    :class:`Pair` from its second request on, else :func:`plan_reference`. Same plan either way."""
+    if isinstance(pair, Pair):
+        cache = pair._compiled
+        cache.requests += 1
+        if cache.compiled is not None or cache.requests >= 2:
+            return cache.get(pair).plan(request, strategy=strategy, cost_model=cost_model)
+    return plan_reference(pair, request, strategy=strategy, cost_model=cost_model)
+
+
+def plan_reference(pair: EnginePair, request: Request, *, strategy: Strategy = "direct",
+                   cost_model: CostModel = DEFAULT_COST_MODEL) -> TransferPlan:
+    """The reference planner: every group's rows built (:mod:`kvgeom.planning.attention`,
+    :mod:`~kvgeom.planning.staged`, :mod:`~kvgeom.planning.state`), then coalesced. The readable
+    definition the compiled path is tested against (``tests/test_compiled.py``)."""
     if strategy not in STRATEGIES:
         raise KvGeomError("strategy", f"unknown strategy {strategy!r}", actual=strategy,
                           expected=list(STRATEGIES), fix=f"use one of {', '.join(STRATEGIES)}")
