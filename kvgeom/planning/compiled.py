@@ -71,8 +71,8 @@ __all__ = ["CompiledPair", "CompiledGroup", "compile_pair"]
 logger = logging.getLogger(__name__)
 
 _CACHE_LIMIT = 4096  # partial-page windows kept per group
-FAMILY_LIMIT = 4  # a group with more families is planned stream by stream in one pass (flat)
-FLAT_ROWS = 4096  # a group whose estimated rows stay below this is planned flat (fewer array calls)
+FAMILY_LIMIT = 4  # a group with more families, or one unit, is planned stream by stream in one pass (flat)
+MERGE_ROWS = 65536  # flat rows of several groups up to this many are sorted together into one block
 
 
 def _ids(listing: BlockList | StateSlots) -> np.ndarray:
@@ -472,9 +472,10 @@ class _Assembly:
     and which groups are planned flat (every stream in one pass) or by families.
 
     ``items``: ``("run", group, family, i0, i1, first global stream)`` (consecutive global streams
-    fed by one family's consecutive streams, written as one 2-D block) or ``("flat", gs0, gs1)``
-    (global streams fed by flat groups, or by several groups sharing a region: sorted by stream and
-    D offset and merged per request).
+    fed by one family's consecutive streams, written as one 2-D block) or ``("flat", group, gs0,
+    gs1)`` (global streams of one flat group, its rows as they come) or ``("flat", "mixed", gs0,
+    gs1)`` (streams several groups share a region for: their rows sorted by D offset and merged per
+    request).
     """
 
     def __init__(self, sources: Sequence[_Source | None], widths: Sequence[int], flat: Sequence[bool]) -> None:
@@ -512,11 +513,13 @@ class _Assembly:
                     self.items[-1] = ("run", g, f, last[3], i + 1, last[5])
                 else:
                     self.items.append(("run", g, f, i, i + 1, gs))
-            elif last is not None and last[0] == "flat" and last[2] == gs:
-                self.items[-1] = ("flat", last[1], gs + 1)
-            else:
-                self.items.append(("flat", gs, gs + 1))
-        self.several_flat = sum(1 for g, _ in used if self.flat[g]) > 1
+            else:  # flat: one flat group's rows, or a stream several groups share ("mixed")
+                key: Any = own[0] if len(own) == 1 else "mixed"
+                if last is not None and last[0] == "flat" and last[1] == key and last[3] == gs:
+                    self.items[-1] = ("flat", key, last[2], gs + 1)
+                else:
+                    self.items.append(("flat", key, gs, gs + 1))
+        self.mixed_groups = sorted({g for own in owners if len(own) > 1 for g in own})
 
 
 def _merge_flat(parts: list[FlatRows], two_sided: bool) -> FlatRows:
@@ -549,7 +552,7 @@ def _blocks(asm: _Assembly, works: Sequence[_Work | None], two_sided: bool,
     keys = asm.table.keys
     wanted = None if select is None else keys[:, select[0]] == select[1]
     fam_rows: dict[int, list[FamilyRows | None]] = {}
-    flats: list[FlatRows] = []
+    flats: dict[int, FlatRows] = {}
     for g, work in enumerate(works):
         if work is None or g not in asm.flat:
             continue
@@ -559,35 +562,51 @@ def _blocks(asm: _Assembly, works: Sequence[_Work | None], two_sided: bool,
             gs = asm.to_global[g][rows.s]
             if wanted is not None:
                 keep = wanted[gs]
-                flats.append(FlatRows(gs[keep], rows.d[keep], rows.p[keep], rows.n[keep]))
+                flats[g] = FlatRows(gs[keep], rows.d[keep], rows.p[keep], rows.n[keep])
             else:
-                flats.append(FlatRows(gs, rows.d, rows.p, rows.n))
+                flats[g] = FlatRows(gs, rows.d, rows.p, rows.n)
         else:
             fams = None
             if wanted is not None:
                 fams = {f for f, fam in enumerate(work.src.families) if wanted[asm.to_global[g][fam.streams]].any()}
             fam_rows[g] = _family_rows(work, fams)
-    flat = _merge_flat(flats, two_sided)
-    bounds = np.searchsorted(flat.s, [it[k] for it in asm.items if it[0] == "flat" for k in (1, 2)]) \
-        if len(flat.s) else None
     out: list[CopyBlock] = []
-    nflat = 0
-    for item in asm.items:
+    z1 = np.zeros(1, np.int64)
+    items = asm.items
+    if not fam_rows and len(items) > 1 and sum(len(f.s) for f in flats.values()) <= MERGE_ROWS:
+        # every group flat and few rows: one sort of all of them beats a block per interleaved span
+        items = [("flat", "all", 0, len(keys))]
+    for item in items:
         if item[0] == "flat":
-            nflat += 1
-            if bounds is None:
+            _, key, gs0, gs1 = item
+            if key == "all":
+                rows = _merge_flat(list(flats.values()), two_sided)
+            elif key == "mixed":
+                parts = []
+                for g in asm.mixed_groups:
+                    got = flats.get(g)
+                    if got is not None and len(got.s):
+                        a, b = np.searchsorted(got.s, [gs0, gs1]).tolist()
+                        parts.append(FlatRows(got.s[a:b], got.d[a:b], got.p[a:b], got.n[a:b]))
+                rows = _merge_flat(parts, two_sided)
+            else:
+                got = flats.get(key)
+                if got is None or not len(got.s):
+                    continue
+                a, b = np.searchsorted(got.s, [gs0, gs1]).tolist()
+                rows = FlatRows(got.s[a:b], got.d[a:b], got.p[a:b], got.n[a:b])
+            if not len(rows.s):
                 continue
-            a, b = int(bounds[2 * nflat - 2]), int(bounds[2 * nflat - 1])
-            if b > a:
-                gs = flat.s[a:b]
-                k = keys[gs]
-                z = np.zeros(1, np.int64)
-                out.append(CopyBlock(k[:, 1] if two_sided else z[[0] * (b - a)], k[:, 3] if two_sided else z[[0] * (b - a)],
-                                     flat.p[a:b], k[:, 0], k[:, 2 if two_sided else 1], flat.d[a:b], z, z, flat.n[a:b]))
+            k = keys[rows.s]
+            if two_sided:
+                out.append(CopyBlock(k[:, 1], k[:, 3], rows.p, k[:, 0], k[:, 2], rows.d, z1, z1, rows.n))
+            else:
+                none = np.zeros(len(rows.s), np.int64)
+                out.append(CopyBlock(none, none, none, k[:, 0], k[:, 1], rows.d, z1, z1, rows.n))
             continue
         _, g, f, i0, i1, gs0 = item
-        got = fam_rows.get(g)
-        fr = got[f] if got is not None else None
+        got_f = fam_rows.get(g)
+        fr = got_f[f] if got_f is not None else None
         if fr is None:
             continue
         fam = fr.family
@@ -606,14 +625,14 @@ def _blocks(asm: _Assembly, works: Sequence[_Work | None], two_sided: bool,
                 out.append(CopyBlock(p_rank, p_region, fam.shift_p[sel], k[:, 0], d_region, fam.shift_d[sel],
                                      fr.p if two_sided else np.zeros(len(fr.d), np.int64), fr.d, fr.n))
             continue
-        parts = [fr.split[i] for i in sel.tolist()]
-        counts = np.array([len(q[2]) for q in parts], np.int64)
+        split = [fr.split[i] for i in sel.tolist()]
+        counts = np.array([len(q[2]) for q in split], np.int64)
         if counts.sum():
-            z = np.zeros(1, np.int64)
             out.append(CopyBlock(np.repeat(p_rank, counts), np.repeat(p_region, counts),
-                                 np.concatenate([q[1] for q in parts]) if two_sided else np.zeros(int(counts.sum()), np.int64),
+                                 np.concatenate([q[1] for q in split]) if two_sided
+                                 else np.zeros(int(counts.sum()), np.int64),
                                  np.repeat(k[:, 0], counts), np.repeat(d_region, counts),
-                                 np.concatenate([q[0] for q in parts]), z, z, np.concatenate([q[2] for q in parts])))
+                                 np.concatenate([q[0] for q in split]), z1, z1, np.concatenate([q[2] for q in split])))
     return out
 
 
@@ -714,7 +733,8 @@ class CompiledPair:
                                for gi in range(len(pair.model.groups))]
                         for side, eng in (("prefill", P), ("decode", D))}
         self._shared = {side: self._sharing(eng) for side, eng in (("prefill", P), ("decode", D))}
-        self._last: tuple[Request, str, CostModel, list[_Group]] | None = None
+        # one request's group work, kept for the other of plan() and copy_blocks() (an executor asks both)
+        self._last: tuple[Request, str, CostModel, list[_Group], str] | None = None
 
     def stats(self) -> dict[str, CompiledGroup]:
         """Per group name, what it compiled to (:class:`CompiledGroup`)."""
@@ -824,7 +844,7 @@ class CompiledPair:
         to ``plan.for_prefill_rank(p)``, no zeros or rearranges: D applies those). Notes and the
         counts before coalescing are the whole plan's either way.
         """
-        groups, select = self._groups(request, strategy, cost_model, decode_rank, prefill_rank)
+        groups, select = self._groups(request, strategy, cost_model, decode_rank, prefill_rank, "plan")
         copies = _materialize(self._blocks(groups, True, select), True)
         if prefill_rank is None:
             zeros = _materialize(self._blocks(groups, False, None if decode_rank is None else (0, decode_rank)), False)
@@ -849,11 +869,11 @@ class CompiledPair:
         """The copies :meth:`plan` would give (for one rank, with ``decode_rank`` or ``prefill_rank``)
         as outer-sum blocks in the plan's row order, never written out as columns: what
         :func:`kvgeom.lowering.tile_index_blocks` turns into prepared-table indices."""
-        groups, select = self._groups(request, strategy, cost_model, decode_rank, prefill_rank)
+        groups, select = self._groups(request, strategy, cost_model, decode_rank, prefill_rank, "blocks")
         return tuple(self._blocks(groups, True, select))
 
     def _groups(self, request: Request, strategy: str, cost_model: CostModel, decode_rank: int | None,
-                prefill_rank: int | None) -> tuple[list[_Group], tuple[int, int] | None]:
+                prefill_rank: int | None, consumer: str) -> tuple[list[_Group], tuple[int, int] | None]:
         if strategy not in STRATEGIES:
             raise KvGeomError("strategy", f"unknown strategy {strategy!r}", actual=strategy,
                               expected=list(STRATEGIES), fix=f"use one of {', '.join(STRATEGIES)}")
@@ -869,8 +889,10 @@ class CompiledPair:
             pair.prefill.coords(prefill_rank)
             select = (1, int(prefill_rank))
         last = self._last
-        if last is not None and last[0] is request and last[1] == strategy and last[2] == cost_model:
-            return last[3], select  # the same request again (an executor's plan, then its blocks)
+        if (last is not None and last[0] is request and last[1] == strategy and last[2] == cost_model
+                and last[4] != consumer):  # an executor's blocks, then its plan (or the other way round)
+            self._last = None
+            return last[3], select
         if not self._valid(request):
             pair.check_request(request)
         groups: list[_Group] = []
@@ -879,7 +901,7 @@ class CompiledPair:
                 groups.append(self._attention(request, gi, spec, strategy, cost_model))
             else:
                 groups.append(self._state(request, gi))
-        self._last = (request, strategy, cost_model, groups)
+        self._last = (request, strategy, cost_model, groups, consumer)
         return groups, select
 
     def _plan(self, strategy: str, groups: Sequence[_Group], copies: Copies, zeros: Zeros,
@@ -910,8 +932,7 @@ class CompiledPair:
     def _blocks(self, groups: Sequence[_Group], two_sided: bool, select: tuple[int, int] | None) -> list[CopyBlock]:
         works = [g.copies if two_sided else g.zeros for g in groups]
         variants = tuple(g.variant if two_sided else "zeros" for g in groups)
-        flat = tuple(w is not None and (len(w.src.families) > FAMILY_LIMIT
-                                        or len(w.units.g) * w.src.pieces_per_unit < FLAT_ROWS) for w in works)
+        flat = tuple(w is not None and (len(w.src.families) > FAMILY_LIMIT or len(w.units.g) == 1) for w in works)
         key = (two_sided, variants, flat)
         asm = self._assemblies.get(key)
         if asm is None:
