@@ -72,12 +72,13 @@ logger = logging.getLogger(__name__)
 
 _CACHE_LIMIT = 4096  # partial-page windows kept per group
 FAMILY_LIMIT = 4  # a group with more families, or one unit, is planned stream by stream in one pass (flat)
+FLAT_ROWS = 65536  # ... unless it gives more rows than this: families then write in place (no temporaries)
 MERGE_ROWS = 65536  # flat rows of several groups up to this many are sorted together into one block
 
 
 def _ids(listing: BlockList | StateSlots) -> np.ndarray:
     ids = listing.block_ids if isinstance(listing, BlockList) else listing.slot_ids
-    return np.array(ids, dtype=np.int64)
+    return np.fromiter(ids, np.int64, len(ids))
 
 
 def _tokens(view: SideView, linear: bool, ids: np.ndarray, first: int) -> SideTokens:
@@ -735,6 +736,7 @@ class CompiledPair:
         self._shared = {side: self._sharing(eng) for side, eng in (("prefill", P), ("decode", D))}
         # one request's group work, kept for the other of plan() and copy_blocks() (an executor asks both)
         self._last: tuple[Request, str, CostModel, list[_Group], str] | None = None
+        self._id_arrays: dict[int, tuple[BlockList, np.ndarray]] = {}
 
     def stats(self) -> dict[str, CompiledGroup]:
         """Per group name, what it compiled to (:class:`CompiledGroup`)."""
@@ -768,6 +770,8 @@ class CompiledPair:
             self.staged_kind[gi] = NoteKind.STAGED_EQUALS_DIRECT
             return
         self.staged[gi] = _AttentionCopies(self.pair, gi, ArrivedView(D, gi, arr))
+        for kw in shape["rearranges"]:  # every shape through Rearrange's own checks, once
+            Rearrange(pages=(0,), **kw)
         self.rearrange_shapes[gi] = shape
 
     def _sharing(self, eng: Any) -> list[tuple[int, ...]]:
@@ -776,6 +780,14 @@ class CompiledPair:
             for region in eng.group_regions(gi):
                 users.setdefault(region, []).append(gi)
         return sorted({tuple(g) for g in users.values() if len(g) > 1})
+
+    def _ids(self, listing: BlockList) -> np.ndarray:
+        """A listing's ids as an array, converted once per request (kept until the next request)."""
+        got = self._id_arrays.get(id(listing))
+        if got is None or got[0] is not listing:
+            got = (listing, _ids(listing))
+            self._id_arrays[id(listing)] = got
+        return got[1]
 
     # ---- request checks -------------------------------------------------------------------------------
     def _valid(self, request: Request) -> bool:
@@ -819,7 +831,8 @@ class CompiledPair:
                             return False
                         if S < M and M not in listing.tokens:
                             return False
-                if ids and max(ids) >= self._pool[side][gi]:
+                if ids and (max(ids) if len(ids) < 64 or not isinstance(listing, BlockList)
+                            else int(self._ids(listing).max())) >= self._pool[side][gi]:
                     return False
         for side in ("prefill", "decode"):
             for gis in self._shared[side]:
@@ -893,6 +906,7 @@ class CompiledPair:
                 and last[4] != consumer):  # an executor's blocks, then its plan (or the other way round)
             self._last = None
             return last[3], select
+        self._id_arrays = {}
         if not self._valid(request):
             pair.check_request(request)
         groups: list[_Group] = []
@@ -932,7 +946,9 @@ class CompiledPair:
     def _blocks(self, groups: Sequence[_Group], two_sided: bool, select: tuple[int, int] | None) -> list[CopyBlock]:
         works = [g.copies if two_sided else g.zeros for g in groups]
         variants = tuple(g.variant if two_sided else "zeros" for g in groups)
-        flat = tuple(w is not None and (len(w.src.families) > FAMILY_LIMIT or len(w.units.g) == 1) for w in works)
+        flat = tuple(w is not None and (len(w.units.g) == 1 or (len(w.src.families) > FAMILY_LIMIT
+                                                              and len(w.units.g) * w.src.pieces_per_unit < FLAT_ROWS))
+                     for w in works)
         key = (two_sided, variants, flat)
         asm = self._assemblies.get(key)
         if asm is None:
@@ -973,8 +989,10 @@ class CompiledPair:
             return _Group(work, zwork, raw, raw_z, notes)
         s_work, s_raw, s_nseg = self._pages(staged, p_list, d_list, lo, hi)
         pages = tuple(s_work.units.g.tolist()) if s_work is not None else ()
-        rearranges = tuple(Rearrange(pages=pages, **kw) for kw in self.rearrange_shapes[gi]["rearranges"]) \
-            if pages else ()
+        rearranges: tuple[Rearrange, ...] = ()
+        if pages:
+            with planner_columns():  # shapes checked once, by the reference's own constructor at compile time
+                rearranges = tuple(Rearrange(pages=pages, **kw) for kw in self.rearrange_shapes[gi]["rearranges"])
         moved = sum(r.nbytes_per_page * len(r.pages) for r in rearranges)
         arr = staged.ds.arr if isinstance(staged.ds, ArrivedView) else None
         if arr is None:
@@ -1020,7 +1038,7 @@ class CompiledPair:
         P, D = self.pair.prefill, self.pair.decode
         sp = var.span_p
         v_abs = np.arange(lo // sd, (hi - 1) // sd + 1, dtype=np.int64)
-        ids_d = _ids(d_list)
+        ids_d = self._ids(d_list)
         ppl_d = D.blocks_per_logical
         pos_d = v_abs - d_list.first_token // sd
         g = ids_d[pos_d // ppl_d] * ppl_d + pos_d % ppl_d
@@ -1038,7 +1056,7 @@ class CompiledPair:
                 kind[j] = len(windows) - 1
         rel_lo = min(w.rel_lo for w in windows)
         rel_hi = max(w.rel_hi for w in windows)
-        ids_p = _ids(p_list)
+        ids_p = self._ids(p_list)
         ppl_p = P.blocks_per_logical
         n_pages = len(ids_p) * ppl_p
         anchor = (v_abs * sd) // sp - p_list.first_token // sp
@@ -1103,8 +1121,8 @@ class CompiledPair:
             dr = (lo - d_list.first_token) // D.topology.interleave % D.topology.dcp
             po = (lo - p_list.first_token) // P.topology.interleave % P.topology.dcp
             return weights.weight(hi - lo, dr, po), 1
-        p_tok = _tokens(var.ps, var.p_linear, _ids(p_list) if ids_p is None else ids_p, p_list.first_token)
-        d_tok = _tokens(var.ds, var.d_linear, _ids(d_list) if ids_d is None else ids_d, d_list.first_token)
+        p_tok = _tokens(var.ps, var.p_linear, self._ids(p_list) if ids_p is None else ids_p, p_list.first_token)
+        d_tok = _tokens(var.ds, var.d_linear, self._ids(d_list) if ids_d is None else ids_d, d_list.first_token)
         segs = segments(lo, hi, [p_tok, d_tok])
         return weights.rows(segs, d_tok.owner(segs.start), p_tok.owner(segs.start), var.owner_width), len(segs)
 
@@ -1139,7 +1157,7 @@ class CompiledPair:
                 raw = 0
                 for z0, z1 in intervals:
                     if _cuts_inside(D, z.ds, z.d_linear, d_list.first_token, z0, z1):
-                        raw += z.count_listing(_ids(d_list), d_list.first_token, z0, z1)
+                        raw += z.count_listing(self._ids(d_list), d_list.first_token, z0, z1)
                     elif z.weights is not None:
                         dr = (z0 - d_list.first_token) // D.topology.interleave % D.topology.dcp
                         raw += z.weights.weight(z1 - z0, dr, 0)
@@ -1181,7 +1199,7 @@ class CompiledPair:
         v_all = np.concatenate(parts) if len(parts) > 1 else parts[0]
         kind = np.concatenate(kinds) if len(kinds) > 1 else kinds[0]
         pos_d = v_all - first_v
-        ids_d = _ids(d_list)
+        ids_d = self._ids(d_list)
         gid = ids_d[pos_d // ppl_d] * ppl_d + pos_d % ppl_d
         if len(gid) > 1 and not bool(np.all(gid[1:] > gid[:-1])):
             order = np.argsort(gid, kind="stable")

@@ -174,6 +174,8 @@ class Zeros(_Columns):
 
 def _pages(value: Any) -> tuple[int, ...]:
     """Kernel page ids as a tuple of ints, validated in one vectorized pass (plans list many)."""
+    if type(value) is tuple and _PLANNER_COLUMNS.get():
+        return value  # the compiled planner's own tuple of page ids (Python ints from a listing)
     arr = np.asarray(value if not isinstance(value, (int, np.integer)) else [value])
     if arr.size == 0:
         return ()
@@ -215,6 +217,8 @@ class Rearrange:
     page_bytes: int = attrs.field(kw_only=True)
 
     def __attrs_post_init__(self) -> None:
+        if _PLANNER_COLUMNS.get():
+            return  # the compiled planner's rearranges: the reference planner's shapes, checked when compiled
         for name in ("d_rank", "d_region", "src_offset", "dst_offset"):
             check_int(f"Rearrange.{name}", getattr(self, name), minimum=0, error=PlanError)
         for name in ("unit_bytes", "page_bytes"):
