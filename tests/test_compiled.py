@@ -247,3 +247,33 @@ def test_tile_index_blocks_worked_number_and_bounds() -> None:
     small = TileTable(1024, (8 * 1024,))  # D region 0 of 8 tiles: the 8192-byte row of stream 1 ends at 10240
     with pytest.raises(KvGeomError, match="region 0"):
         tile_index_blocks([block], 1024, p_tables={0: table}, d_tables={0: small})
+
+
+@pytest.mark.parametrize("knob", ["flat", "families", "insert"])
+def test_every_engine_path_plans_the_same(knob: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled planner picks between expanding streams one pass (flat) and by families, and
+    merges shared streams by sorting or by insertion, on sizes; force each choice on the presets
+    (hybrid overlays included) and on drawn transfers."""
+    from kvgeom.planning import compiled as engine
+
+    if knob == "flat":
+        monkeypatch.setattr(engine, "FAMILY_LIMIT", 0)
+        monkeypatch.setattr(engine, "FLAT_ROWS", 1 << 62)
+    elif knob == "families":
+        monkeypatch.setattr(engine, "FAMILY_LIMIT", 1 << 30)
+    else:
+        monkeypatch.setattr(engine, "MERGE_ROWS", 0)
+    for name in ("nemotron-h-tp1-tp4", "qwen3-next-tp2-tp4", "kimi-linear-tp8-tp1", "deepseek-v3-tp8-dcp8",
+                 "qwen-swa-tp2-tp4", "llama3-70b-pp2tp4-tp8"):
+        preset = get_preset(name)
+        pair, request = preset.build(tokens=2000, layers=max(preset.min_layers, 1))
+        check_all(pair, pair.compile(), request)
+        check_all(pair, pair.compile(), fresh_request(pair, 1, decode_tokens=preset.decode_tokens(1)))
+
+    @settings(max_examples=40, **SETTINGS)  # type: ignore[arg-type]
+    @given(kst.transfers())
+    def drawn(t: Any) -> None:
+        pair = Pair(*t.pair)
+        check_all(pair, pair.compile(), t.request)
+
+    drawn()

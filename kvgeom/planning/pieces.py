@@ -232,9 +232,20 @@ def _expand(units: Units, reps: Sequence[Rep], unit_d: int, unit_p: int,
         pid = units.p_ids[:, rel - units.rel0]  # (J, k)
         p = (pid * unit_p + pin[None, :]).ravel()
         return d, p, nn
+    lengths = m[units.kind]
+    k = int(lengths[0]) if len(lengths) else 0
+    if k and bool(np.all(lengths == k)):  # every unit's kind has k pieces: a (units, k) table per column
+        J = len(units.g)
+        tab = [np.stack([r[i] if len(r[i]) == k else np.zeros(k, np.int64) for r in reps])[units.kind]
+               for i in range(4)]
+        d = (units.g[:, None] * unit_d + tab[0]).ravel()
+        nn = tab[1].ravel()
+        if not two_sided:
+            return d, np.zeros(0, np.int64), nn
+        p = (units.p_ids[np.arange(J, dtype=np.int64)[:, None], tab[2] - units.rel0] * unit_p + tab[3]).ravel()
+        return d, p, nn
     base = np.cumsum(m) - m
     cat = [np.concatenate([r[i] for r in reps]) for i in range(4)]
-    lengths = m[units.kind]
     R = int(lengths.sum())
     unit_of = np.repeat(np.arange(len(units.g), dtype=np.int64), lengths)
     first = np.cumsum(lengths) - lengths
@@ -331,12 +342,15 @@ def family_rows(fam: Family, units: Units, reps: Sequence[Rep] | None, windows: 
 @attrs.frozen(eq=False)
 class FlatRows:
     """Rows of many streams at once, sorted by (stream, D offset) and merged: ``s`` is each row's
-    stream (an index into the table the rows were built for, or into the global table)."""
+    stream (an index into the table the rows were built for, or into the global table).
+    ``pieces``, when given, are these rows as consecutive parts (views, never joined) and the four
+    arrays are empty."""
 
     s: np.ndarray
     d: np.ndarray
     p: np.ndarray
     n: np.ndarray
+    pieces: tuple[FlatRows, ...] | None = None
 
 
 def flat_rows(units: Units, windows: Sequence[Pieces], unit_d: np.ndarray, unit_p: np.ndarray,
