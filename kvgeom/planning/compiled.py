@@ -667,8 +667,10 @@ def _mixed_blocks(asm: _Assembly, gs0: int, gs1: int, flats: dict[int, FlatRows]
             a, b = np.searchsorted(got.s, [gs0, gs1]).tolist()
             if b > a:
                 small.append(FlatRows(got.s[a:b], got.d[a:b], got.p[a:b], got.n[a:b]))
-    if sum(len(f.s) for f in small) > 64 * (gs1 - gs0) or any(g not in flats and g != g_big for g in asm.mixed_groups):
+    if sum(len(f.s) for f in small) > 64 or any(g not in flats and g != g_big for g in asm.mixed_groups):
         return None
+    if sum(len(fr.n) for fr in fam_rows[g_big] if fr is not None) * (gs1 - gs0) < MERGE_ROWS:
+        return None  # few rows: one sort is cheaper than a block per seam
     few = _sort_flat(small, two_sided) if len(small) > 1 else small[0] if small else None
     fam_of, idx_of = asm.family_of[g_big]
     keys = asm.table.keys
