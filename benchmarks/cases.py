@@ -96,6 +96,9 @@ SYNTHETIC: dict[str, Synthetic] = {
                              {"tp": 2, "kernel_block_tokens": 16}, {"tp": 1, "kernel_block_tokens": 16}),
     "syn-tp2-tp4-k16-k32": Synthetic("TP2 16-token pages -> TP4 32-token pages, HND, K/V packed",
                                      {"tp": 2, "kernel_block_tokens": 16}, {"tp": 4, "kernel_block_tokens": 32}),
+    "syn-nhd-tp2-hnd-tp4": Synthetic("Llama-3-70B-like (8 KV heads x 256 B): TP2 NHD -> TP4 HND, 16-token pages, "
+                                     "K/V packed", {"tp": 2, "kernel_block_tokens": 16, "layout": "NHD"},
+                                     {"tp": 4, "kernel_block_tokens": 16}, layers=80),
     "syn-nhd-hnd-staged": Synthetic("TP1 NHD -> TP1 HND, 16-token pages, K/V packed, strategy staged",
                                     {"tp": 1, "kernel_block_tokens": 16, "layout": "NHD"},
                                     {"tp": 1, "kernel_block_tokens": 16}, strategy="staged"),

@@ -27,7 +27,7 @@ import attrs
 __all__ = ["Measurement", "Config", "Progress", "measurement", "interleaved_medians", "stderr_progress",
            "SECTIONS", "load_average"]
 
-SECTIONS: tuple[str, ...] = ("plan", "memory", "descriptors", "transfer", "receive")
+SECTIONS: tuple[str, ...] = ("plan", "memory", "descriptors", "transfer", "receive", "packed")
 
 Progress = Callable[[str], None]
 
@@ -101,6 +101,8 @@ class Config:
     plan_synthetic: tuple[str, ...]
     desc_presets: tuple[str, ...]
     desc_synthetic: tuple[str, ...]
+    packed_tokens: int = 16384
+    packed_baseline_repeats: int = 3
     goal_tokens: int = 16384
     seed: int = 0
 
@@ -143,6 +145,8 @@ class Config:
             receive_tokens=2048,
             receive_layers=2,
             receive_repeats=3,
+            packed_tokens=2048,
+            packed_baseline_repeats=1,
         )
 
     def repeats_for(self, tokens: int) -> int:

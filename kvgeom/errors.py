@@ -28,6 +28,7 @@ __all__ = [
     "IncompatibleGeometry",
     "SchemaError",
     "PlanError",
+    "StagingCapacityError",
     "InternalError",
 ]
 
@@ -92,6 +93,11 @@ class SchemaError(GeometryError):
 
 class PlanError(KvGeomError):
     """A plan container was built with malformed columns (lengths, dtypes, negative sizes)."""
+
+
+class StagingCapacityError(KvGeomError):
+    """A packed plan's staging capacity cannot hold the request's smallest piece (one token of one
+    attention layer, or one state section of one layer) on some rank."""
 
 
 class InternalError(Exception):

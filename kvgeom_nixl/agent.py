@@ -11,12 +11,16 @@ and the notifications it received::
       .post_coalesced(op, local, remote, ...)   initialize_xfer + transfer   -> handle (PROC)
       .post_prepped(op, table, idx, table, idx) make_prepped_xfer + transfer -> handle (PROC)
       .state(handle) -> "PROC" | "DONE" | ...   .descriptor_count(handle) (telemetry)   .release(handle)
-      .drain()                           get_new_notifs -> inbox[(kind, request id)] = {sender agents}
-      .senders(kind, id) / .drop(kind, id) / .pending()
+      .send(peer, message)               a standalone notification (packed transfers' slot protocol)
+      .drain()                           get_new_notifs -> inbox[(kind, request id)] = {sender: [args]}
+      .senders(kind, id) / .messages(kind, id) / .drop(kind, id) / .pending()
       .close()                           release tables, deregister
 
-Notifications carry ``kvgeom1|<kind>|<request id>`` (kinds ``pulled`` and ``pushed``); anything
-else a peer sends is ignored. A notification no transfer has claimed yet stays in the inbox.
+Notifications carry ``kvgeom1|<kind>|<args...>|<request id>``: ``pulled`` and ``pushed`` (no args,
+direct plans); ``slot`` (chunk, slot), ``packed`` (chunk, slot), ``chunk_pulled`` and ``landed``
+(chunk) and ``abort`` (none) for packed plans (docs/design.md §12.5). Args are integers below
+2**32; anything else a peer sends is ignored. A notification no transfer has claimed yet stays in
+the inbox.
 
 NIXL's exception classes (``nixl._bindings``) share no base class, so :func:`nixl_errors` lists
 them and :func:`classify` maps one to a failure reason (``nixlRemoteDisconnectError`` ->
@@ -39,7 +43,7 @@ import numpy as np
 from .errors import ExecutorError
 
 __all__ = ["RankAgent", "notification", "nixl_available", "make_agent", "nixl_errors", "classify",
-           "use_local_defaults"]
+           "use_local_defaults", "KINDS"]
 
 _TAG = "kvgeom1"
 _ERROR_NAMES = (
@@ -94,17 +98,37 @@ def classify(exc: BaseException) -> str:
     return "nixl_error"
 
 
-def notification(kind: str, request_id: str) -> bytes:
-    """The message a transfer of ``kind`` (``pulled`` | ``pushed``) sends with its NIXL requests."""
-    return f"{_TAG}|{kind}|{request_id}".encode()
+KINDS = {"pulled": 0, "pushed": 0, "slot": 2, "packed": 2, "chunk_pulled": 1, "landed": 1, "abort": 0}
+"""Notification kinds and how many integer arguments each carries before the request id."""
+_MAX_ARG = 1 << 32
 
 
-def _parse(msg: bytes) -> tuple[str, str] | None:
+def notification(kind: str, request_id: str, *args: int) -> bytes:
+    """The message of ``kind`` (:data:`KINDS`) for ``request_id`` with its integer ``args``."""
+    if KINDS.get(kind) != len(args):
+        raise ExecutorError("notification", f"kind {kind!r} takes {KINDS.get(kind)} arguments, got {len(args)}",
+                            actual=(kind, args), expected=KINDS)
+    return "|".join([_TAG, kind, *(str(int(a)) for a in args), request_id]).encode()
+
+
+def _parse(msg: bytes) -> tuple[str, str, tuple[int, ...]] | None:
+    """``(kind, request id, args)`` of a well-formed message, else None (a peer's input is hostile)."""
     try:
-        tag, kind, rid = msg.decode("utf-8").split("|", 2)
+        tag, kind, rest = msg.decode("utf-8").split("|", 2)
     except (UnicodeDecodeError, ValueError):
         return None
-    return (kind, rid) if tag == _TAG else None
+    n = KINDS.get(kind)
+    if tag != _TAG or n is None:
+        return None
+    parts = rest.split("|", n)
+    if len(parts) != n + 1:
+        return None
+    args = []
+    for a in parts[:n]:
+        if not (a.isdigit() and len(a) <= 10 and int(a) < _MAX_ARG):
+            return None
+        args.append(int(a))
+    return kind, parts[n], tuple(args)
 
 
 def _name(agent_result: Any) -> str:
@@ -132,7 +156,7 @@ class RankAgent:
         self.mem_type = mem_type
         self.telemetry = telemetry
         self._tables: dict[tuple[str, int], Any] = {}  # (agent, tile) -> prepared descriptor list
-        self._inbox: dict[tuple[str, str], set[str]] = {}  # (kind, request id) -> sender agents
+        self._inbox: dict[tuple[str, str], dict[str, list[tuple[int, ...]]]] = {}  # (kind, id) -> sender -> args
         nixl = make_agent(name, telemetry=telemetry, progress_thread=progress_thread)
         try:
             self._reg = nixl.register_memory(regions, mem_type)
@@ -233,18 +257,27 @@ class RankAgent:
             for m in msgs:
                 parsed = _parse(bytes(m))
                 if parsed is not None:
-                    self._inbox.setdefault(parsed, set()).add(_name(sender))
+                    kind, rid, args = parsed
+                    self._inbox.setdefault((kind, rid), {}).setdefault(_name(sender), []).append(args)
 
     def senders(self, kind: str, request_id: str) -> set[str]:
         """The agents whose ``kind`` notification for ``request_id`` has arrived."""
         return set(self._inbox.get((kind, request_id), ()))
+
+    def messages(self, kind: str, request_id: str) -> dict[str, list[tuple[int, ...]]]:
+        """Per sender agent, the arguments of every ``kind`` notification for ``request_id``."""
+        return {k: list(v) for k, v in self._inbox.get((kind, request_id), {}).items()}
+
+    def send(self, peer: str, message: bytes) -> None:
+        """Send a standalone notification to ``peer`` (raises NIXL's errors, e.g. a dead peer)."""
+        self.nixl.send_notif(peer, message)
 
     def drop(self, kind: str, request_id: str) -> None:
         """Forget the ``kind`` notifications of ``request_id`` (claimed, or of a failed attempt)."""
         self._inbox.pop((kind, request_id), None)
 
     def pending(self) -> dict[tuple[str, str], set[str]]:
-        """Notifications no transfer has claimed yet."""
+        """Notifications no transfer has claimed yet: (kind, request id) -> sender agents."""
         return {k: set(v) for k, v in self._inbox.items()}
 
     # ---- teardown --------------------------------------------------------------------------

@@ -17,24 +17,28 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvgeom import plan_pair
+from kvgeom import DEFAULT_STAGING_BYTES, plan_pair
 from kvgeom.building import get_preset
 from kvgeom.values import engine_line
 
 from .agent import use_local_defaults
 from .errors import TransferFailed
-from .local import LocalDeployment, allocate_caches, check_caches, fill_caches, summarize
+from .local import LocalDeployment, allocate_caches, check_caches, fill_caches, slot_bytes_for, summarize
 
 __all__ = ["transfer_report"]
 
 
 def transfer_report(preset_name: str, tokens: int, prefix: int, *, layers: int | None = None, push: bool = False,
-                    mode: str = "coalesced", strategy: str = "direct", timeout_s: float = 60.0) -> dict[str, Any]:
-    """Run the transfer and return every number ``kvgeom transfer`` prints (one JSON-able dict)."""
+                    mode: str = "coalesced", strategy: str = "direct", timeout_s: float = 60.0,
+                    staging_bytes: int = DEFAULT_STAGING_BYTES) -> dict[str, Any]:
+    """Run the transfer and return every number ``kvgeom transfer`` prints (one JSON-able dict).
+
+    A packed plan (``strategy="packed"``, or ``auto`` choosing it) runs on endpoints whose staging
+    slots hold its busiest chunk; ``staging_bytes`` is the planner's chunk capacity."""
     use_local_defaults()
     t0 = time.perf_counter()
     pair, request = get_preset(preset_name).build(tokens, prefix, layers=layers)
-    plan = plan_pair(pair, request, strategy=strategy)  # type: ignore[arg-type]
+    plan = plan_pair(pair, request, strategy=strategy, staging_bytes=staging_bytes)  # type: ignore[arg-type]
     out: dict[str, Any] = {
         "command": "transfer", "preset": preset_name, "tokens": tokens, "prefix": prefix, "layers": layers,
         "strategy": strategy, "direction": "push" if push else "pull", "mode": mode,
@@ -42,6 +46,8 @@ def transfer_report(preset_name: str, tokens: int, prefix: int, *, layers: int |
         "agents": pair.prefill.num_ranks + pair.decode.num_ranks,
         "plan_copies": len(plan.copies), "plan_bytes": plan.bytes_copied, "plan_zeros": len(plan.zeros),
         "plan_zero_bytes": plan.bytes_zeroed, "plan_rearranges": len(plan.rearranges),
+        "plan_packed": plan.packed, "plan_chunks": len(plan.chunks), "plan_wire_rows": len(plan.wire),
+        "staging_bytes": slot_bytes_for(plan),
         "cache_bytes": sum(pair.prefill.regions[i].nbytes for r in range(pair.prefill.num_ranks)
                            for i in pair.prefill.rank_regions(r))
         + sum(pair.decode.regions[i].nbytes for r in range(pair.decode.num_ranks) for i in pair.decode.rank_regions(r)),
@@ -51,7 +57,7 @@ def transfer_report(preset_name: str, tokens: int, prefix: int, *, layers: int |
     d_caches = allocate_caches(pair.decode)
     fill_caches(pair, request, p_caches, d_caches)
     t1 = time.perf_counter()
-    with LocalDeployment(pair, p_caches, d_caches, telemetry=True) as dep:
+    with LocalDeployment(pair, p_caches, d_caches, telemetry=True, staging_bytes=slot_bytes_for(plan)) as dep:
         t2 = time.perf_counter()
         try:
             results = dep.run("kvgeom-transfer", request, plan, push=push, mode=mode, timeout_s=timeout_s)
@@ -61,7 +67,9 @@ def transfer_report(preset_name: str, tokens: int, prefix: int, *, layers: int |
                               "invalid_blocks": {str(g): list(b) for g, b in e.invalid_blocks.items()}}
         t3 = time.perf_counter()
     done = summarize(results) if results else {"bytes_moved": 0, "descriptors": 0, "nixl_requests": 0,
-                                               "nixl_descs": None, "bytes_zeroed": 0, "rearranges": 0, "notes": []}
+                                               "nixl_descs": None, "bytes_zeroed": 0, "rearranges": 0,
+                                               "wire_descriptors": 0, "pack_s": 0.0, "wire_s": 0.0, "unpack_s": 0.0,
+                                               "notes": []}
     out["notes"] += done.pop("notes")
     out.update(done)
     violations, checked = check_caches(pair, request, d_caches, max_per_kind=5)

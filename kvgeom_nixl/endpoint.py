@@ -62,12 +62,15 @@ from .errors import ExecutorError, HandshakeError
 from .handshake import ROLES, RankInfo, decode_rank, encode_rank
 from .lowering import MAX_TABLE_TILES, MODES, capped_table, copy_descs, table_descs
 from .memory import RankMemory
+from .packed import DEFAULT_GRACE_S, PackedTransfer
 from .receive import apply_receive_steps
+from .staging import DEFAULT_SLOTS, StagingBuffer, run_steps
 from .transfer import Transfer, TransferResult, wait_all
 
 __all__ = ["Endpoint", "Link", "Transfer", "TransferResult", "wait_all", "MAX_TABLE_TILES", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 30.0
+RANK_STRATEGIES = ("direct", "staged")  # planned per rank on the compiled pair when a link plans itself
 
 
 class Endpoint:
@@ -81,7 +84,8 @@ class Endpoint:
 
     def __init__(self, engine: EngineGeometry, role: str, rank: int, regions: Sequence[Any], *,
                  agent_name: str | None = None, mem_type: str | None = None, device: int | None = None,
-                 telemetry: bool = False, progress_thread: bool = False) -> None:
+                 telemetry: bool = False, progress_thread: bool = False, staging_bytes: int = 0,
+                 staging_slots: int = DEFAULT_SLOTS, staging_grace_s: float = DEFAULT_GRACE_S) -> None:
         if role not in ROLES:
             raise ExecutorError("role", f"unknown role {role!r}", actual=role, expected=list(ROLES))
         if not 0 <= rank < engine.num_ranks:
@@ -98,7 +102,13 @@ class Endpoint:
         self._links: list[Link] = []
         self._inflight: list[Transfer] = []
         self._stream: Any = None
-        self.rank_agent = RankAgent(self.name, self.memory.descs(), self.memory.mem_type, telemetry=telemetry,
+        # packed plans (docs/design.md §12.5): one staging ring on the cache's device, registered with the regions
+        self.staging = StagingBuffer(self.memory, staging_bytes, staging_slots) if staging_bytes else None
+        self.staging_grace_s = staging_grace_s
+        descs = self.memory.descs()
+        if self.staging is not None:
+            descs = np.concatenate([descs, np.array([self.staging.desc()], np.uint64)])
+        self.rank_agent = RankAgent(self.name, descs, self.memory.mem_type, telemetry=telemetry,
                                     progress_thread=progress_thread)
 
     @property
@@ -110,8 +120,10 @@ class Endpoint:
     def info(self) -> RankInfo:
         self._open()
         regions = tuple((r.addr, r.nbytes, r.device) for r in self.memory.regions)
+        st = self.staging
+        staging = None if st is None else (st.addr, st.nbytes, st.device_id, st.slot_bytes, st.slots)
         return RankInfo(self.engine, self.role, self.rank, self.name, self.memory.mem_type, regions,
-                        self.rank_agent.metadata())
+                        self.rank_agent.metadata(), staging)
 
     def handshake(self) -> bytes:
         """This rank's payload for the peer engine's :meth:`connect`."""
@@ -196,6 +208,23 @@ class Endpoint:
         wait for, or ``None`` once done (host memory)."""
         return apply_receive_steps(self.memory.byte_views(), rearranges, zeros, stream=self.stream())
 
+    def run_staged(self, steps: Sequence[Any], slot: int, pack: bool) -> Any:
+        """Pack steps into (``pack``) or unpack steps out of staging ``slot`` on this rank's regions
+        (on :meth:`stream` for VRAM): a CUDA event to wait for, or ``None`` once done."""
+        if self.staging is None:
+            raise ExecutorError("staging", "this endpoint has no staging buffer", fix="pass staging_bytes")
+        stream = self.stream()
+        if stream is None:
+            run_steps(steps, self.memory.byte_views(), self.staging, slot, pack=pack)
+            return None
+        import torch
+
+        with torch.cuda.stream(stream):
+            run_steps(steps, self.memory.byte_views(), self.staging, slot, pack=pack)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
     def stream(self) -> Any:
         """The CUDA stream receive steps run on (``None`` for host memory)."""
         if self.memory.mem_type != "VRAM":
@@ -224,6 +253,7 @@ class Endpoint:
         self.rank_agent.close()
         self.closed = True
         self.memory.release()
+        self.staging = None
 
     def __enter__(self) -> Endpoint:
         return self
@@ -254,27 +284,38 @@ class Link:
 
     # ---- planning --------------------------------------------------------------------------
     def plan(self, request: Request, *, strategy: str = "direct") -> TransferPlan:
-        """The plan for ``request`` on this pair (:func:`kvgeom.planning.plan_pair`)."""
-        return plan_pair(self.pair, request, strategy=strategy)  # type: ignore[arg-type]
+        """The plan for ``request`` on this pair (:func:`kvgeom.planning.plan_pair`); packed and auto
+        plans use :attr:`staging_bytes` as the chunk capacity, so without staging on both sides auto
+        never picks packed and packed raises :class:`~kvgeom.errors.StagingCapacityError`."""
+        return plan_pair(self.pair, request, strategy=strategy,  # type: ignore[arg-type]
+                         staging_bytes=self.staging_bytes)
+
+    @property
+    def staging_bytes(self) -> int:
+        """The slot size both sides have (0 when either has no staging buffer): what a packed plan's
+        busiest chunk may stage on one rank."""
+        own = self.endpoint.staging
+        sizes = [info.staging[3] if info.staging is not None else 0 for info in self.peers.values()]
+        return min([own.slot_bytes if own is not None else 0] + sizes)
 
     def rank_plan(self, request: Request, *, strategy: str = "direct") -> TransferPlan:
         """What this rank posts and applies for ``request``, planned on the compiled pair for this
         rank only (``plan.for_decode_rank(rank)`` on D, ``plan.for_prefill_rank(rank)``'s copies on
-        P; docs/design.md §12). The pair compiles on the link's first request."""
+        P; docs/design.md §13.4). The pair compiles on the link's first request."""
         rank = self.endpoint.rank
         compiled = self.pair.compile()
         if self.local_is_decode:
             return compiled.plan(request, strategy=strategy, decode_rank=rank)  # type: ignore[arg-type]
         return compiled.plan(request, strategy=strategy, prefill_rank=rank)  # type: ignore[arg-type]
 
-    def _rank_blocks(self, request: Request) -> tuple[CopyBlock, ...]:
+    def _rank_blocks(self, request: Request, strategy: str) -> tuple[CopyBlock, ...]:
         """This rank's copies for ``request`` as outer-sum blocks (the prepped fast path: tile
         indices straight from them, no byte columns)."""
         rank = self.endpoint.rank
         compiled = self.pair.compile()
         if self.local_is_decode:
-            return compiled.copy_blocks(request, decode_rank=rank)
-        return compiled.copy_blocks(request, prefill_rank=rank)
+            return compiled.copy_blocks(request, strategy=strategy, decode_rank=rank)  # type: ignore[arg-type]
+        return compiled.copy_blocks(request, strategy=strategy, prefill_rank=rank)  # type: ignore[arg-type]
 
     @property
     def tile_bytes(self) -> int:
@@ -284,39 +325,48 @@ class Link:
 
     # ---- initiators ------------------------------------------------------------------------
     def pull(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
-             mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S) -> Transfer:
-        """D rank: post READs of this rank's rows from every P rank it needs; returns at once."""
+             mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct") -> Transfer:
+        """D rank: post READs of this rank's rows from every P rank it needs; returns at once (a
+        packed plan announces its first slots and pulls chunk by chunk, docs/design.md §12.5)."""
         self._require("decode", "pull")
-        blocks = self._blocks_for(request, plan, mode)
-        plan = self._plan(request, plan)
+        blocks = self._blocks_for(request, plan, mode, strategy)
+        plan = self._plan(request, plan, strategy)
+        if plan.packed:
+            return self._packed("pull", request_id, request, plan, mode, timeout_s)
         t = self._transfer("pull", request_id, request, plan, self._mode(mode), timeout_s)
         self._post(t, plan.for_decode_rank(self.endpoint.rank).copies, "READ", notification("pulled", request_id),
                    blocks)
         return self.endpoint.track(t)
 
     def push(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
-             mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S) -> Transfer:
-        """P rank: post WRITEs of this rank's rows to every D rank that needs them; returns at once."""
+             mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct") -> Transfer:
+        """P rank: post WRITEs of this rank's rows to every D rank that needs them; returns at once (a
+        packed plan packs and writes each chunk once its D ranks have announced their slots)."""
         self._require("prefill", "push")
-        blocks = self._blocks_for(request, plan, mode)
-        plan = self._plan(request, plan)
+        blocks = self._blocks_for(request, plan, mode, strategy)
+        plan = self._plan(request, plan, strategy)
+        if plan.packed:
+            return self._packed("push", request_id, request, plan, mode, timeout_s)
         t = self._transfer("push", request_id, request, plan, self._mode(mode), timeout_s)
         self._post(t, plan.for_prefill_rank(self.endpoint.rank), "WRITE", notification("pushed", request_id), blocks)
         return self.endpoint.track(t)
 
-    def _blocks_for(self, request: Request | None, plan: TransferPlan | None, mode: str) -> tuple[CopyBlock, ...] | None:
-        """The prepped fast path's blocks: only when this link plans the request itself."""
-        if mode != "prepped" or plan is not None or request is None:
+    def _blocks_for(self, request: Request | None, plan: TransferPlan | None, mode: str,
+                    strategy: str) -> tuple[CopyBlock, ...] | None:
+        """The prepped fast path's blocks: only when this link plans the request itself, for its rank."""
+        if mode != "prepped" or plan is not None or request is None or strategy not in RANK_STRATEGIES:
             return None
-        return self._rank_blocks(request)
+        return self._rank_blocks(request, strategy)
 
     # ---- passive sides ---------------------------------------------------------------------
     def accept_push(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
-                    timeout_s: float = DEFAULT_TIMEOUT_S) -> Transfer:
+                    timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct") -> Transfer:
         """D rank: wait for the WRITE notification of every P rank this rank reads from, then run
-        the receive steps."""
+        the receive steps (packed: announce slots, unpack each chunk as it lands)."""
         self._require("decode", "accept_push")
-        plan = self._plan(request, plan)
+        plan = self._plan(request, plan, strategy)
+        if plan.packed:
+            return self._packed("accept_push", request_id, request, plan, "coalesced", timeout_s)
         rank = self.endpoint.rank
         expect = {self._peer(p).agent for p in plan.sources_of(rank)}
         t = self._transfer("accept_push", request_id, request, plan, "-", timeout_s, notif_kind="pushed",
@@ -324,10 +374,13 @@ class Link:
         return self.endpoint.track(t)
 
     def serve_pull(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> Transfer:
-        """P rank: done when every D rank that reads from this rank (``plan.consumers()``) has said so."""
+                   timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct") -> Transfer:
+        """P rank: done when every D rank that reads from this rank (``plan.consumers()``) has said so
+        (packed: pack each chunk once its D ranks have announced their slots)."""
         self._require("prefill", "serve_pull")
-        plan = self._plan(request, plan)
+        plan = self._plan(request, plan, strategy)
+        if plan.packed:
+            return self._packed("serve_pull", request_id, request, plan, "coalesced", timeout_s)
         p = self.endpoint.rank
         mine = plan.for_prefill_rank(p)
         consumers = {int(d) for d in np.unique(mine.d_rank)}
@@ -340,6 +393,31 @@ class Link:
         return self.endpoint.track(t)
 
     # ---- one request -----------------------------------------------------------------------
+    def _packed(self, kind: str, request_id: str, request: Request | None, plan: TransferPlan, mode: str,
+                timeout_s: float) -> Transfer:
+        """A packed request (docs/design.md §12.5); a plan this pair cannot run raises before anything moves."""
+        ep = self.endpoint
+        mode = self._mode(mode)
+        if ep.staging is None:
+            raise ExecutorError("staging", f"a packed plan needs a staging buffer on {ep.name}",
+                                fix="create the endpoint with staging_bytes >= the plan's busiest chunk")
+        if len(plan.copies) or plan.rearranges:
+            raise ExecutorError("plan", "a packed plan with copies or rearranges (mixed plans are not executed)",
+                                actual=(len(plan.copies), len(plan.rearranges)), expected=(0, 0))
+        peer_col = plan.wire.p_rank if self.local_is_decode else plan.wire.d_rank
+        own_col = plan.wire.d_rank if self.local_is_decode else plan.wire.p_rank
+        peers = {int(p): self._peer(int(p)) for p in np.unique(peer_col[own_col == ep.rank])}
+        t = PackedTransfer(ep, ep.rank_agent, kind, request_id, request, plan, timeout_s, role=ep.role, rank=ep.rank,
+                           buffer=ep.staging, peers=peers, run_steps=ep.run_staged,
+                           receive=ep.receive if self.local_is_decode else None, grace_s=ep.staging_grace_s)
+        if mode == "prepped":
+            t.fall_back("coalesced", "packed plans post their wire rows as coalesced lists")
+        try:
+            t.check_fit()
+        except PlanError as e:
+            t.fail("plan_error", f"{type(e).__name__}: {e}")
+        return ep.track(t)
+
     def _transfer(self, kind: str, request_id: str, request: Request | None, plan: TransferPlan, mode: str,
                   timeout_s: float, *, notif_kind: str = "", expect: Iterable[str] = (),
                   bytes_moved: int = 0) -> Transfer:
@@ -467,12 +545,15 @@ class Link:
             raise ExecutorError("mode", f"unknown lowering mode {mode!r}", actual=mode, expected=list(MODES))
         return mode
 
-    def _plan(self, request: Request | None, plan: TransferPlan | None) -> TransferPlan:
+    def _plan(self, request: Request | None, plan: TransferPlan | None, strategy: str = "direct") -> TransferPlan:
         if plan is None:
             if request is None:
                 raise ExecutorError("request", "pass the request (to plan it) or a plan",
                                     fix="link.pull(request_id, request)")
-            plan = self.rank_plan(request)
+            if strategy in RANK_STRATEGIES:  # this rank's part only, on the compiled pair
+                plan = self.rank_plan(request, strategy=strategy)
+            else:  # auto may pick packed, whose slot protocol needs the whole plan
+                plan = self.plan(request, strategy=strategy)
         if plan.prefill_tp != self.pair.prefill.tp or plan.decode_tp != self.pair.decode.tp:
             raise ExecutorError("plan", f"plan for TP{plan.prefill_tp}->TP{plan.decode_tp} on a "
                                 f"TP{self.pair.prefill.tp}->TP{self.pair.decode.tp} pair",

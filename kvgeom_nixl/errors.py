@@ -33,7 +33,7 @@ class HandshakeError(SchemaError):
     """A peer's handshake payload is malformed, truncated, of another version or inconsistent."""
 
 
-FAILURE_REASONS = ("timeout", "peer_disconnected", "nixl_error", "plan_error", "receive_error", "closed")
+FAILURE_REASONS = ("timeout", "peer_disconnected", "nixl_error", "plan_error", "receive_error", "closed", "aborted")
 
 
 class TransferFailed(RuntimeError):

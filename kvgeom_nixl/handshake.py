@@ -5,7 +5,9 @@
      "engine": {... kvgeom.tools.serialize document of the engine's geometry ...},
      "memory": {"mem_type": "DRAM",
                 "regions": [{"addr": 139..., "nbytes": 1048576, "device": 0}, ...]},
-     "nixl_metadata": "<base64 of nixl_agent.get_agent_metadata()>"}
+     "nixl_metadata": "<base64 of nixl_agent.get_agent_metadata()>",
+     "staging": {"addr": ..., "nbytes": 2097152, "device": 0, "slot_bytes": 1048576, "slots": 2}}
+                                                  <- only from an endpoint with a staging buffer
 
 No pickle: the NIXL metadata travels as base64 and everything else is plain JSON. Decoding checks
 everything before the payload is used: the version, every field's type, the geometry (through
@@ -44,6 +46,9 @@ __all__ = ["HANDSHAKE_VERSION", "RankInfo", "encode_rank", "decode_rank", "ROLES
 HANDSHAKE_VERSION = 1
 ROLES = ("prefill", "decode")
 _KEYS = {"kvgeom_handshake", "role", "rank", "agent", "engine", "memory", "nixl_metadata"}
+_OPTIONAL = {"staging"}
+_STAGING_KEYS = {"addr", "nbytes", "device", "slot_bytes", "slots"}
+MAX_SLOTS = 1 << 10  # a ring of more slots than this is refused (a peer's input is hostile)
 
 
 @attrs.frozen
@@ -57,6 +62,7 @@ class RankInfo:
     mem_type: str
     regions: tuple[tuple[int, int, int], ...]  # (addr, nbytes, device) per region
     metadata: bytes = attrs.field(repr=False)
+    staging: tuple[int, int, int, int, int] | None = None  # (addr, nbytes, device, slot_bytes, slots)
 
     @property
     def region_ids(self) -> tuple[int, ...]:
@@ -95,6 +101,9 @@ def encode_rank(info: RankInfo) -> bytes:
                    "regions": [{"addr": a, "nbytes": n, "device": d} for a, n, d in info.regions]},
         "nixl_metadata": base64.b64encode(info.metadata).decode("ascii"),
     }
+    if info.staging is not None:
+        addr, nbytes, device, slot_bytes, slots = info.staging
+        doc["staging"] = {"addr": addr, "nbytes": nbytes, "device": device, "slot_bytes": slot_bytes, "slots": slots}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
@@ -146,7 +155,7 @@ def decode_rank(payload: bytes | bytearray | str) -> RankInfo:
     missing = sorted(_KEYS - set(doc))
     if missing:
         raise _fail(f"$.{missing[0]}", "missing field", expected=sorted(_KEYS), fix=f'send "{missing[0]}"')
-    extra = sorted(set(doc) - _KEYS)
+    extra = sorted(set(doc) - _KEYS - _OPTIONAL)
     if extra:
         raise _fail(f"$.{extra[0]}", "unknown field", actual=extra, expected=sorted(_KEYS))
     role = _str("$.role", doc["role"])
@@ -199,4 +208,23 @@ def decode_rank(payload: bytes | bytearray | str) -> RankInfo:
         metadata = base64.b64decode(md.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError) as e:
         raise _fail("$.nixl_metadata", f"not valid base64: {e}", fix="send the payload unmodified") from e
-    return RankInfo(engine, role, rank, agent, mem_type, tuple(regions), metadata)
+    staging = _staging(doc["staging"]) if "staging" in doc else None
+    return RankInfo(engine, role, rank, agent, mem_type, tuple(regions), metadata, staging)
+
+
+def _staging(st: Any) -> tuple[int, int, int, int, int]:
+    """A peer's staging buffer: (addr, nbytes, device, slot_bytes, slots), checked."""
+    if not isinstance(st, dict) or set(st) != _STAGING_KEYS:
+        raise _fail("$.staging", f"expected {{{', '.join(sorted(_STAGING_KEYS))}}}",
+                    actual=sorted(st) if isinstance(st, dict) else st, expected=sorted(_STAGING_KEYS))
+    addr = _int("$.staging.addr", st["addr"], 1, 1 << 64)
+    nbytes = _int("$.staging.nbytes", st["nbytes"], 1, 1 << 48)
+    device = _int("$.staging.device", st["device"], 0, 1 << 31)
+    slot_bytes = _int("$.staging.slot_bytes", st["slot_bytes"], 1, 1 << 48)
+    slots = _int("$.staging.slots", st["slots"], 2, MAX_SLOTS + 1)
+    if slot_bytes * slots != nbytes:
+        raise _fail("$.staging.nbytes", f"{nbytes} B advertised for {slots} slots of {slot_bytes} B",
+                    actual=nbytes, expected=slot_bytes * slots, fix="advertise the whole ring")
+    if addr + nbytes > 1 << 64:
+        raise _fail("$.staging.addr", "the staging buffer wraps past the end of the address space", actual=addr)
+    return addr, nbytes, device, slot_bytes, slots

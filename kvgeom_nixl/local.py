@@ -30,9 +30,12 @@ from kvgeom import Memory, Pair, Request, TransferPlan
 from kvgeom.checking import check_decode, fill_decode, fill_prefill
 
 from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, Link
+from .packed import DEFAULT_GRACE_S
+from .staging import DEFAULT_SLOTS
 from .transfer import Transfer, TransferResult, wait_all
 
-__all__ = ["allocate_caches", "rank_buffers", "fill_caches", "check_caches", "host_memory", "LocalDeployment"]
+__all__ = ["allocate_caches", "rank_buffers", "fill_caches", "check_caches", "host_memory", "LocalDeployment",
+           "slot_bytes_for", "summarize"]
 
 Caches = list[list[torch.Tensor]]
 
@@ -87,15 +90,19 @@ def check_caches(pair: Pair, request: Request, d_caches: Caches, *, max_per_kind
 class LocalDeployment:
     """Every rank of both engines as an :class:`Endpoint` in this process, fully linked."""
 
-    def __init__(self, pair: Pair, p_caches: Caches, d_caches: Caches, *, telemetry: bool = False) -> None:
+    def __init__(self, pair: Pair, p_caches: Caches, d_caches: Caches, *, telemetry: bool = False,
+                 staging_bytes: int = 0, staging_slots: int = DEFAULT_SLOTS,
+                 staging_grace_s: float = DEFAULT_GRACE_S) -> None:
         self.pair = pair
         self.p: list[Endpoint] = []
         self.d: list[Endpoint] = []
+        staging: dict[str, Any] = {"staging_bytes": staging_bytes, "staging_slots": staging_slots,
+                                   "staging_grace_s": staging_grace_s}
         try:
             self.p = [Endpoint(pair.prefill, "prefill", r, rank_buffers(pair.prefill, p_caches, r),
-                               telemetry=telemetry) for r in range(pair.prefill.num_ranks)]
+                               telemetry=telemetry, **staging) for r in range(pair.prefill.num_ranks)]
             self.d = [Endpoint(pair.decode, "decode", r, rank_buffers(pair.decode, d_caches, r),
-                               telemetry=telemetry) for r in range(pair.decode.num_ranks)]
+                               telemetry=telemetry, **staging) for r in range(pair.decode.num_ranks)]
             p_payloads = [e.handshake() for e in self.p]
             d_payloads = [e.handshake() for e in self.d]
             self.d_links: list[Link] = [e.connect(p_payloads) for e in self.d]
@@ -138,6 +145,15 @@ class LocalDeployment:
         self.close()
 
 
+def slot_bytes_for(plan: TransferPlan, align: int = 4096) -> int:
+    """The staging slot a plan needs on every rank: its busiest chunk on any rank, rounded up to
+    ``align`` (0 for a plan without staging)."""
+    if not plan.packed:
+        return 0
+    need = max(int(plan.staging_used("prefill").max(initial=0)), int(plan.staging_used("decode").max(initial=0)), 1)
+    return -(-need // align) * align
+
+
 def summarize(results: Sequence[TransferResult]) -> dict[str, Any]:
     """Totals over the initiators' results (descriptors and bytes are counted where they were posted)."""
     initiators = [r for r in results if r.kind in ("pull", "push")]
@@ -150,5 +166,9 @@ def summarize(results: Sequence[TransferResult]) -> dict[str, Any]:
         "nixl_descs": None if any(d is None for d in descs) else int(np.sum([d or 0 for d in descs])),
         "bytes_zeroed": int(sum(r.bytes_zeroed for r in receivers)),
         "rearranges": int(sum(r.rearranges for r in receivers)),
+        "wire_descriptors": int(sum(r.descriptors for r in initiators)),
+        "pack_s": round(sum(r.pack_s for r in results if r.role == "prefill"), 6),
+        "wire_s": round(sum(r.wire_s for r in initiators), 6),
+        "unpack_s": round(sum(r.unpack_s for r in receivers), 6),
         "notes": sorted({n.text for r in results for n in r.notes}),  # texts: the summary is JSON
     }

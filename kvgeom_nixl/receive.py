@@ -36,6 +36,8 @@ from kvgeom import PlanError, Rearrange, Zeros
 from kvgeom.arith import run_bases
 from kvgeom.lowering import StridedRun, ZeroRows, rearrange_rows, strided_runs, zero_rows
 
+from .staging import host_copies
+
 __all__ = ["apply_zeros", "apply_rearranges", "apply_receive_steps"]
 
 
@@ -74,6 +76,15 @@ def apply_zeros(views: Sequence[Any], zeros: Zeros) -> None:
     there are few (whole blocks), one batched index op per region when there are many (tails)."""
     if not len(zeros):
         return
+    with host_copies(_device(views)):  # one torch thread for host copies (kvgeom_nixl.staging)
+        _apply_zeros(views, zeros)
+
+
+def _device(views: Sequence[Any]) -> torch.device:
+    return next((v.device for v in views if v is not None), torch.device("cpu"))
+
+
+def _apply_zeros(views: Sequence[Any], zeros: Zeros) -> None:
     for region in np.unique(zeros.d_region).tolist():
         view = _check_view(views[region], region)
         rows = zero_rows(zeros, region, int(view.numel()))  # raises PlanError for a row past the region
@@ -116,6 +127,11 @@ def apply_rearranges(views: Sequence[Any], rearranges: Sequence[Rearrange]) -> N
     ``clone`` (the read) and one ``copy_`` (the write) per run; scattered pages move with one
     index_select / index_put over every unit of every page.
     """
+    with host_copies(_device(views)):  # one torch thread for host copies (kvgeom_nixl.staging)
+        _apply_rearranges(views, rearranges)
+
+
+def _apply_rearranges(views: Sequence[Any], rearranges: Sequence[Rearrange]) -> None:
     for r in rearranges:
         if not r.pages:
             continue

@@ -6,7 +6,7 @@
                                         <-------  ("hello", [handshake of each rank])
       ("connect", [peer handshakes])    ------->  connect every rank to the peer engine
                                         <-------  ("ready",)
-      ("serve_pull" | "pull" | "push" | "accept_push", request_id, mode, timeout_s)
+      ("serve_pull" | "pull" | "push" | "accept_push", request_id, mode, timeout_s[, strategy])
                                         ------->  post on every rank, drive to the end
                                         <-------  ("done", [result dicts], verdict) | ("failed", reason, detail)
       ("die",)                          ------->  os._exit(0) with no cleanup (a crashed peer)
@@ -31,7 +31,7 @@ from kvgeom.tools import parse_pair_file
 from .agent import use_local_defaults
 from .endpoint import Endpoint
 from .errors import TransferFailed
-from .local import LocalDeployment, allocate_caches, check_caches, fill_caches, rank_buffers
+from .local import LocalDeployment, allocate_caches, check_caches, fill_caches, rank_buffers, slot_bytes_for
 from .transfer import wait_all
 
 __all__ = ["engine_process", "result_dict", "requested_device", "run_local"]
@@ -44,8 +44,9 @@ def result_dict(r: Any) -> dict[str, Any]:
     return out
 
 
-def engine_process(conn: Any, pair_file_text: str, side: str, device: str = "cpu") -> None:
-    """Child entry point: host every rank of ``side`` ("prefill" or "decode") of the pair."""
+def engine_process(conn: Any, pair_file_text: str, side: str, device: str = "cpu", staging_bytes: int = 0) -> None:
+    """Child entry point: host every rank of ``side`` ("prefill" or "decode") of the pair (with
+    staging slots of ``staging_bytes`` for packed plans)."""
     use_local_defaults()
     pair, request = parse_pair_file(json.loads(pair_file_text))
     if not (request is not None):
@@ -59,7 +60,8 @@ def engine_process(conn: Any, pair_file_text: str, side: str, device: str = "cpu
     else:
         fill_caches(pair, request, scratch, mine)
     del scratch
-    eps = [Endpoint(engine, side, r, rank_buffers(engine, mine, r)) for r in range(engine.num_ranks)]
+    eps = [Endpoint(engine, side, r, rank_buffers(engine, mine, r), staging_bytes=staging_bytes)
+           for r in range(engine.num_ranks)]
     conn.send(("hello", [e.handshake() for e in eps]))
     links: list[Any] = []
     while True:
@@ -69,12 +71,14 @@ def engine_process(conn: Any, pair_file_text: str, side: str, device: str = "cpu
             links = [e.connect(msg[1]) for e in eps]
             conn.send(("ready",))
         elif cmd in ("serve_pull", "pull", "push", "accept_push"):
-            _, rid, mode, timeout_s = msg
+            _, rid, mode, timeout_s, *rest = msg
+            strategy = rest[0] if rest else "direct"
             try:
                 if cmd in ("pull", "push"):
-                    ts = [getattr(lk, cmd)(rid, request, mode=mode, timeout_s=timeout_s) for lk in links]
+                    ts = [getattr(lk, cmd)(rid, request, mode=mode, timeout_s=timeout_s, strategy=strategy)
+                          for lk in links]
                 else:
-                    ts = [getattr(lk, cmd)(rid, request, timeout_s=timeout_s) for lk in links]
+                    ts = [getattr(lk, cmd)(rid, request, timeout_s=timeout_s, strategy=strategy) for lk in links]
                 results = wait_all(ts, peers=eps)
             except TransferFailed as failure:
                 conn.send(("failed", failure.reason, str(failure)))
@@ -116,7 +120,7 @@ def run_local(pair: Any, request: Any, *, push: bool = False, mode: str = "coale
     p_caches = allocate_caches(pair.prefill, device)
     d_caches = allocate_caches(pair.decode, device)
     fill_caches(pair, request, p_caches, d_caches)
-    with LocalDeployment(pair, p_caches, d_caches, telemetry=telemetry) as dep:
+    with LocalDeployment(pair, p_caches, d_caches, telemetry=telemetry, staging_bytes=slot_bytes_for(plan)) as dep:
         results = dep.run("req-0", request, plan, push=push, mode=mode, timeout_s=timeout_s)
     violations, checked = check_caches(pair, request, d_caches)
     return {"plan": plan, "results": results, "violations": violations, "checked": checked,

@@ -54,8 +54,8 @@ class TransferResult:
     """What one rank did for one request.
 
     ``descriptors``: descriptors handed to NIXL (mode coalesced: plan copies; mode prepped: index
-    pairs); ``nixl_descs``: NIXL's own count after merging (telemetry; ``None`` unless the
-    endpoint was made with ``telemetry=True``). ``notes``: e.g. ``NoteKind.PREPPED_FALLBACK``
+    pairs; packed plans: wire rows); ``nixl_descs``: NIXL's own count after merging (telemetry;
+    ``None`` unless the endpoint was made with ``telemetry=True``). ``notes``: e.g. ``NoteKind.PREPPED_FALLBACK``
     when mode prepped was asked for and coalesced lists were posted.
     """
 
@@ -72,6 +72,10 @@ class TransferResult:
     rearranges: int
     wall_s: float
     notes: tuple[Note, ...] = ()
+    pack_s: float = 0.0  # packed plans: seconds in pack steps (P), wire requests and unpack steps (D)
+    wire_s: float = 0.0
+    unpack_s: float = 0.0
+    chunks: int = 0  # packed plans: chunks this rank took part in
 
 
 def _invalid_blocks(request: Request | None) -> dict[int, tuple[int, ...]]:

@@ -154,3 +154,21 @@ def test_plan_profile_names_the_case_and_its_sizes() -> None:
     assert "ncalls" in text
     assert profile_plan("syn-tp4-tp1", 256, repeats=1, top=5, path="reference", pattern="scattered").startswith(
         "syn-tp4-tp1 M=256 scattered reference strategy=direct")
+
+
+def test_packed_section_gives_the_schema() -> None:
+    """The packed section at a tiny size: every row, goals judged only from 16k tokens on (the
+    descriptor bound always). Needs NIXL; nothing here asserts a speed."""
+    pytest.importorskip("nixl._api", reason="the packed section needs the nixl extra")
+    config = attrs.evolve(_tiny(), packed_tokens=256, transfer_repeats=1, packed_baseline_repeats=1)
+    rows = json.loads(json.dumps(to_json_list(run(config, only=("packed",)))))
+    _check_schema(rows)
+    names = {r["name"] for r in rows}
+    for pair in ("gqa-tp2-tp4", "llama3-70b-tp8-tp4", "syn-nhd-tp2-hnd-tp4"):
+        for part in ("descriptors", "wire", "e2e", "pack", "unpack"):
+            assert f"transfer/packed/{pair}/256/{part}" in names
+        assert f"transfer/direct/{pair}/256" in names
+    assert "plan/packed/llama3-70b-tp8-tp4/256" in names
+    desc = [r for r in rows if r["name"].endswith("/descriptors")]
+    assert all(r["met"] is True and r["value"] < r["baseline"] for r in desc)
+    assert all(r["met"] is None for r in rows if r["name"].endswith(("/wire", "/e2e")))  # 256 < 16k tokens

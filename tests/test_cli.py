@@ -161,10 +161,26 @@ def test_plan_bad_strategy_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
     assert rc == 2 and "invalid choice" in err
 
 
-@pytest.mark.parametrize("strategy", ["staged", "auto"])
+@pytest.mark.parametrize("strategy", ["staged", "auto", "packed"])
 def test_plan_other_strategies(capsys: pytest.CaptureFixture[str], strategy: str) -> None:
     rc, out, err = _run(capsys, "plan", "--strategy", strategy, "--json")
     assert rc == 0 and json.loads(out)["verified"] is True
+
+
+def test_plan_packed_json_and_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    """The default preset packed (docs/design.md §12.2): 4 wire rows; each D rank stages
+    84 tokens x 4 layers x 2 planes x 2 heads x 256 B, each P rank twice that; a 400 KiB slot cuts
+    the request in chunks."""
+    rc, out, _ = _run(capsys, "plan", "--strategy", "packed", "--json")
+    doc = json.loads(out)
+    block = 84 * 4 * 2 * 2 * 256
+    assert rc == 0 and doc["verified"] and doc["packed"] and doc["wire_descriptors"] == 4 and doc["chunks"] == 1
+    assert doc["staging_per_decode_rank"] == [block] * 4 and doc["staging_per_prefill_rank"] == [2 * block] * 2
+    assert doc["bytes"] == 4 * block and "packed" in doc["note_kinds"] and "chunks" in doc["note_kinds"]
+    rc, out, _ = _run(capsys, "plan", "--strategy", "packed", "--staging-bytes", str(400 << 10))
+    assert rc == 0 and "wire rows in 2 chunks" in out and "verdict: OK" in out
+    rc, _, err = _run(capsys, "plan", "--strategy", "packed", "--staging-bytes", "100")
+    assert rc == 2 and "staging_bytes" in err and "StagingCapacity" not in err  # a one-line typed error
 
 
 def test_plan_internal_error_one_line_then_traceback_only_with_debug(
@@ -295,7 +311,7 @@ def test_transfer_hands_its_arguments_to_the_executor(
         "nemotron-h-tp1-tp4", 64, True, "prepped", 5.0)
     preset_prefix = get_preset("nemotron-h-tp1-tp4").default_prefix
     assert seen["prefix"] == (preset_prefix if preset_prefix < 64 else 0)
-    assert seen["layers"] is None and seen["strategy"] == "direct"
+    assert seen["layers"] is None and seen["strategy"] == "direct" and seen["staging_bytes"] == 256 << 20
 
 
 # ---- registry, help, entry points ----------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""The compiled pair plans exactly what the reference planner plans (docs/design.md §12).
+"""The compiled pair plans exactly what the reference planner plans (docs/design.md §13).
 
 ``CompiledPair.plan`` and ``plan_reference`` must agree on every column, every rearrange, every
-note and both counts before coalescing, for every strategy and every topology the strategies draw,
-and must refuse the same requests with the same error. The reference path is the definition.
+note and both counts before coalescing, for every strategy (auto under several cost models and
+staging capacities) and every topology the strategies draw, and must refuse the same requests with
+the same error. The reference path is the definition. Packed plans (asked for, or auto's choice)
+come from the reference planner on both paths; the compiled one adds a ``REFERENCE_PATH`` note.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from hypothesis import strategies as st
 from kvgeom import (
     BlockList,
     CompiledPair,
+    CostModel,
     GroupRequest,
     KvGeomError,
+    NoteKind,
     Pair,
     Request,
     StateSlots,
@@ -34,7 +38,7 @@ from kvgeom.lowering import TileTable, tile_index_blocks, tile_index_pairs, tile
 from kvgeom.tools import strategies as kst
 from kvgeom.values import CopyBlock, blocks_to_copies
 
-STRATEGIES = ("direct", "staged", "auto")
+STRATEGIES = ("direct", "staged", "auto", "packed")
 SETTINGS = dict(deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -45,16 +49,33 @@ def assert_same(got: TransferPlan, want: TransferPlan) -> None:
     for name in ("d_rank", "d_region", "d_offset", "nbytes"):
         np.testing.assert_array_equal(getattr(got.zeros, name), getattr(want.zeros, name), err_msg=f"zeros.{name}")
     assert got.rearranges == want.rearranges
-    assert got.notes == want.notes
+    assert (got.packs, got.unpacks, got.wire, got.chunks, got.staging_bytes) == \
+        (want.packs, want.unpacks, want.wire, want.chunks, want.staging_bytes)
+    packed = want.notes[0].text == "strategy packed" or any(n.kind is NoteKind.AUTO_PACKED for n in want.notes)
+    if packed:  # planned on the reference path, and noted
+        assert got.notes[:-1] == want.notes and got.notes[-1].kind is NoteKind.REFERENCE_PATH
+    else:
+        assert got.notes == want.notes
     assert got.copies_before_coalescing == want.copies_before_coalescing
     assert got.zeros_before_coalescing == want.zeros_before_coalescing
     assert (got.prefill_tp, got.decode_tp, got.prefill_ranks, got.decode_ranks) == \
         (want.prefill_tp, want.decode_tp, want.prefill_ranks, want.decode_ranks)
 
 
+def same_or_same_error(pair: Pair, compiled: CompiledPair, request: Request, **kw: Any) -> None:
+    try:
+        want = plan_reference(pair, request, **kw)
+    except KvGeomError as e:
+        with pytest.raises(type(e)) as got:
+            compiled.plan(request, **kw)
+        assert str(got.value) == str(e)
+        return
+    assert_same(compiled.plan(request, **kw), want)
+
+
 def check_all(pair: Pair, compiled: CompiledPair, request: Request) -> None:
     for strategy in STRATEGIES:
-        assert_same(compiled.plan(request, strategy=strategy), plan_reference(pair, request, strategy=strategy))
+        same_or_same_error(pair, compiled, request, strategy=strategy)
 
 
 @settings(max_examples=300, **SETTINGS)  # type: ignore[arg-type]
@@ -69,6 +90,22 @@ def test_compiled_plans_equal_the_reference_over_drawn_transfers(t: Any) -> None
 def test_compiled_plans_equal_the_reference_on_topologies(t: Any) -> None:
     pair = Pair(*t.pair)
     check_all(pair, pair.compile(), t.request)
+
+
+# auto under cost models that pick each of direct, staged and packed, with posted counts exact
+# (coalesced per group) or estimated (rows before coalescing), and no staging at all
+COST_MODELS = (CostModel(), CostModel(exact_rows=0), CostModel(descriptor_seconds=1e-3, exact_rows=1 << 30),
+               CostModel(rearrange_bytes_per_second=1e15, op_seconds=1.0, exact_rows=16))
+
+
+@settings(max_examples=100, **SETTINGS)  # type: ignore[arg-type]
+@given(kst.packed_transfers(), st.sampled_from(COST_MODELS), st.booleans())
+def test_auto_and_packed_weigh_and_plan_the_same(t: Any, cost_model: CostModel, staging: bool) -> None:
+    pair = Pair(*t.pair)
+    compiled = pair.compile()
+    staging_bytes = t.staging_bytes if staging else 0
+    same_or_same_error(pair, compiled, t.request, strategy="auto", cost_model=cost_model, staging_bytes=staging_bytes)
+    same_or_same_error(pair, compiled, t.request, strategy="packed", staging_bytes=staging_bytes)
 
 
 @settings(max_examples=60, **SETTINGS)  # type: ignore[arg-type]
@@ -207,8 +244,9 @@ def test_rank_plans_and_blocks_are_the_whole_plans_projections(t: Any) -> None:
             assert blocks_to_copies(compiled.copy_blocks(t.request, strategy=strategy, decode_rank=d)) == mine.copies
         for p in range(pair.prefill.num_ranks):
             mine = compiled.plan(t.request, strategy=strategy, prefill_rank=p)
+            assert_same(mine, full.packed_for_prefill_rank(p))
             assert mine.copies == full.for_prefill_rank(p)
-            assert not len(mine.zeros) and not mine.rearranges
+            assert not len(mine.zeros) and not mine.rearranges and not mine.unpacks
             assert blocks_to_copies(compiled.copy_blocks(t.request, strategy=strategy, prefill_rank=p)) == mine.copies
     assert blocks_to_copies(compiled.copy_blocks(t.request)) == plan_reference(pair, t.request).copies
 

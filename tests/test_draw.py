@@ -126,6 +126,28 @@ def test_staged_plans_draw_the_same_cells_as_direct_ones() -> None:
         np.testing.assert_array_equal(x.codes, y.codes)
 
 
+@pytest.mark.parametrize("preset", ["gqa-tp2-tp4", "llama3-70b-tp8-tp4", "nemotron-h-tp1-tp4", "llama3-70b-pp2tp4-tp8",
+                                    "deepseek-v3-dcp4-dcp2", "kimi-linear-pp2tp4-tp1"])
+def test_packed_plans_draw_the_same_cells_as_direct_ones(preset: str) -> None:
+    """Mapping a D byte back through its unpack, the D slot, the wire row, the P slot and its pack must
+    find the P block a direct copy reads (and the prefill view the same reading D ranks), in chunks too."""
+    from kvgeom import min_staging_bytes
+    from kvgeom.building import get_preset
+
+    pair, req = get_preset(preset).build(100, 0, layers=2)
+    direct = pair.plan(req, strategy="direct")
+    one = pair.plan(req, strategy="packed")
+    busiest = max(int(one.staging_used(side).max()) for side in ("prefill", "decode"))
+    for capacity in (busiest, max(min_staging_bytes(pair, req), busiest // 3)):  # one chunk, then several
+        packed = pair.plan(req, strategy="packed", staging_bytes=capacity)
+        assert packed.packed and not packed.copies and (len(packed.chunks) > 1) == (capacity < busiest)
+        for side in ("decode", "prefill"):
+            a, b = transfer_cells(direct, pair, req, side=side), transfer_cells(packed, pair, req, side=side)
+            assert [r.label for r in a.rows] == [r.label for r in b.rows]
+            for x, y in zip(a.rows, b.rows):
+                np.testing.assert_array_equal(x.codes, y.codes)
+
+
 def test_prefill_view_colours_by_reading_d_rank() -> None:
     # P TP1 -> D TP2 (4 heads): P rank 0's heads 0-1 are read by D rank 0 and heads 2-3 by D rank 1;
     # P lists 3 blocks of 8 tokens, M = 20: tokens 20..23 are not read

@@ -38,6 +38,21 @@ def test_run_transfer_json(capsys: Any, push: bool, mode: str) -> None:
     assert out["transfer_s"] > 0 and out["wall_s"] >= out["transfer_s"]
 
 
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+def test_run_transfer_packed_json(capsys: Any, push: bool) -> None:
+    rc = main(["transfer", "--json", "--strategy", "packed", "--timeout", "30"] + (["--push"] if push else []))
+    out = json.loads(capsys.readouterr().out)
+    preset = get_preset(DEFAULT_PRESET)
+    prefix = preset.default_prefix if preset.default_prefix < preset.default_tokens else 0
+    pair, request = preset.build(preset.default_tokens, prefix)
+    plan = plan_pair(pair, request, strategy="packed")
+    assert rc == 0 and out["verified"] is True and out["plan_packed"] is True
+    assert out["wire_descriptors"] == len(plan.wire) == out["plan_wire_rows"] == out["nixl_descs"] == 4
+    assert out["bytes_moved"] == plan.bytes_copied and out["plan_chunks"] == 1
+    assert out["pack_s"] > 0 and out["wire_s"] > 0 and out["unpack_s"] > 0
+    assert out["staging_bytes"] >= int(plan.staging_used("prefill").max())
+
+
 def test_run_transfer_text_on_a_hybrid(capsys: Any) -> None:
     rc = main(["transfer", "--preset", "nemotron-h-tp4-tp1", "--tokens", "64", "--layers", "1", "--timeout", "30"])
     text = capsys.readouterr().out

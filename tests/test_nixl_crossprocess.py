@@ -51,11 +51,11 @@ def _pair(p_tp: int, d_tp: int) -> tuple[Pair, Request]:
 class Child:
     """One engine in a spawned process, driven over a pipe (see kvgeom_nixl.testing)."""
 
-    def __init__(self, pair: Pair, request: Request, side: str) -> None:
+    def __init__(self, pair: Pair, request: Request, side: str, staging_bytes: int = 0) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=engine_process, args=(child_conn, dump_pair_file(pair, request), side, DEVICE),
-                                daemon=True)
+        self.proc = ctx.Process(target=engine_process, args=(child_conn, dump_pair_file(pair, request), side, DEVICE,
+                                                             staging_bytes), daemon=True)
         self.proc.start()
         child_conn.close()
         self.handshakes = self.recv("hello", 60)[1]
@@ -83,13 +83,13 @@ class Child:
             self.proc.join(5)
 
 
-def _connected(pair: Pair, request: Request, child_side: str,
-               stopper: list[Any]) -> tuple[Child, list[Endpoint], list[list[Any]], list[Any]]:
+def _connected(pair: Pair, request: Request, child_side: str, stopper: list[Any],
+               staging_bytes: int = 0) -> tuple[Child, list[Endpoint], list[list[Any]], list[Any]]:
     """A child process for ``child_side`` and this process's endpoints for the other side, linked
     both ways (handshakes over the pipe); everything is registered with ``stopper``."""
-    child = Child(pair, request, child_side)
+    child = Child(pair, request, child_side, staging_bytes)
     stopper.append(child)
-    eps, caches = _local(pair, request, "decode" if child_side == "prefill" else "prefill")
+    eps, caches = _local(pair, request, "decode" if child_side == "prefill" else "prefill", staging_bytes)
     stopper.extend(eps)
     links = [e.connect(child.handshakes) for e in eps]
     child.send("connect", [e.handshake() for e in eps])
@@ -97,13 +97,14 @@ def _connected(pair: Pair, request: Request, child_side: str,
     return child, eps, caches, links
 
 
-def _local(pair: Pair, request: Request, side: str) -> tuple[list[Endpoint], list[list[Any]]]:
+def _local(pair: Pair, request: Request, side: str, staging_bytes: int = 0) -> tuple[list[Endpoint], list[list[Any]]]:
     engine = pair.side(side)
     p = allocate_caches(pair.prefill, DEVICE if side == "prefill" else "cpu")
     d = allocate_caches(pair.decode, DEVICE if side == "decode" else "cpu")
     fill_caches(pair, request, p, d)
     mine = p if side == "prefill" else d
-    return [Endpoint(engine, side, r, rank_buffers(engine, mine, r)) for r in range(engine.num_ranks)], mine
+    return [Endpoint(engine, side, r, rank_buffers(engine, mine, r), staging_bytes=staging_bytes)
+            for r in range(engine.num_ranks)], mine
 
 
 @pytest.fixture
@@ -222,3 +223,65 @@ def test_push_from_dcp_ranks_across_processes(stopper: list[Any]) -> None:
     n_violations, checked, first = verdict
     assert n_violations == 0, first
     assert checked == sum(r.nbytes for r in pair.decode.regions)
+
+
+PACKED_SLOT = 64 << 10  # a chunk of the request below stages at most 64 KiB on a rank: several chunks
+
+
+def test_packed_pull_across_processes_then_the_prefill_process_dies(stopper: list[Any]) -> None:
+    """Child: P TP2 with staging rings, serving a packed pull in several chunks; then it dies while a
+    second packed pull waits for its first chunk: the pull fails at its deadline and frees its slots."""
+    pair, request = _pair(2, 1)
+    child, eps, d_caches, links = _connected(pair, request, "prefill", stopper, PACKED_SLOT)
+    plan = links[0].plan(request, strategy="packed")
+    assert len(plan.chunks) >= 3 and len(plan.wire) <= 2 * len(plan.chunks)
+    child.send("serve_pull", "k1", "coalesced", 20.0, "packed")
+    results = wait_all([lk.pull("k1", request, plan=plan, timeout_s=20) for lk in links], peers=eps)
+    served = child.recv("done", 30)[1]
+    assert sum(r["bytes_moved"] for r in served) == sum(r.bytes_moved for r in results) == plan.bytes_copied
+    assert sum(r.descriptors for r in results) == len(plan.wire) and sum(r["chunks"] for r in served) >= 3
+    assert check_caches(pair, request, d_caches)[0] == []
+    t = links[0].pull("k2", request, plan=plan, timeout_s=2.0)  # slots announced; the child does not serve
+    child.send("die")
+    child.proc.join(10)
+    with pytest.raises(TransferFailed) as ei:
+        t.wait(peers=eps)
+    assert ei.value.reason in ("timeout", "peer_disconnected") and not eps[0].in_flight
+    time.sleep(0.05)
+    assert eps[0].staging is not None and eps[0].staging.free() == eps[0].staging.slots
+
+
+def test_packed_push_across_processes(stopper: list[Any]) -> None:
+    """Child: D TP2 with staging rings accepting a packed push (it checks its own bytes)."""
+    pair, request = _pair(1, 2)
+    child, eps, _, links = _connected(pair, request, "decode", stopper, PACKED_SLOT)
+    plan = links[0].plan(request, strategy="packed")
+    assert len(plan.chunks) >= 2
+    child.send("accept_push", "k3", "coalesced", 20.0, "packed")
+    pushed = wait_all([lk.push("k3", request, plan=plan, timeout_s=20) for lk in links], peers=eps)
+    _, accepted, verdict = child.recv("done", 30)
+    assert sum(r.bytes_moved for r in pushed) == plan.bytes_copied and sum(r.pack_s > 0 for r in pushed) == 1
+    assert sum(r["bytes_zeroed"] for r in accepted) == plan.bytes_zeroed
+    assert verdict[0] == 0, verdict[2]
+
+
+def test_packed_pull_from_two_pipeline_stages_across_processes(stopper: list[Any]) -> None:
+    """Child: P PP2 x TP1 with staging rings serving a packed pull; each stage packs only its layers
+    (docs/design.md §11, §12). Parent: D TP2 pulling one wire row per (stage, D rank) and chunk."""
+    m = ModelSpec("m", [AttentionSpec("attn", "full", 4, 4, 128)])
+    pair = Pair(EngineGeometry.build(m, tp=1, kernel_block_tokens=16, num_blocks=16, name="prefill",
+                                     topology=Topology(pp=2)),
+                EngineGeometry.build(m, tp=2, kernel_block_tokens=8, num_blocks=32, name="decode", layout="NHD"))
+    request = fresh_request(pair, 190, prefill_first_block=1, decode_first_block=3)
+    child, eps, d_caches, links = _connected(pair, request, "prefill", stopper, PACKED_SLOT)
+    plan = links[0].plan(request, strategy="packed")
+    assert len(plan.chunks) >= 2 and set(zip(plan.wire.p_rank.tolist(), plan.wire.d_rank.tolist())) == \
+        {(0, 0), (0, 1), (1, 0), (1, 1)}
+    child.send("serve_pull", "pp-packed", "coalesced", 20.0, "packed")
+    results = wait_all([lk.pull("pp-packed", request, plan=plan, timeout_s=20) for lk in links], peers=eps)
+    served = child.recv("done", 30)[1]
+    # each stage served its 2 layers: tokens x 2 layers x 2 planes x 4 heads x 128 B over both D ranks
+    assert [r["bytes_moved"] for r in sorted(served, key=lambda r: r["rank"])] == [190 * 2 * 2 * 4 * 128] * 2
+    assert sum(r.descriptors for r in results) == len(plan.wire)
+    violations, checked = check_caches(pair, request, d_caches)
+    assert violations == [] and checked == 2 * sum(r.nbytes for r in pair.decode.regions)

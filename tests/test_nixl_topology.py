@@ -31,6 +31,7 @@ from kvgeom import (  # noqa: E402
     Topology,
     TransferPlan,
     fresh_request,
+    min_staging_bytes,
     plan_pair,
 )
 from kvgeom_nixl import Endpoint, HandshakeError, RegistrationError, TransferFailed, decode_rank  # noqa: E402
@@ -93,6 +94,31 @@ def test_topology_pairs_land_every_byte(name: str, push: bool, mode: str) -> Non
             assert r.nixl_requests == len({int(d) for d in plan.for_prefill_rank(r.rank).d_rank})
         else:  # a D rank reads only from the P ranks holding its layers and tokens
             assert r.nixl_requests == len(plan.sources_of(r.rank))
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["one chunk", "chunks"])
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+@pytest.mark.parametrize("name", CASES)
+def test_topology_pairs_packed(name: str, push: bool, chunked: bool) -> None:
+    """Packed plans (docs/design.md §12) on every topology case: each rank packs or unpacks only its
+    stage's regions; one descriptor per wire row; every D byte checked."""
+    pair, request = _case(name)
+    plan = pair.plan(request, strategy="packed")
+    if chunked:
+        busiest = max(int(plan.staging_used(side).max()) for side in ("prefill", "decode"))
+        plan = pair.plan(request, strategy="packed", staging_bytes=max(min_staging_bytes(pair, request), busiest // 3))
+    assert plan.packed and (len(plan.chunks) > 1) == chunked
+    out = run_local(pair, request, push=push, device=DEVICE, plan=plan)
+    assert out["violations"] == [], [str(v) for v in out["violations"]]
+    D = pair.decode
+    assert out["checked"] == sum(D.regions[i].nbytes for r in range(D.num_ranks) for i in D.rank_regions(r))
+    initiators = [r for r in out["results"] if r.kind in ("pull", "push")]
+    assert sum(r.bytes_moved for r in initiators) == plan.wire.total_bytes == plan.bytes_copied
+    assert sum(r.descriptors for r in initiators) == len(plan.wire)
+    w = plan.wire
+    for r in initiators:  # each initiator talks only to the ranks its wire rows name
+        mine = (w.p_rank if push else w.d_rank) == r.rank
+        assert r.nixl_requests <= len(plan.chunks) * len(set((w.d_rank if push else w.p_rank)[mine].tolist()))
 
 
 def test_each_stage_registers_and_advertises_only_its_regions() -> None:

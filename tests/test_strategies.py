@@ -44,7 +44,7 @@ REACH = settings(FIND, phases=[Phase.generate])  # any example will do: no shrin
 # ---- the property (the fuzzer's, at a CI budget) ------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", ["direct", "staged", "auto"])
+@pytest.mark.parametrize("strategy", ["direct", "staged", "auto", "packed"])
 def test_every_pair_is_rejected_consistently_or_planned_correctly(strategy: str) -> None:
     @PROPERTY
     @given(kst.transfers(pairs=kst.pairs(mismatch_probability=0.15)))
@@ -63,6 +63,37 @@ def test_every_pair_is_rejected_consistently_or_planned_correctly(strategy: str)
         assert report.ok, str(report)
 
     prop()
+
+
+def test_packed_plans_in_drawn_chunks_are_correct() -> None:
+    """The property for the packed strategy at a drawn staging capacity: chunks by layers, token ranges
+    and state sections, each a complete pack -> wire -> unpack unit (docs/design.md §12.3)."""
+
+    @settings(FAST, max_examples=200)
+    @given(kst.packed_transfers(transfers=kst.transfers(pairs=kst.pairs(mismatch_probability=0.0))))
+    def prop(t: kst.PackedTransfer) -> None:
+        p, d = t.pair
+        plan = plan_transfer(p, d, t.request, strategy="packed", staging_bytes=t.staging_bytes)
+        assert len(plan.wire) <= p.num_ranks * d.num_ranks * max(1, len(plan.chunks))
+        assert int(plan.staging_used("prefill").max(initial=0)) <= t.staging_bytes
+        assert int(plan.staging_used("decode").max(initial=0)) <= t.staging_bytes
+        replan = plan_transfer(p, d, t.request, strategy="packed", staging_bytes=t.staging_bytes)
+        report = simulate(Pair(p, d), t.request, plan, replan=replan)
+        assert report.ok, str(report)
+
+    prop()
+
+
+def test_packed_transfers_reach_several_chunks_and_token_ranges() -> None:
+    def cut(t: kst.PackedTransfer) -> bool:
+        plan = plan_transfer(*t.pair, t.request, strategy="packed", staging_bytes=t.staging_bytes)
+        return any(piece.token_stop - piece.token_start < plan.chunks[0].pieces[0].token_stop
+                   for c in plan.chunks[1:] for piece in c.pieces if piece.token_stop > piece.token_start) \
+            and len(plan.chunks) >= 3
+
+    found = find(kst.packed_transfers(transfers=kst.transfers(pairs=kst.pairs(mismatch_probability=0.0))), cut,
+                 settings=REACH)
+    assert found.staging_bytes >= 1
 
 
 LAYOUT_CHANGES = kst.transfers(pairs=kst.pairs(models=kst.models(kinds=("full",), max_groups=1), kernel_tokens=(4, 8),

@@ -318,7 +318,7 @@ def test_state_groups_under_pp_and_dcp() -> None:
     plan = pair.plan(request)
     topo = [n.text for n in plan.notes if n.kind is NoteKind.TOPOLOGY]
     assert len(topo) == 1 and "not sharded by token" in topo[0]
-    for strategy in ("direct", "staged", "auto"):
+    for strategy in ("direct", "staged", "auto", "packed"):
         assert verify(pair, request, strategy=strategy).ok  # type: ignore[arg-type]
     staged = pair.plan(request, strategy="staged")
     assert NoteKind.STAGED_NOT_APPLICABLE in {n.kind for n in staged.notes}  # DCP on D
@@ -336,8 +336,69 @@ def test_prefix_hit_and_sliding_window_on_dcp() -> None:
     assert d.logical_block_tokens == 16
     for M, S in ((40, 16), (33, 32), (47, 0)):
         request = fresh_request(pair, M, prefix_hit_tokens=S)
-        for strategy in ("direct", "staged", "auto"):
+        for strategy in ("direct", "staged", "auto", "packed"):
             assert verify(pair, request, strategy=strategy).ok  # type: ignore[arg-type]
+
+
+def test_pp_packed_by_hand() -> None:
+    """docs/design.md §12 on P PP2 x TP2 -> D TP2: one wire row per (P rank, D rank) the direct rule
+    pairs, each P rank packing only its stage's layers; chunks cut by layers fall on the stage line."""
+    pair, request = _pp_pair(10)
+    plan = pair.plan(request, strategy="packed")
+    w = plan.wire
+    per_pair = 10 * 2 * 2 * 2 * 8  # tokens x layers per stage x planes x heads x bytes = 640 B
+    assert sorted(zip(w.p_rank.tolist(), w.d_rank.tolist(), w.nbytes.tolist())) == \
+        [(0, 0, per_pair), (1, 1, per_pair), (2, 0, per_pair), (3, 1, per_pair)]
+    # D rank d's slot: P ranks ascending, so rank d's block at 0 and rank 2 + d's at 640
+    assert sorted(zip(w.d_rank.tolist(), w.p_rank.tolist(), w.d_offset.tolist())) == \
+        [(0, 0, 0), (0, 2, per_pair), (1, 1, 0), (1, 3, per_pair)]
+    for st in plan.packs:
+        assert set(st.regions.tolist()) <= set(pair.prefill.rank_regions(st.rank))
+    assert simulate(pair, request, plan).ok
+    # 640 B per rank: layers 0-1 (320 B per layer on each D rank) fill chunk 0, layers 2-3 chunk 1
+    chunked = pair.plan(request, strategy="packed", staging_bytes=per_pair)
+    assert [(c.pieces[0].layer_start, c.pieces[0].layer_stop) for c in chunked.chunks] == [(0, 2), (2, 4)]
+    assert sorted(zip(chunked.wire.chunk.tolist(), chunked.wire.p_rank.tolist())) == [(0, 0), (0, 1), (1, 2), (1, 3)]
+    assert simulate(pair, request, chunked).ok
+
+
+def test_dcp_packed_by_hand() -> None:
+    """MLA P TP8 -> D TP8 DCP8 (interleave 64), M = 600: D rank r unpacks its own tokens only, one
+    wire row from P rank r (the direct rule's source) of its tokens x 2 layers x 16 B."""
+    m = ModelSpec("mla", [AttentionSpec("mla", "mla", 2, 1, 16)])
+    p = EngineGeometry.build(m, tp=8, kernel_block_tokens=64, num_blocks=10, name="prefill")
+    d = EngineGeometry.build(m, tp=8, kernel_block_tokens=64, num_blocks=3, name="decode",
+                             topology=Topology(dcp=8, interleave=64))
+    pair = Pair(p, d)
+    request = fresh_request(pair, 600)
+    plan = pair.plan(request, strategy="packed")
+    owned = [64 + (64 if r == 0 else 24 if r == 1 else 0) for r in range(8)]
+    w = plan.wire
+    assert w.p_rank.tolist() == w.d_rank.tolist() == list(range(8))
+    assert w.nbytes.tolist() == [n * 2 * 16 for n in owned]
+    assert simulate(pair, request, plan).ok
+
+
+@settings(max_examples=150, derandomize=True, database=None, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(kst.transfers(pairs=kst.pairs(topology_probability=1.0, mismatch_probability=0.0)))
+def test_packed_wire_pairs_are_the_direct_rule(t: kst.Transfer) -> None:
+    """Per (P rank, D rank), the packed plan's wire bytes equal the direct plan's copy bytes: the same
+    sources (stages, head groups, DCP owners, replicas; docs/design.md §11.3 and §12)."""
+    p, d = t.pair
+    if not pairable(p, d):
+        return
+    direct = Pair(p, d).plan(t.request)
+    packed = Pair(p, d).plan(t.request, strategy="packed")
+
+    def per_pair(ps: np.ndarray, ds: np.ndarray, n: np.ndarray) -> dict[tuple[int, int], int]:
+        out: dict[tuple[int, int], int] = {}
+        for a, b, c in zip(ps.tolist(), ds.tolist(), n.tolist(), strict=True):
+            out[(a, b)] = out.get((a, b), 0) + c
+        return out
+
+    c, w = direct.copies, packed.wire
+    assert per_pair(c.p_rank, c.d_rank, c.nbytes) == per_pair(w.p_rank, w.d_rank, w.nbytes)
 
 
 def test_plain_pairs_keep_ranks_equal_to_tp_and_no_topology_note() -> None:

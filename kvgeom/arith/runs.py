@@ -21,7 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Mode", "fold_modes", "strided_rows", "run_bases", "run_offsets", "element_offsets"]
+__all__ = ["Mode", "fold_modes", "strided_rows", "run_bases", "run_offsets", "element_offsets", "dense_strides",
+           "affine_runs"]
 
 Mode = tuple[int, Sequence[int]]  # (size, stride on each side)
 
@@ -101,3 +102,51 @@ def element_offsets(shape: Sequence[int], strides: Sequence[int], offset: int = 
     for n, s in zip(shape, strides, strict=True):
         off = (off[:, None] + np.arange(n, dtype=np.int64) * s).ravel()
     return off
+
+
+def dense_strides(sizes: Sequence[int], order: Sequence[int], unit_bytes: int) -> tuple[int, ...]:
+    """Byte strides that pack modes of ``sizes`` densely, ``order`` listing mode indices outermost
+    first; the innermost mode steps by ``unit_bytes``. Returned in the modes' own order.
+
+    >>> dense_strides((2, 3, 4), (1, 0, 2), 8)   # mode 1 outermost, then 0, then 2 (innermost)
+    (32, 64, 8)
+    """
+    strides = [0] * len(sizes)
+    step = unit_bytes
+    for m in reversed(order):
+        strides[m] = step
+        step *= sizes[m]
+    return tuple(strides)
+
+
+def affine_runs(a: np.ndarray, b: np.ndarray, step_a: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut two equal-length int64 sequences into runs where ``a`` steps by ``step_a`` and ``b`` by one
+    constant per run, greedily from the left: ``(first index of each run, its length)``.
+
+    >>> affine_runs(np.array([4, 5, 6, 9]), np.array([0, 10, 20, 30]), 1)
+    (array([0, 3]), array([3, 1]))
+    """
+    a = np.asarray(a, dtype=np.int64)
+    b = np.asarray(b, dtype=np.int64)
+    n = len(a)
+    if n <= 1:
+        return np.zeros(n, np.int64), np.ones(n, np.int64)
+    da, db = np.diff(a), np.diff(b)
+    if np.all(da == step_a) and np.all(db == db[0]):
+        return np.zeros(1, np.int64), np.array([n], np.int64)
+    firsts = [0]
+    i = 0
+    while i < n - 1:
+        if da[i] != step_a:  # i ends a run of its own; the next run starts at i + 1
+            i += 1
+            firsts.append(i)
+            continue
+        step_b = db[i]
+        j = i + 1  # index i + 1 joins the run
+        while j < n - 1 and da[j] == step_a and db[j] == step_b:
+            j += 1
+        i = j + 1  # j is the run's last index
+        if i < n:
+            firsts.append(i)
+    first = np.array(firsts, np.int64)
+    return first, np.diff(np.append(first, n))

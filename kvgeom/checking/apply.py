@@ -28,6 +28,7 @@ from ..values.plan import Rearrange, TransferPlan
 from .bounds import out_of_bounds
 from .memory import CHUNK, Memory
 from .report import Sink
+from .staging import apply_packed, packed_bounds
 
 __all__ = ["apply_plan"]
 
@@ -72,15 +73,22 @@ def _apply_rearrange(buf: np.ndarray, r: Rearrange) -> None:
         buf[(pages[i:i + step, None, None] + dst[None, :, None] + unit).ravel()] = values[k]
 
 
-def apply_plan(plan: TransferPlan, pmem: Memory, dmem: Memory) -> None:
-    """Apply copies, then rearranges, then zeros to ``dmem`` (P memory is only read).
+def apply_plan(plan: TransferPlan, pmem: Memory, dmem: Memory, *,
+               packed_masks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+    """Apply copies, then rearranges, then the packed chunks (packs, wire rows, unpacks, chunk by
+    chunk), then zeros to ``dmem`` (P memory is only read).
 
-    Raises :class:`PlanError` when a row leaves the engines' ranks, regions or pages; run
-    :func:`check_plan` first (or :func:`simulate`, which skips such rows) to get them as violations.
+    Raises :class:`PlanError` when a row or step leaves the engines' ranks, regions, pages or
+    staging slots; run :func:`check_plan` first (or :func:`simulate`, which passes the masks of such
+    rows and steps as ``packed_masks`` and skips them) to get them as violations.
     """
     sink = Sink(1)
     copy_bad, zero_bad, rearr_bad = out_of_bounds(pmem.engine, dmem.engine, plan, sink, check_tp=False)
-    if copy_bad.any() or zero_bad.any() or rearr_bad.any():
+    packed_bad = False
+    if packed_masks is None:
+        packed_masks = packed_bounds(pmem.engine, dmem.engine, plan, sink)
+        packed_bad = any(bool(m.any()) for m in packed_masks)
+    if copy_bad.any() or zero_bad.any() or rearr_bad.any() or packed_bad:
         first = sink.items[0]
         raise PlanError("TransferPlan", f"{sum(sink.counts.values())} rows out of bounds; first: {first}",
                         actual=str(first), expected="rows inside both engines' regions",
@@ -96,6 +104,7 @@ def apply_plan(plan: TransferPlan, pmem: Memory, dmem: Memory) -> None:
                   c.nbytes[rows])
     for r in plan.rearranges:
         _apply_rearrange(dmem.buffers[r.d_rank][r.d_region], r)
+    apply_packed(plan, pmem, dmem, packed_masks)
     z = plan.zeros
     if len(z):
         keys = np.stack([z.d_rank, z.d_region], axis=1)

@@ -32,6 +32,7 @@ from ..values.request import Request
 from .bounds import out_of_bounds
 from .describe import describe
 from .report import Sink, Violation, ViolationKind
+from .staging import packed_bounds, packed_checks
 from .walk import check_request, listed_pages, writable_pages
 
 __all__ = ["check_plan"]
@@ -161,16 +162,24 @@ def _determinism(sink: Sink, plan: TransferPlan, replan: TransferPlan) -> None:
                              f"{a[rows[0]].tolist()} then {b[rows[0]].tolist()}")
     if plan.rearranges != replan.rearranges:
         diffs.append(f"rearranges differ ({len(plan.rearranges)} then {len(replan.rearranges)})")
+    for name in ("packs", "unpacks", "chunks"):
+        if getattr(plan, name) != getattr(replan, name):
+            diffs.append(f"{name} differ ({len(getattr(plan, name))} then {len(getattr(replan, name))})")
+    if plan.wire != replan.wire or plan.staging_bytes != replan.staging_bytes:
+        diffs.append(f"wire rows differ ({len(plan.wire)} then {len(replan.wire)}; slots {plan.staging_bytes} then "
+                     f"{replan.staging_bytes} B)")
     sink.add(kind, len(diffs), 0, lambda i: Violation(kind, "decode", -1, -1, 0, 0, "",
                                                      f"planning twice gave different plans: {diffs[i]}"))
 
 
 def run_plan_checks(pair: EnginePair, request: Request, plan: TransferPlan, replan: TransferPlan | None,
-                    sink: Sink) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    sink: Sink) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Every plan-level check into ``sink`` (package-internal); returns the out-of-bounds masks over
-    copies, zeros and rearranges, the rows :func:`simulate` leaves out when it applies the plan."""
+    copies, zeros and rearranges, and over packs, unpacks and wire rows: what :func:`simulate`
+    leaves out when it applies the plan."""
     P, D = pair.prefill, pair.decode
     copy_bad, zero_bad, rearr_bad = out_of_bounds(P, D, plan, sink)
+    packed_masks = packed_bounds(P, D, plan, sink)
     p_allowed = listed_pages(P, request, "prefill")
     d_allowed = writable_pages(D, request)
     c, z = plan.copies, plan.zeros
@@ -211,15 +220,18 @@ def run_plan_checks(pair: EnginePair, request: Request, plan: TransferPlan, repl
     zc = np.stack([z.d_rank, z.d_region], axis=1)[zrows]
     _mergeable(sink, zc, z.d_offset[zrows, None], (z.d_offset + z.nbytes)[zrows, None], "zero",
                lambda row: (int(z.d_rank[row]), int(z.d_region[row]), int(z.d_offset[row])), z.nbytes, zrows)
+    if plan.packed:
+        packed_checks(pair, request, plan, p_allowed, d_allowed, ck, packed_masks, sink)
     if replan is not None:
         _determinism(sink, plan, replan)
-    return copy_bad, zero_bad, rearr_bad
+    return copy_bad, zero_bad, rearr_bad, packed_masks
 
 
 def check_plan(pair: EnginePair, request: Request, plan: TransferPlan, *, replan: TransferPlan | None = None,
                max_per_kind: int | None = None) -> list[Violation]:
     """Plan-level invariants, on the rows alone: OUT_OF_BOUNDS, FOREIGN_WRITE, FOREIGN_READ,
-    OVERLAPPING_WRITE, NOT_MINIMAL and (with ``replan``) NONDETERMINISTIC.
+    OVERLAPPING_WRITE, NOT_MINIMAL, the staging kinds of packed plans (STAGING_OUT_OF_SLOT,
+    STAGING_OVERLAP, STALE_STAGING) and (with ``replan``) NONDETERMINISTIC.
 
     Every violation is returned unless ``max_per_kind`` caps the listing per kind.
     """

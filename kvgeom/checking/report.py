@@ -13,7 +13,9 @@ million objects::
 The kinds map onto the invariants of docs/design.md §4.2: FOREIGN_WRITE, FOREIGN_READ and
 CLOBBERED break invariant 1 (confined), OVERLAPPING_WRITE invariant 2, MISSING and WRONG_DATA
 invariant 3, NOT_ZEROED (and WRONG_DATA on a must-be-zero byte) invariant 4, NOT_MINIMAL
-invariant 5, NONDETERMINISTIC invariant 6; OUT_OF_BOUNDS rows leave the engine altogether.
+invariant 5, NONDETERMINISTIC invariant 6, and the staging kinds of packed plans
+(STAGING_OUT_OF_SLOT, STAGING_OVERLAP, STALE_STAGING) invariant 7; OUT_OF_BOUNDS rows leave the
+engine altogether.
 
 Worked number: 32 copy rows that write outside the listed D pages give ``counts[FOREIGN_WRITE] ==
 32`` and ``bytes_bad`` their summed lengths, but ``LIST_LIMIT = 20`` listed violations of that kind.
@@ -43,6 +45,9 @@ class ViolationKind(str, enum.Enum):
     OVERLAPPING_WRITE = "overlapping_write"  # two copies (or two rearrange elements) write one D byte
     NOT_MINIMAL = "not_minimal"  # two copies (or two zeros) could merge
     NONDETERMINISTIC = "nondeterministic"  # planning twice gave a different plan
+    STAGING_OUT_OF_SLOT = "staging_out_of_slot"  # a pack, wire row or unpack leaves its chunk's slot (or chunk)
+    STAGING_OVERLAP = "staging_overlap"  # two packs (or two wire rows) of one chunk write one staging byte
+    STALE_STAGING = "stale_staging"  # a wire row / unpack reads staging bytes its chunk did not write
     WRONG_DATA = "wrong_data"  # a needed or must-be-zero byte holds something else
     MISSING = "missing"  # a needed byte still holds D's stale pattern
     NOT_ZEROED = "not_zeroed"  # a must-be-zero byte still holds D's stale pattern

@@ -10,7 +10,8 @@ lists -- and never from the planner. :func:`simulate` strings the package's modu
                                 NONDETERMINISTIC (with replan); out-of-bounds rows are set aside
     memory + fill               P: coordinate hash on computed coordinates, garbage elsewhere
                                 D: stale pattern, the coordinate hash on the prefix D holds
-    apply                       copies, then rearranges, then zeros (the rows in bounds)
+    apply                       copies, then rearranges, then packed chunks (packs, wire rows,
+                                unpacks; kvgeom.checking.staging), then zeros (the rows in bounds)
     content                     every D byte against the expected bytes: MISSING, NOT_ZEROED,
                                 WRONG_DATA, CLOBBERED
     report                      counts exact, at most LIST_LIMIT violations listed per kind
@@ -66,8 +67,8 @@ def simulate(pair: EnginePair, request: Request, plan: TransferPlan, *, replan: 
     """
     check_request(pair, request)
     sink = Sink(LIST_LIMIT)
-    copy_bad, zero_bad, rearr_bad = run_plan_checks(pair, request, plan, replan, sink)
-    skipped = int(copy_bad.sum() + zero_bad.sum() + rearr_bad.sum())
+    copy_bad, zero_bad, rearr_bad, packed_masks = run_plan_checks(pair, request, plan, replan, sink)
+    skipped = int(copy_bad.sum() + zero_bad.sum() + rearr_bad.sum() + sum(int(m.sum()) for m in packed_masks))
     if skipped:
         sink.notes.append(Note(NoteKind.ROWS_NOT_APPLIED, f"{skipped} out-of-bounds rows were not applied"))
         kept: tuple[Rearrange, ...] = tuple(r for k, r in enumerate(plan.rearranges) if not rearr_bad[k])
@@ -78,6 +79,6 @@ def simulate(pair: EnginePair, request: Request, plan: TransferPlan, *, replan: 
     pmem, dmem = Memory.allocate(pair.prefill), Memory.allocate(pair.decode)
     fill_prefill(pair, request, pmem)
     fill_decode(pair, request, dmem)
-    apply_plan(plan, pmem, dmem)
+    apply_plan(plan, pmem, dmem, packed_masks=packed_masks)
     checked = content_checks(pair, request, dmem, sink)
     return sink.report(checked)

@@ -1,10 +1,18 @@
 """Lowering a plan to what an executor posts and runs: fixed-granularity descriptor tables (the
-arithmetic of prepared lists, :mod:`.tiles`) and receive steps as index rows or strided views
-(:mod:`.steps`).
+arithmetic of prepared lists, :mod:`.tiles`), receive steps as index rows or strided views
+(:mod:`.steps`), and a packed plan's pack and unpack steps likewise (:mod:`.staging`).
 """
 
 from __future__ import annotations
 
+from .staging import (
+    MAX_STAGED_RUNS,
+    StagedRows,
+    StagedRun,
+    check_step,
+    staged_rows,
+    staged_runs,
+)
 from .steps import (
     RearrangeRows,
     StridedRun,
@@ -26,6 +34,12 @@ from .tiles import (
 )
 
 __all__ = [
+    "MAX_STAGED_RUNS",
+    "StagedRun",
+    "staged_runs",
+    "StagedRows",
+    "staged_rows",
+    "check_step",
     "ZeroRows",
     "zero_rows",
     "RearrangeRows",

@@ -6,6 +6,7 @@ Pure addressing arithmetic: no torch, no NIXL, no device, no I/O.
 from __future__ import annotations
 
 from .attention import (
+    attention_zeros,
     needed_tokens,
     plan_attention_group,
     zero_intervals,
@@ -14,8 +15,12 @@ from .choose import (
     DEFAULT_COST_MODEL,
     STRATEGIES,
     CostModel,
+    GroupChoice,
+    Posted,
     Strategy,
+    choose_group,
     plan_group,
+    posted,
 )
 from .coalesce import (
     coalesce,
@@ -28,6 +33,14 @@ from .compiled import (
 )
 from .group import (
     GroupPlan,
+)
+from .packed import (
+    DEFAULT_STAGING_BYTES,
+    PackedCount,
+    PackedParts,
+    count_packed,
+    min_staging_bytes,
+    plan_packed,
 )
 from .rows import (
     Rows,
@@ -44,6 +57,7 @@ from .staged import (
 from .state import (
     paired_slots,
     plan_state_group,
+    state_notes,
 )
 from .transfer import (
     Pair,
@@ -56,11 +70,22 @@ __all__ = [
     "needed_tokens",
     "zero_intervals",
     "plan_attention_group",
+    "attention_zeros",
     "Strategy",
     "STRATEGIES",
     "CostModel",
     "DEFAULT_COST_MODEL",
     "plan_group",
+    "Posted",
+    "posted",
+    "GroupChoice",
+    "choose_group",
+    "DEFAULT_STAGING_BYTES",
+    "PackedCount",
+    "PackedParts",
+    "count_packed",
+    "min_staging_bytes",
+    "plan_packed",
     "coalesce",
     "coalesce_zeros",
     "CompiledGroup",
@@ -75,6 +100,7 @@ __all__ = [
     "plan_staged_group",
     "paired_slots",
     "plan_state_group",
+    "state_notes",
     "Pair",
     "plan_transfer",
     "plan_pair",

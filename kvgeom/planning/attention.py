@@ -42,8 +42,8 @@ from .group import GroupPlan
 from .rows import Rows
 from .sides import SideView, stage_parts
 
-__all__ = ["needed_tokens", "zero_intervals", "plan_attention_group", "copy_rows", "zero_rows", "source_notes",
-           "segments_note", "nothing_note", "zeroed_note"]
+__all__ = ["needed_tokens", "zero_intervals", "plan_attention_group", "attention_zeros", "copy_rows", "zero_rows",
+           "source_notes", "segments_note", "nothing_note", "zeroed_note"]
 
 
 def needed_tokens(request: Request, pair: EnginePair, group: int) -> tuple[int, int]:
@@ -187,12 +187,24 @@ def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
         notes.extend(source_notes(pair, group))
     if not materialize:
         return GroupPlan(Copies.empty(), Zeros.empty(), (), notes, n_copies)
-    zeros = Rows()
+    zeros, zero_notes = attention_zeros(pair, request, group)
+    return GroupPlan(copies.copies(), zeros, (), notes + zero_notes, n_copies)
+
+
+def attention_zeros(pair: EnginePair, request: Request, group: int) -> tuple[Zeros, list[Note]]:
+    """The zero rows of one attention group, in D's own layout (every strategy's), with a
+    ``ZEROED`` note per zeroed token interval."""
+    g = request.groups[group]
+    if not isinstance(g.decode, BlockList):
+        raise InternalError("an attention group lists BlockLists (checked by Pair)")
+    ds_final = SideView(pair.decode, group)
     z_tok = ds_final.tokens(g.decode)
+    rows = Rows()
+    notes: list[Note] = []
     for z0, z1 in zero_intervals(request, pair, group):
         notes.append(zeroed_note(pair, group, z0, z1))
-        zero_rows(pair, group, segments(z0, z1, [z_tok]), z_tok, ds_final, zeros)
-    return GroupPlan(copies.copies(), zeros.zeros(), (), notes, n_copies)
+        zero_rows(pair, group, segments(z0, z1, [z_tok]), z_tok, ds_final, rows)
+    return rows.zeros(), notes
 
 
 def segments_note(pair: EnginePair, group: int, lo: int, hi: int, count: int) -> Note:

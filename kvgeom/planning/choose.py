@@ -1,14 +1,26 @@
-"""Per group, which strategy builds its rows: direct, staged, or ``auto`` weighing the two by cost.
+"""Per group, which strategy builds its rows (direct, staged), and what ``auto`` weighs: the cost
+of each strategy counted by what it posts (docs/design.md §5, §12.6).
 
     attention group --strategy--> direct  (kvgeom.planning.attention)
                                -> staged  (kvgeom.planning.staged; falls back to direct, noted)
-                               -> auto    count both without building rows, build the cheaper one
     state group     ----------->  direct  (kvgeom.planning.state; states are always copied in place)
+    whole plan      --packed--->  every group through staging (kvgeom.planning.packed)
+                    --auto----->  per attention group the cheaper of direct and staged, then the
+                                  whole plan against packed (kvgeom.planning.transfer)
 
-The auto choice is recorded as an ``AUTO_DIRECT`` or ``AUTO_STAGED`` note with the numbers.
+    direct  = posted copies x descriptor_seconds
+    staged  = posted copies x descriptor_seconds + rearranged bytes / rearrange_bytes_per_second
+    packed  = wire rows x descriptor_seconds + 2 x bytes / copy_bytes_per_second + operations x op_seconds
+    (+ bytes / wire_bytes_per_second for all three: the same bytes cross the wire)
+
+Posted copies are rows after coalescing (NIXL pays per descriptor it is handed). :func:`posted`
+counts them: the count before coalescing (no rows built) is an upper bound; when it is at most
+``CostModel.exact_rows`` the rows are built and coalesced for the exact count.
 
 Worked number: 4096 direct copies cost ``4096 * 1.5 us = 6144 us``; staged with 512 copies and
-64 MiB rearranged costs ``512 * 1.5 us + 67108864 B / 1.5 GB/s = 768 us + 44739 us``: auto picks direct.
+64 MiB rearranged costs ``512 * 1.5 us + 67108864 B / 1.5 GB/s = 768 us + 44739 us``; packed with
+4 wire rows, the same 64 MiB and 16 operations costs ``6 us + 2 * 67108864 / 8e9 s + 16 * 20 us
+= 17.1 ms``: auto picks direct.
 """
 
 from __future__ import annotations
@@ -23,73 +35,157 @@ from ..values.notes import Note, NoteKind
 from ..values.pair import EnginePair
 from ..values.request import Request
 from .attention import plan_attention_group
+from .coalesce import coalesce
 from .group import GroupPlan
 from .staged import plan_staged_group
 from .state import plan_state_group
 
-__all__ = ["Strategy", "STRATEGIES", "CostModel", "DEFAULT_COST_MODEL", "plan_group"]
+__all__ = ["Strategy", "STRATEGIES", "CostModel", "DEFAULT_COST_MODEL", "plan_group", "Posted", "posted",
+           "GroupChoice", "choose_group"]
 
 logger = logging.getLogger(__name__)
 
-Strategy = Literal["direct", "staged", "auto"]
-STRATEGIES: tuple[str, ...] = ("direct", "staged", "auto")
+Strategy = Literal["direct", "staged", "auto", "packed"]
+STRATEGIES: tuple[str, ...] = ("direct", "staged", "auto", "packed")
 
 
 @attrs.frozen
 class CostModel:
-    """What ``strategy="auto"`` weighs, per attention group.
+    """What ``strategy="auto"`` weighs (docs/design.md §12.6); the defaults are :meth:`cpu`,
+    measured on the project's 2-core CPU machine (``python -m benchmarks.costs`` and ``python -m
+    benchmarks --only transfer,packed``; the VM is noisy, so each default sits inside the spread):
 
-    ``direct = copies * descriptor_seconds`` against
-    ``staged = copies * descriptor_seconds + rearranged_bytes / rearrange_bytes_per_second``,
-    copies counted before coalescing. The defaults are ``python -m benchmarks`` measurements on
-    the 2-core CPU machine this project tests on: NIXL/UCX posted descriptors at 1.38 to 2.1 us
-    each (in-process, DRAM), and the executor's torch rearrange moved CPU tensors at 0.6 to 3.2 GB/s
-    across runs (the VM is noisy); 1.5 GB/s sits in between. On a GPU the rearrange is two orders
-    of magnitude cheaper: pass your own numbers.
+    * ``descriptor_seconds`` 1.5 us: NIXL's cost per posted descriptor, in-process over UCX
+      (measured 1.26-2.1 us; real NICs pay 3-5 us per RDMA request).
+    * ``rearrange_bytes_per_second`` 1.5 GB/s: the staged strategy's in-place torch rearrange
+      (measured 0.6-3.2 GB/s).
+    * ``copy_bytes_per_second`` 8 GB/s: one pack or unpack pass (torch, one thread; measured
+      5.8 GB/s for 256-byte head vectors changing layout, 16 GB/s for 4 KiB runs).
+    * ``op_seconds`` 20 us: one pack or unpack operation, planning its views included (measured 23 us).
+    * ``wire_bytes_per_second`` 15 GB/s: the bytes NIXL moves once posted (7 GB/s from 4 KiB-page
+      memory, 15-18 GB/s between huge-page staging rings); the same for every strategy, it only
+      makes the totals in the notes honest.
+    * ``exact_rows``: candidates with at most this many rows before coalescing are built and
+      coalesced to count their posted descriptors exactly.
     """
 
     descriptor_seconds: float = 1.5e-6
     rearrange_bytes_per_second: float = 1.5e9
+    copy_bytes_per_second: float = 8e9
+    op_seconds: float = 20e-6
+    wire_bytes_per_second: float = 1.5e10
+    exact_rows: int = 1 << 18
+
+    @classmethod
+    def cpu(cls) -> CostModel:
+        """CPU DRAM, measured on the project's 2-core machine (``python -m benchmarks.costs``)."""
+        return cls()
+
+    @classmethod
+    def cuda(cls) -> CostModel:
+        """An H100/H200-class GPU with an RDMA NIC: *estimates*, not measured here (no GPU in this
+        project's CI); ``scripts/gpu-check`` measures the copy and descriptor numbers to replace them."""
+        return cls(descriptor_seconds=4e-6, rearrange_bytes_per_second=1e12, copy_bytes_per_second=1e12,
+                   op_seconds=10e-6, wire_bytes_per_second=4.5e10)
 
     def cost(self, copies: int, rearranged_bytes: int) -> float:
+        """Direct or staged: posted copies and rearranged bytes (the wire bytes are left out)."""
         return copies * self.descriptor_seconds + rearranged_bytes / self.rearrange_bytes_per_second
+
+    def packed_cost(self, wire_rows: int, nbytes: int, operations: int) -> float:
+        """Packed: wire rows, two copy passes over ``nbytes``, and the pack and unpack operations."""
+        return (wire_rows * self.descriptor_seconds + 2 * nbytes / self.copy_bytes_per_second
+                + operations * self.op_seconds)
+
+    def wire_seconds(self, nbytes: int) -> float:
+        return nbytes / self.wire_bytes_per_second
+
+    def describe(self) -> str:
+        return (f"{self.descriptor_seconds * 1e6:g} us/descriptor, copy {self.copy_bytes_per_second:.3g} B/s, "
+                f"rearrange {self.rearrange_bytes_per_second:.3g} B/s, {self.op_seconds * 1e6:g} us/op")
 
 
 DEFAULT_COST_MODEL = CostModel()
 
 
-def _auto(pair: EnginePair, request: Request, gi: int, cost_model: CostModel) -> GroupPlan:
-    """Count direct and staged rows without building them, then build only the cheaper plan."""
+@attrs.frozen(eq=False)
+class Posted:
+    """A candidate group plan and the descriptors it posts: ``exact`` when counted after
+    coalescing, else the count before coalescing (an upper bound); ``plan`` holds the built
+    group plan when the count was exact."""
+
+    count: int
+    exact: bool
+    rearranged: int = 0
+    plan: GroupPlan | None = None
+
+
+def posted(pair: EnginePair, request: Request, gi: int, strategy: str, cost_model: CostModel) -> Posted:
+    """Descriptors group ``gi`` posts under ``strategy`` ("direct" or "staged"), counted without
+    building rows first, then exactly when there are at most ``cost_model.exact_rows``."""
+    planner = plan_attention_group if strategy == "direct" else plan_staged_group
+    counted = planner(pair, request, gi, materialize=False)
+    moved = sum(r.nbytes_per_page * len(r.pages) for r in counted.rearranges)
+    if counted.rows_before_coalescing > cost_model.exact_rows:
+        return Posted(counted.rows_before_coalescing, False, moved)
+    built = planner(pair, request, gi)
+    return Posted(len(coalesce(built.copies)), True, moved, built)
+
+
+@attrs.frozen(eq=False)
+class GroupChoice:
+    """Auto's choice for one group between direct and staged: the plan, its cost (seconds, wire
+    bytes left out), and the note saying why (``None`` when staged does not apply)."""
+
+    plan: GroupPlan
+    cost: float
+    note: Note | None
+
+
+def choose_group(pair: EnginePair, request: Request, gi: int, cost_model: CostModel) -> GroupChoice:
+    """Group ``gi`` under auto (direct or staged; state groups are direct): the cheaper plan by
+    posted descriptors, built once."""
+    if not isinstance(pair.model.groups[gi], AttentionSpec):
+        built = plan_state_group(pair, request, gi)
+        return GroupChoice(built, cost_model.cost(len(coalesce(built.copies)), 0), None)
     staged_count = plan_staged_group(pair, request, gi, materialize=False)
+    direct = posted(pair, request, gi, "direct", cost_model)
+    cost_d = cost_model.cost(direct.count, 0)
     if not staged_count.rearranges:  # staged does not apply or equals direct
         logger.debug("%s: auto: staged does not apply or changes nothing -> direct", pair.model.groups[gi].name)
-        return plan_attention_group(pair, request, gi)
-    n_staged = staged_count.rows_before_coalescing
-    n_direct = plan_attention_group(pair, request, gi, materialize=False).rows_before_coalescing
-    moved = sum(r.nbytes_per_page * len(r.pages) for r in staged_count.rearranges)
-    cost_d, cost_s = cost_model.cost(n_direct, 0), cost_model.cost(n_staged, moved)
+        return GroupChoice(direct.plan or plan_attention_group(pair, request, gi), cost_d, None)
+    staged = posted(pair, request, gi, "staged", cost_model)
+    cost_s = cost_model.cost(staged.count, staged.rearranged)
     name = pair.model.groups[gi].name
-    why = (f"{name}: auto: direct {n_direct} copies = {cost_d * 1e6:.1f} us; staged {n_staged} copies + "
-           f"{moved} B rearranged = {cost_s * 1e6:.1f} us "
-           f"({cost_model.descriptor_seconds * 1e6:g} us/descriptor, {cost_model.rearrange_bytes_per_second:.3g} B/s; "
-           "copies counted before coalescing)")
+
+    def counted(p: Posted) -> str:
+        return f"{p.count} copies posted" + ("" if p.exact else " (estimate: count before coalescing)")
+
+    why = (f"{name}: auto: direct {counted(direct)} = {cost_d * 1e6:.1f} us; staged {counted(staged)} + "
+           f"{staged.rearranged} B rearranged = {cost_s * 1e6:.1f} us ({cost_model.describe()})")
     if cost_s < cost_d:
         logger.debug("%s -> staged", why)
-        return plan_staged_group(pair, request, gi).with_notes(Note(NoteKind.AUTO_STAGED, why + " -> staged"))
+        return GroupChoice(staged.plan or plan_staged_group(pair, request, gi), cost_s,
+                           Note(NoteKind.AUTO_STAGED, why + " -> staged"))
     logger.debug("%s -> direct", why)
-    return plan_attention_group(pair, request, gi).with_notes(Note(NoteKind.AUTO_DIRECT, why + " -> direct"))
+    return GroupChoice(direct.plan or plan_attention_group(pair, request, gi), cost_d,
+                       Note(NoteKind.AUTO_DIRECT, why + " -> direct"))
 
 
-def plan_group(pair: EnginePair, request: Request, gi: int, strategy: str, cost_model: CostModel) -> GroupPlan:
-    """Group ``gi`` of ``request`` under ``strategy`` (state groups are always direct)."""
+def plan_group(pair: EnginePair, request: Request, gi: int, strategy: str,
+               cost_model: CostModel = DEFAULT_COST_MODEL) -> GroupPlan:
+    """Group ``gi`` of ``request`` under ``strategy`` ("direct", "staged", or "auto": the cheaper of
+    the two for this group; state groups are always direct). Packed plans are whole-plan
+    (:func:`kvgeom.planning.packed.plan_packed`)."""
     if not isinstance(pair.model.groups[gi], AttentionSpec):
         return plan_state_group(pair, request, gi)
-    if strategy == "direct":
-        return plan_attention_group(pair, request, gi)
     if strategy == "staged":
         out = plan_staged_group(pair, request, gi)
         for n in out.notes:
             if n.kind is NoteKind.STAGED_NOT_APPLICABLE:
                 logger.warning("staged asked for, direct planned instead: %s", n.text)
         return out
-    return _auto(pair, request, gi, cost_model)
+    if strategy == "auto":
+        choice = choose_group(pair, request, gi, cost_model)
+        return choice.plan.with_notes(choice.note) if choice.note is not None else choice.plan
+    return plan_attention_group(pair, request, gi)

@@ -1,5 +1,5 @@
 """The compiled pair: every request-independent step of planning done once, so that planning a
-request is integer arithmetic over its block ids (docs/design.md §12).
+request is integer arithmetic over its block ids (docs/design.md §13).
 
     Pair.compile() ---- once per pair -------------------------------------------------------------
       per attention group, per landing (direct; staged's arrived layout when staged applies):
@@ -36,7 +36,7 @@ import attrs
 import numpy as np
 
 from ..arith.tokens import Segments, SideTokens, segments, window_start
-from ..errors import InternalError, KvGeomError
+from ..errors import InternalError, KvGeomError, StagingCapacityError
 from ..values.blocks import CopyBlock
 from ..values.model import AttentionSpec
 from ..values.notes import Note, NoteKind
@@ -45,6 +45,7 @@ from ..values.plan import Copies, Rearrange, TransferPlan, Zeros, planner_column
 from ..values.request import BlockList, Request, StateSlots
 from .attention import copy_rows, nothing_note, segments_note, source_notes, zero_rows, zeroed_note
 from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy
+from .packed import DEFAULT_STAGING_BYTES, PackedCount, count_packed, packed_transfer_plan
 from .pieces import (
     Family,
     FamilyRows,
@@ -66,7 +67,7 @@ from .staged import ArrivedView, arrival, staged_rearrange_shape
 from .state import paired_slots, state_notes, state_rows
 from .topology import topology_notes
 
-__all__ = ["CompiledPair", "CompiledGroup", "compile_pair"]
+__all__ = ["CompiledPair", "CompiledGroup", "compile_pair", "COMPILED_STRATEGIES"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ _CACHE_LIMIT = 4096  # partial-page windows kept per group
 FAMILY_LIMIT = 4  # a group with more families, or one unit, is planned stream by stream in one pass (flat)
 FLAT_ROWS = 65536  # ... unless it gives more rows than this: families then write in place (no temporaries)
 MERGE_ROWS = 65536  # flat rows of several groups up to this many are sorted together into one block
+COMPILED_STRATEGIES: tuple[str, ...] = ("direct", "staged", "auto")  # packed: the reference path, noted
 
 
 def _ids(listing: BlockList | StateSlots) -> np.ndarray:
@@ -877,6 +879,7 @@ class _Group:
     notes: tuple[Note, ...]
     rearranges: tuple[Rearrange, ...] = ()
     variant: str = "direct"
+    cost: float = 0.0  # auto: what this group's chosen plan posts and rearranges, in seconds
 
 
 @attrs.frozen
@@ -898,7 +901,7 @@ class CompiledGroup:
 class CompiledPair:
     """A pair with every request-independent step of planning done: :meth:`plan` returns the same
     :class:`~kvgeom.values.plan.TransferPlan` as :func:`kvgeom.planning.plan_reference`
-    (docs/design.md §12)."""
+    (docs/design.md §13)."""
 
     def __init__(self, pair: EnginePair) -> None:
         self.pair = pair
@@ -926,7 +929,7 @@ class CompiledPair:
                         for side, eng in (("prefill", P), ("decode", D))}
         self._shared = {side: self._sharing(eng) for side, eng in (("prefill", P), ("decode", D))}
         # one request's group work, kept for the other of plan() and copy_blocks() (an executor asks both)
-        self._last: tuple[Request, str, CostModel, list[_Group], str] | None = None
+        self._last: tuple[Request, tuple[str, CostModel, int], Any, str] | None = None
         self._id_arrays: dict[int, tuple[BlockList, np.ndarray]] = {}
 
     def stats(self) -> dict[str, CompiledGroup]:
@@ -1040,15 +1043,25 @@ class CompiledPair:
 
     # ---- planning --------------------------------------------------------------------------------------
     def plan(self, request: Request, *, strategy: Strategy = "direct", cost_model: CostModel = DEFAULT_COST_MODEL,
-             decode_rank: int | None = None, prefill_rank: int | None = None) -> TransferPlan:
+             staging_bytes: int = DEFAULT_STAGING_BYTES, decode_rank: int | None = None,
+             prefill_rank: int | None = None) -> TransferPlan:
         """Plan ``request``: the same plan as :func:`kvgeom.planning.plan_reference`.
 
         ``decode_rank=d`` plans only what D rank ``d`` posts and applies (equal to
-        ``plan.for_decode_rank(d)``); ``prefill_rank=p`` only the copies P rank ``p`` reads from (equal
-        to ``plan.for_prefill_rank(p)``, no zeros or rearranges: D applies those). Notes and the
-        counts before coalescing are the whole plan's either way.
+        ``plan.for_decode_rank(d)``); ``prefill_rank=p`` only what P rank ``p`` does (equal to
+        ``plan.packed_for_prefill_rank(p)``: its copies, no zeros or rearranges, D applies those).
+        Notes and the counts before coalescing are the whole plan's either way.
+
+        Packed plans (``strategy="packed"``, or ``"auto"`` when packed is cheapest) come from the
+        reference planner (:mod:`kvgeom.planning.packed`) with a ``REFERENCE_PATH`` note saying so;
+        everything else in them equals the reference plan.
         """
-        groups, select = self._groups(request, strategy, cost_model, decode_rank, prefill_rank, "plan")
+        got, select = self._decide(request, strategy, cost_model, staging_bytes, decode_rank, prefill_rank, "plan")
+        if isinstance(got, TransferPlan):
+            if select is None:
+                return got
+            return got.for_decode_rank(select[1]) if select[0] == 0 else got.packed_for_prefill_rank(select[1])
+        groups, last = got
         copies = _materialize(self._blocks(groups, True, select), True)
         if prefill_rank is None:
             zeros = _materialize(self._blocks(groups, False, None if decode_rank is None else (0, decode_rank)), False)
@@ -1057,7 +1070,7 @@ class CompiledPair:
         rearranges = [r for g in groups for r in g.rearranges
                       if prefill_rank is None and (decode_rank is None or r.d_rank == decode_rank)]
         with planner_columns():
-            plan = self._plan(strategy, groups, Copies(*copies), Zeros(*zeros), rearranges)
+            plan = self._plan(strategy, groups, Copies(*copies), Zeros(*zeros), rearranges, last)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("planned M=%d S=%d%s (%s, compiled%s): %d copies (%d before coalescing), %d B; %d zero rows, "
                          "%d B; %d rearranges", request.computed_tokens, request.prefix_hit_tokens,
@@ -1068,16 +1081,21 @@ class CompiledPair:
         return plan
 
     def copy_blocks(self, request: Request, *, strategy: Strategy = "direct",
-                    cost_model: CostModel = DEFAULT_COST_MODEL, decode_rank: int | None = None,
-                    prefill_rank: int | None = None) -> tuple[CopyBlock, ...]:
+                    cost_model: CostModel = DEFAULT_COST_MODEL, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                    decode_rank: int | None = None, prefill_rank: int | None = None) -> tuple[CopyBlock, ...]:
         """The copies :meth:`plan` would give (for one rank, with ``decode_rank`` or ``prefill_rank``)
         as outer-sum blocks in the plan's row order, never written out as columns: what
-        :func:`kvgeom.lowering.tile_index_blocks` turns into prepared-table indices."""
-        groups, select = self._groups(request, strategy, cost_model, decode_rank, prefill_rank, "blocks")
-        return tuple(self._blocks(groups, True, select))
+        :func:`kvgeom.lowering.tile_index_blocks` turns into prepared-table indices. A packed plan
+        has no copies (its wire rows are its plan's)."""
+        got, select = self._decide(request, strategy, cost_model, staging_bytes, decode_rank, prefill_rank, "blocks")
+        if isinstance(got, TransferPlan):
+            return ()
+        return tuple(self._blocks(got[0], True, select))
 
-    def _groups(self, request: Request, strategy: str, cost_model: CostModel, decode_rank: int | None,
-                prefill_rank: int | None, consumer: str) -> tuple[list[_Group], tuple[int, int] | None]:
+    def _decide(self, request: Request, strategy: str, cost_model: CostModel, staging_bytes: int,
+                decode_rank: int | None, prefill_rank: int | None, consumer: str
+                ) -> tuple[TransferPlan | tuple[list[_Group], tuple[Note, ...]], tuple[int, int] | None]:
+        """Every group's work for ``request`` (and auto's closing note), or a whole packed plan."""
         if strategy not in STRATEGIES:
             raise KvGeomError("strategy", f"unknown strategy {strategy!r}", actual=strategy,
                               expected=list(STRATEGIES), fix=f"use one of {', '.join(STRATEGIES)}")
@@ -1092,25 +1110,73 @@ class CompiledPair:
         elif prefill_rank is not None:
             pair.prefill.coords(prefill_rank)
             select = (1, int(prefill_rank))
+        memo = (strategy, cost_model, staging_bytes)
         last = self._last
-        if (last is not None and last[0] is request and last[1] == strategy and last[2] == cost_model
-                and last[4] != consumer):  # an executor's blocks, then its plan (or the other way round)
+        if (last is not None and last[0] is request and last[1] == memo
+                and last[3] != consumer):  # an executor's blocks, then its plan (or the other way round)
             self._last = None
-            return last[3], select
-        self._id_arrays = {}
-        if not self._valid(request):
-            pair.check_request(request)
-        groups: list[_Group] = []
-        for gi, spec in enumerate(pair.model.groups):
-            if isinstance(spec, AttentionSpec):
-                groups.append(self._attention(request, gi, spec, strategy, cost_model))
-            else:
-                groups.append(self._state(request, gi))
-        self._last = (request, strategy, cost_model, groups, consumer)
-        return groups, select
+            return last[2], select
+        first = (Note(NoteKind.STRATEGY, f"strategy {strategy}"),) + self.topology
+        got: TransferPlan | tuple[list[_Group], tuple[Note, ...]]
+        if strategy == "packed":
+            got = self._reference_packed(request, staging_bytes, first)
+        else:
+            self._id_arrays = {}
+            if not self._valid(request):
+                pair.check_request(request)
+            groups: list[_Group] = []
+            for gi, spec in enumerate(pair.model.groups):
+                if isinstance(spec, AttentionSpec):
+                    groups.append(self._attention(request, gi, spec, strategy, cost_model))
+                else:
+                    groups.append(self._state(request, gi, cost_model if strategy == "auto" else None))
+            got = (groups, ())
+            if strategy == "auto":
+                got = self._auto(request, groups, cost_model, staging_bytes, first)
+        self._last = (request, memo, got, consumer)
+        return got, select
+
+    def _reference_packed(self, request: Request, staging_bytes: int, notes: tuple[Note, ...]) -> TransferPlan:
+        plan = packed_transfer_plan(self.pair, request, staging_bytes, notes)
+        note = Note(NoteKind.REFERENCE_PATH, "packed: planned on the reference path (kvgeom.planning.packed: pack and "
+                    "unpack steps per rank pair and chunk, not rows); the compiled pair plans direct and staged rows")
+        logger.debug("%s", note.text)
+        with planner_columns():
+            return attrs.evolve(plan, notes=plan.notes + (note,))
+
+    def _auto(self, request: Request, groups: list[_Group], cost_model: CostModel, staging_bytes: int,
+              first: tuple[Note, ...]) -> TransferPlan | tuple[list[_Group], tuple[Note, ...]]:
+        """Auto's whole-plan step (the reference's ``_auto_plan``): the groups' choices against packed."""
+        unpacked = sum(g.cost for g in groups)
+        try:
+            count = count_packed(self.pair, request, staging_bytes)
+        except StagingCapacityError:  # packed cannot be planned with this capacity: not a candidate
+            count = PackedCount(0, 0, 0, 0)
+        packed = cost_model.packed_cost(count.wire_rows, count.bytes, count.operations)
+        why = (f"auto: direct/staged {unpacked * 1e6:.1f} us (posted copies of every group); packed "
+               f"{count.wire_rows} wire rows in {count.chunks} chunks + 2 x {count.bytes} B copied + "
+               f"{count.operations} operations = {packed * 1e6:.1f} us ({cost_model.describe()}); "
+               f"{count.bytes} B on the wire either way ({cost_model.wire_seconds(count.bytes) * 1e6:.1f} us)")
+        if count.wire_rows and packed < unpacked:
+            logger.debug("%s -> packed", why)
+            return self._reference_packed(request, staging_bytes, first + (Note(NoteKind.AUTO_PACKED,
+                                                                                why + " -> packed"),))
+        kind = NoteKind.AUTO_STAGED if any(g.rearranges for g in groups) else NoteKind.AUTO_DIRECT
+        logger.debug("%s -> not packed", why)
+        return groups, (Note(kind, why + " -> not packed"),)
+
+    def _posted(self, gi: int, work: _Work | None, variant: str, raw: int, cost_model: CostModel) -> tuple[int, bool]:
+        """What group ``gi`` alone posts (:func:`kvgeom.planning.choose.posted`): its rows after
+        coalescing when there are at most ``cost_model.exact_rows`` before, else that count."""
+        if raw > cost_model.exact_rows:
+            return raw, False
+        works: list[_Work | None] = [None] * len(self.pair.model.groups)
+        works[gi] = work
+        variants = tuple(variant if i == gi else "none" for i in range(len(works)))
+        return sum(len(b) for b in self._blocks_of(works, variants, True, None)), True
 
     def _plan(self, strategy: str, groups: Sequence[_Group], copies: Copies, zeros: Zeros,
-              rearranges: Sequence[Rearrange]) -> TransferPlan:
+              rearranges: Sequence[Rearrange], last: tuple[Note, ...]) -> TransferPlan:
         pair = self.pair
         return TransferPlan(
             prefill_tp=pair.prefill.tp,
@@ -1119,7 +1185,7 @@ class CompiledPair:
             zeros=zeros,
             rearranges=rearranges,
             notes=(Note(NoteKind.STRATEGY, f"strategy {strategy}"),) + self.topology
-            + tuple(n for g in groups for n in g.notes),
+            + tuple(n for g in groups for n in g.notes) + last,
             copies_before_coalescing=sum(g.raw_copies for g in groups),
             zeros_before_coalescing=sum(g.raw_zeros for g in groups),
             prefill_ranks=pair.prefill.num_ranks,
@@ -1127,6 +1193,8 @@ class CompiledPair:
         )
 
     def _source(self, gi: int, variant: str) -> _Source | None:
+        if variant == "none":
+            return None
         if variant == "state":
             return self.states[gi]
         if variant == "zeros":
@@ -1137,6 +1205,10 @@ class CompiledPair:
     def _blocks(self, groups: Sequence[_Group], two_sided: bool, select: tuple[int, int] | None) -> list[CopyBlock]:
         works = [g.copies if two_sided else g.zeros for g in groups]
         variants = tuple(g.variant if two_sided else "zeros" for g in groups)
+        return self._blocks_of(works, variants, two_sided, select)
+
+    def _blocks_of(self, works: Sequence[_Work | None], variants: tuple[str, ...], two_sided: bool,
+                   select: tuple[int, int] | None) -> list[CopyBlock]:
         flat = tuple(w is not None and (len(w.units.g) == 1 or (len(w.src.families) > FAMILY_LIMIT
                                                               and len(w.units.g) * w.src.pieces_per_unit < FLAT_ROWS))
                      for w in works)
@@ -1169,6 +1241,7 @@ class CompiledPair:
         if strategy == "direct" or isinstance(staged, str):
             work, raw, nseg = self._pages(direct, p_list, d_list, lo, hi)
             notes = self._notes(gi, lo, hi, nseg) + z_notes
+            cost = 0.0
             if strategy != "direct" and isinstance(staged, str):
                 if strategy == "staged":
                     note = Note(self.staged_kind[gi], staged)
@@ -1177,7 +1250,8 @@ class CompiledPair:
                     notes += (note,)
                 else:
                     logger.debug("%s: auto: staged does not apply or changes nothing -> direct", spec.name)
-            return _Group(work, zwork, raw, raw_z, notes)
+                    cost = cost_model.cost(self._posted(gi, work, "direct", raw, cost_model)[0], 0)
+            return _Group(work, zwork, raw, raw_z, notes, cost=cost)
         s_work, s_raw, s_nseg = self._pages(staged, p_list, d_list, lo, hi)
         pages = tuple(s_work.units.g.tolist()) if s_work is not None else ()
         rearranges: tuple[Rearrange, ...] = ()
@@ -1193,24 +1267,29 @@ class CompiledPair:
         if strategy == "staged":
             notes = self._notes(gi, lo, hi, s_nseg) + z_notes + (staged_note,)
             return _Group(s_work, zwork, s_raw, raw_z, notes, rearranges, "staged")
-        if not rearranges:  # auto: nothing to rearrange, so staged would change nothing
+        # auto: the cheaper of direct and staged by what each posts (kvgeom.planning.choose.choose_group)
+        work, raw, nseg = self._pages(direct, p_list, d_list, lo, hi)
+        n_direct, exact_d = self._posted(gi, work, "direct", raw, cost_model)
+        cost_d = cost_model.cost(n_direct, 0)
+        if not rearranges:  # nothing to rearrange, so staged would change nothing
             logger.debug("%s: auto: staged does not apply or changes nothing -> direct", spec.name)
-            work, raw, nseg = self._pages(direct, p_list, d_list, lo, hi)
-            return _Group(work, zwork, raw, raw_z, self._notes(gi, lo, hi, nseg) + z_notes)
-        work, n_direct, nseg = self._pages(direct, p_list, d_list, lo, hi)
-        cost_d, cost_s = cost_model.cost(n_direct, 0), cost_model.cost(s_raw, moved)
-        why = (f"{spec.name}: auto: direct {n_direct} copies = {cost_d * 1e6:.1f} us; staged {s_raw} copies + "
-               f"{moved} B rearranged = {cost_s * 1e6:.1f} us "
-               f"({cost_model.descriptor_seconds * 1e6:g} us/descriptor, "
-               f"{cost_model.rearrange_bytes_per_second:.3g} B/s; copies counted before coalescing)")
+            return _Group(work, zwork, raw, raw_z, self._notes(gi, lo, hi, nseg) + z_notes, cost=cost_d)
+        n_staged, exact_s = self._posted(gi, s_work, "staged", s_raw, cost_model)
+        cost_s = cost_model.cost(n_staged, moved)
+
+        def counted(count: int, exact: bool) -> str:
+            return f"{count} copies posted" + ("" if exact else " (estimate: count before coalescing)")
+
+        why = (f"{spec.name}: auto: direct {counted(n_direct, exact_d)} = {cost_d * 1e6:.1f} us; staged "
+               f"{counted(n_staged, exact_s)} + {moved} B rearranged = {cost_s * 1e6:.1f} us ({cost_model.describe()})")
         if cost_s < cost_d:
             logger.debug("%s -> staged", why)
             notes = self._notes(gi, lo, hi, s_nseg) + z_notes + (staged_note,
                                                                   Note(NoteKind.AUTO_STAGED, why + " -> staged"))
-            return _Group(s_work, zwork, s_raw, raw_z, notes, rearranges, "staged")
+            return _Group(s_work, zwork, s_raw, raw_z, notes, rearranges, "staged", cost_s)
         logger.debug("%s -> direct", why)
         notes = self._notes(gi, lo, hi, nseg) + z_notes + (Note(NoteKind.AUTO_DIRECT, why + " -> direct"),)
-        return _Group(work, zwork, n_direct, raw_z, notes)
+        return _Group(work, zwork, raw, raw_z, notes, cost=cost_d)
 
     def _notes(self, gi: int, lo: int, hi: int, nseg: int) -> tuple[Note, ...]:
         if hi > lo:
@@ -1417,17 +1496,23 @@ class CompiledPair:
         return work, raw, notes
 
     # ---- state groups ---------------------------------------------------------------------------------
-    def _state(self, request: Request, gi: int) -> _Group:
+    def _state(self, request: Request, gi: int, cost_model: CostModel | None) -> _Group:
         st = self.states[gi]
-        paired, unpaired = paired_slots(request, gi)
-        notes = tuple(state_notes(self.pair, gi, paired, unpaired))
+        paired, _ = paired_slots(request, gi)
+        notes = tuple(state_notes(self.pair, request, gi))
         if not paired:
             return _Group(None, None, 0, 0, notes, (), "state")
         arr = np.array(paired, np.int64)
         order = np.argsort(arr[:, 1], kind="stable")
         units = Units(arr[order, 1], np.zeros(len(arr), np.int64), arr[order, 0:1], 0)
-        return _Group(_Work(st, units, [st.pattern], ("slot",)), None, st.per_pair * len(paired), 0, notes, (),
-                      "state")
+        work = _Work(st, units, [st.pattern], ("slot",))
+        cost = 0.0
+        if cost_model is not None:  # auto's total: a state group posts its coalesced rows (counted exactly, always)
+            works: list[_Work | None] = [None] * len(self.pair.model.groups)
+            works[gi] = work
+            variants = tuple("state" if i == gi else "none" for i in range(len(works)))
+            cost = cost_model.cost(sum(len(b) for b in self._blocks_of(works, variants, True, None)), 0)
+        return _Group(work, None, st.per_pair * len(paired), 0, notes, (), "state", cost)
 
 
 def compile_pair(pair: EnginePair) -> CompiledPair:

@@ -55,10 +55,10 @@ def paired_slots(request: Request, group: int) -> tuple[list[tuple[int, int, int
     return paired, unpaired
 
 
-def state_notes(pair: EnginePair, group: int, paired: list[tuple[int, int, int]],
-                unpaired: list[tuple[int, int]]) -> list[Note]:
-    """``STATE_PAIRS`` (the layouts and every pairing) and one ``STATE_UNPAIRED`` per unpaired D slot."""
+def state_notes(pair: EnginePair, request: Request, group: int) -> list[Note]:
+    """How D slots pair with P slots (``STATE_PAIRS``) and every unpaired D slot (``STATE_UNPAIRED``)."""
     spec = pair.model.groups[group]
+    paired, unpaired = paired_slots(request, group)
     pgeo, dgeo = pair.prefill.groups[group], pair.decode.groups[group]
     notes = [Note(NoteKind.STATE_PAIRS,
                   f"{spec.name}: state layout P {getattr(pgeo, 'layout', '?')} -> D {getattr(dgeo, 'layout', '?')}; "
@@ -75,8 +75,8 @@ def plan_state_group(pair: EnginePair, request: Request, group: int) -> GroupPla
     spec = pair.model.groups[group]
     if not isinstance(spec, StateSpec):
         raise InternalError("dispatched on kind")
-    paired, unpaired = paired_slots(request, group)
-    notes = state_notes(pair, group, paired, unpaired)
+    paired, _ = paired_slots(request, group)
+    notes = state_notes(pair, request, group)
     if not paired:
         return GroupPlan(Copies.empty(), Zeros.empty(), (), notes, 0)
     rows = Rows()

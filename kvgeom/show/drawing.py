@@ -8,6 +8,8 @@ derived from the plan itself, by mapping every D coordinate back through the pla
         undo the rearranges, last first     -> the byte where the copy landed
         a copy row covers it?               -> P rank/region/byte -> P page -> P block (its
                                                position in P's listing)   -> coloured by P rank
+        an unpack element covers it?        -> D slot byte of its chunk -> the wire row -> P slot
+        (packed plans)                         byte -> the pack element -> P rank/region/byte -> as above
         nothing                             -> "untouched"   (e.g. the prefix D already holds)
 
     decode view (rank 0)      tokens ->   0 1 2 3 4 5 6 7 | 8 9 ...
@@ -139,6 +141,33 @@ def _by_key(columns: dict[str, np.ndarray], keys: tuple[str, ...], start: str, p
     return out
 
 
+def _step_intervals(steps: Sequence[Any], *, by_cache: bool, per_peer: bool = False
+                    ) -> dict[tuple[int, ...], _Intervals]:
+    """Every element of ``steps`` as an interval: keyed by (rank, cache region) with payload (chunk,
+    cache start, staging start) when ``by_cache``, else by (rank, chunk) over the slot with payload
+    (cache region, cache start, staging start). ``per_peer`` adds the other side's rank to the key:
+    pack elements of different D ranks may read one P byte (replicated heads), one D rank's never."""
+    parts: dict[tuple[int, ...], list[tuple[np.ndarray, ...]]] = {}
+    for st in steps:
+        for lam in range(len(st.regions)):
+            cache = st.cache_offsets(lam).ravel()
+            staging = st.staging_offsets(lam).ravel()
+            n = np.full(cache.shape, st.unit_bytes, np.int64)
+            region = int(st.regions[lam])
+            if by_cache:
+                key: tuple[int, ...] = (st.rank, region, st.d_rank if st.side == "prefill" else st.p_rank) if per_peer else \
+                    (st.rank, region)
+                parts.setdefault(key, []).append((cache, n, np.full(cache.shape, st.chunk), cache, staging))
+            else:
+                parts.setdefault((st.rank, st.chunk), []).append((staging, n, np.full(cache.shape, region), cache,
+                                                                   staging))
+    out: dict[tuple[int, ...], _Intervals] = {}
+    for k, chunks in parts.items():
+        start, n, a, b, c = (np.concatenate([x[i] for x in chunks]) for i in range(5))
+        out[k] = _Intervals(start, n, [a, b, c])
+    return out
+
+
 class _Resolver:
     """Maps final D addresses to their source (decode view) or P addresses to readers (prefill view)."""
 
@@ -155,6 +184,16 @@ class _Resolver:
         self.prefill, self.decode = prefill, decode
         self.decode_ranks = plan.decode_ranks
         self._inverse: dict[int, np.ndarray] = {}
+        # packed plans: every step element as an interval (StagingStep.cache_offsets / staging_offsets),
+        # every wire row as an interval of its slot
+        w = plan.wire
+        wcols = {"chunk": w.chunk, "p_rank": w.p_rank, "p_offset": w.p_offset, "d_rank": w.d_rank,
+                 "d_offset": w.d_offset, "nbytes": w.nbytes}
+        self.wire_d = _by_key(wcols, ("d_rank", "chunk"), "d_offset", ("p_rank", "p_offset", "d_offset"))
+        self.wire_p = _by_key(wcols, ("p_rank", "chunk"), "p_offset", ("d_rank",))
+        self.unpack_cache = _step_intervals(plan.unpacks, by_cache=True)  # (d_rank, region) -> chunk, staging
+        self.pack_staging = _step_intervals(plan.packs, by_cache=False)  # (p_rank, chunk) -> region, cache
+        self.pack_cache = _step_intervals(plan.packs, by_cache=True, per_peer=True)  # (p_rank, region, d_rank) -> ...
 
     def _inverse_map(self, k: int) -> np.ndarray:
         """In-page byte -> the in-page byte it was read from, for rearrange ``k``."""
@@ -197,8 +236,45 @@ class _Resolver:
             p_addr = p_offset + (pre - d_offset)
             pos = self._positions(p_region, p_addr, p_listing, p_kind)
             codes = np.where(got, p_rank * SOURCE_STRIDE + pos, codes)
+        if self.unpack_cache:
+            codes = np.where(codes == UNTOUCHED, self._packed_source(rank, region, pre, p_listing, p_kind), codes)
         codes = np.where(zeroed, ZEROED, codes)
         return codes, zeroed
+
+    def _packed_source(self, rank: int, region: int, addr: np.ndarray, p_listing: Any, p_kind: str) -> np.ndarray:
+        """Codes of D addresses an unpack writes: back through the D slot, the wire row and the pack."""
+        codes = np.full(addr.shape, UNTOUCHED, np.int64)
+        iv = self.unpack_cache.get((rank, region))
+        if iv is None:
+            return codes
+        i = iv.find(addr)
+        got = i >= 0
+        j = np.maximum(i, 0)
+        chunk, elem_cache, elem_staging = (x[j] for x in iv.payload)
+        d_slot = elem_staging + (addr - elem_cache)
+        for c in np.unique(chunk[got]).tolist():
+            sel = got & (chunk == c)
+            wv = self.wire_d.get((rank, c))
+            if wv is None:
+                continue
+            k = wv.find(d_slot)
+            sel &= k >= 0
+            kk = np.maximum(k, 0)
+            p_rank, p_off, d_off = (x[kk] for x in wv.payload)
+            p_slot = p_off + (d_slot - d_off)
+            for p in np.unique(p_rank[sel]).tolist():
+                mine = sel & (p_rank == p)
+                pv = self.pack_staging.get((p, c))
+                if pv is None:
+                    continue
+                m = pv.find(p_slot)
+                mine &= m >= 0
+                mm = np.maximum(m, 0)
+                p_region, cache0, staging0 = (x[mm] for x in pv.payload)
+                p_addr = cache0 + (p_slot - staging0)
+                pos = self._positions(p_region, p_addr, p_listing, p_kind)
+                codes = np.where(mine, p * SOURCE_STRIDE + pos, codes)
+        return codes
 
     def _positions(self, p_region: np.ndarray, p_addr: np.ndarray, listing: Any, kind: str) -> np.ndarray:
         """Index of the P block (or slot) holding each P address in P's listing (UNKNOWN if unlisted)."""
@@ -225,7 +301,34 @@ class _Resolver:
             hit = iv.find(addr) >= 0
             count += hit
             lowest = np.where(hit & (lowest < 0), d, lowest)
+        if self.pack_cache:
+            for d, hit in self._packed_readers(rank, region, addr):
+                count += hit
+                lowest = np.where(hit & ((lowest < 0) | (lowest > d)), d, lowest)
         return np.where(count == 0, UNTOUCHED, lowest * SOURCE_STRIDE + np.where(count > 1, SEVERAL, 0))
+
+    def _packed_readers(self, rank: int, region: int, addr: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """(D rank, mask) for every D rank whose wire rows carry P addresses a pack gathers for it."""
+        out: list[tuple[int, np.ndarray]] = []
+        for d in range(self.decode_ranks):
+            iv = self.pack_cache.get((rank, region, d))
+            if iv is None:
+                continue
+            i = iv.find(addr)
+            got = i >= 0
+            j = np.maximum(i, 0)
+            chunk, elem_cache, elem_staging = (x[j] for x in iv.payload)
+            p_slot = elem_staging + (addr - elem_cache)
+            hit = np.zeros(addr.shape, bool)
+            for c in np.unique(chunk[got]).tolist():
+                wv = self.wire_p.get((rank, c))
+                if wv is None:
+                    continue
+                k = wv.find(p_slot)
+                hit |= got & (chunk == c) & (k >= 0) & (wv.payload[0][np.maximum(k, 0)] == d)
+            if hit.any():
+                out.append((d, hit))
+        return out
 
 
 # ---- cells ----------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """The ``kvgeom`` command line: plan and verify a transfer, list presets, run one with NIXL.
 
-    kvgeom plan [--preset NAME] [--tokens M] [--prefix S] [--strategy direct|staged|auto]
-                [--layers L] [--json] [--pair FILE] [--svg FILE | --png FILE]
+    kvgeom plan [--preset NAME] [--tokens M] [--prefix S] [--strategy direct|staged|auto|packed]
+                [--staging-bytes N] [--layers L] [--json] [--pair FILE] [--svg FILE | --png FILE]
     kvgeom presets
-    kvgeom transfer [--preset NAME] [--tokens M] [--prefix S] [--push] [--mode coalesced|prepped] [--json]
+    kvgeom transfer [--preset NAME] [--tokens M] [--prefix S] [--strategy ...] [--staging-bytes N] [--push]
+                    [--mode coalesced|prepped] [--json]
 
     argv --> COMMANDS[name] --> add_arguments(parser) --> run(args) --> exit status
                                                           0 ok, 1 verification failed or internal error,
@@ -41,6 +42,7 @@ from ..checking.report import Report
 from ..checking.simulator import simulate
 from ..errors import IncompatibleGeometry, KvGeomError
 from ..planning.choose import STRATEGIES
+from ..planning.packed import DEFAULT_STAGING_BYTES
 from ..planning.transfer import Pair, plan_pair
 from ..show.drawing import draw
 from ..values.engine import EngineGeometry, engine_line
@@ -90,7 +92,11 @@ def _preset_arguments(p: argparse.ArgumentParser) -> None:
                    help="layers per group (default: the preset's; fewer is faster)")
     p.add_argument("--strategy", choices=STRATEGIES, default="direct",
                    help="direct: every copy lands in place; staged: copy pages whole, then rearrange; "
+                        "packed: gather on P, one wire row per (P rank, D rank, chunk), scatter on D; "
                         "auto: choose by cost (default direct)")
+    p.add_argument("--staging-bytes", type=int, default=DEFAULT_STAGING_BYTES, metavar="N",
+                   help="packed: the most bytes one chunk stages on one rank (one ring slot; default "
+                        f"{DEFAULT_STAGING_BYTES >> 20} MiB)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
 
 
@@ -181,9 +187,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     if pair is None:
         compat = pairable(*engines)
         return _report_unpairable(header, list(compat.reasons), engines, args)
-    plan = plan_pair(pair, request, strategy=args.strategy)
+    plan = plan_pair(pair, request, strategy=args.strategy, staging_bytes=args.staging_bytes)
     # planning twice lets the simulator check determinism (docs/design.md §4.2 (invariant 6))
-    report = simulate(pair, request, plan, replan=plan_pair(pair, request, strategy=args.strategy))
+    report = simulate(pair, request, plan, replan=plan_pair(pair, request, strategy=args.strategy,
+                                                            staging_bytes=args.staging_bytes))
     if args.svg or args.png:
         _draw(plan, pair, request, args.svg or args.png, "svg" if args.svg else "png")
     verified = report.ok
@@ -237,6 +244,14 @@ def _plan_json(header: dict[str, Any], pair: Pair, plan: TransferPlan, report: R
         "zeros": len(plan.zeros),
         "zero_bytes": plan.bytes_zeroed,
         "rearranges": len(plan.rearranges),
+        "packed": plan.packed,
+        "wire_descriptors": plan.descriptors,
+        "chunks": len(plan.chunks),
+        "staging_bytes": plan.staging_bytes,
+        "staging_per_prefill_rank": [int(x) for x in plan.staging_used("prefill").max(axis=0, initial=0)],
+        "staging_per_decode_rank": [int(x) for x in plan.staging_used("decode").max(axis=0, initial=0)],
+        "packs": len(plan.packs),
+        "unpacks": len(plan.unpacks),
         "per_decode_rank": per_rank,
         "violations": sim["violations"],
         "verified": verified,
@@ -252,12 +267,19 @@ def _print_plan(header: dict[str, Any], pair: Pair, plan: TransferPlan, report: 
     _print(f"  P  {engine_line(pair.prefill)}")
     _print(f"  D  {engine_line(pair.decode)}")
     rows = plan_rank_rows(plan)
-    rows.append(["total", "", len(plan.copies), plan.bytes_copied, len(plan.zeros), plan.bytes_zeroed,
-                 sum(len(r.pages) for r in plan.rearranges)])
+    rows.append(["total", "", plan.descriptors, plan.bytes_copied, len(plan.zeros), plan.bytes_zeroed,
+                 sum(int(r[6]) for r in rows[1:])])
     _print(text_table(rows))
     before = plan.copies_before_coalescing
-    _print(f"descriptors: {before:,} before coalescing, {len(plan.copies):,} after" if before >= 0
-           else f"descriptors: {len(plan.copies):,}")
+    if plan.packed:
+        used_p, used_d = plan.staging_used("prefill"), plan.staging_used("decode")
+        _print(f"descriptors: {len(plan.wire):,} wire rows in {len(plan.chunks)} chunk"
+               f"{'s' if len(plan.chunks) != 1 else ''} ({len(plan.packs)} pack and {len(plan.unpacks)} unpack "
+               f"steps); staging up to {format_bytes(int(used_p.max(initial=0)))} per P rank, "
+               f"{format_bytes(int(used_d.max(initial=0)))} per D rank")
+    else:
+        _print(f"descriptors: {before:,} before coalescing, {len(plan.copies):,} after" if before >= 0
+               else f"descriptors: {len(plan.copies):,}")
     _print(f"moved {format_bytes(plan.bytes_copied)}, zeroed {format_bytes(plan.bytes_zeroed)}")
     notes = [n.text for n in plan.notes]
     if notes:
@@ -354,7 +376,7 @@ def _run_transfer(args: argparse.Namespace) -> int:
     preset, tokens, prefix = resolve_preset(args)
     transfer_report = _executor()
     report = transfer_report(preset.name, tokens, prefix, layers=args.layers, push=args.push, mode=args.mode,
-                             strategy=args.strategy, timeout_s=args.timeout)
+                             strategy=args.strategy, timeout_s=args.timeout, staging_bytes=args.staging_bytes)
     if args.json:
         print(json.dumps(report, sort_keys=True))
     else:
@@ -374,6 +396,10 @@ def _print_transfer(r: dict[str, Any]) -> None:
     rate = r["bytes_moved"] / r["transfer_s"] / 1e9 if r["transfer_s"] > 0 else 0.0
     print(f"  NIXL: {r['agents']} agents (connect {r['connect_s'] * 1e3:.1f} ms), {r['nixl_requests']} requests, "
           f"{r['descriptors']:,} descriptors posted{merged}")
+    if r.get("plan_packed"):
+        print(f"  packed: {r['plan_chunks']} chunks, {r['plan_wire_rows']} wire rows, slots of "
+              f"{format_bytes(r['staging_bytes'])}; pack {r['pack_s'] * 1e3:.2f} ms, wire {r['wire_s'] * 1e3:.2f} ms, "
+              f"unpack {r['unpack_s'] * 1e3:.2f} ms (summed over ranks)")
     print(f"  moved {format_bytes(r['bytes_moved'])} in {r['transfer_s'] * 1e3:.2f} ms ({rate:.2f} GB/s, "
           f"incl. first-contact wire-up and receive steps); zeroed {format_bytes(r['bytes_zeroed'])}, "
           f"{r['rearranges']} rearranges")
@@ -396,7 +422,7 @@ def _fuzz_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, metavar="S",
                         help="random seed (default: a fresh one, printed so the run can be repeated)")
     parser.add_argument("--strategy", choices=(*STRATEGIES, "all"), default="all",
-                        help="planner strategy to check on every example (default all three)")
+                        help="planner strategy to check on every example (default all four)")
     parser.add_argument("--max-tokens", type=int, default=64, metavar="M",
                         help="longest request drawn, in computed tokens (default 64)")
     parser.add_argument("--mismatch-probability", type=float, default=0.1, metavar="P",

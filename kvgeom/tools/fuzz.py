@@ -46,6 +46,7 @@ from ..checking.report import Report
 from ..checking.simulator import simulate
 from ..errors import IncompatibleGeometry
 from ..planning.choose import STRATEGIES
+from ..planning.packed import min_staging_bytes
 from ..planning.transfer import Pair, plan_transfer
 from ..values.pair import pairable
 from ..values.request import Request
@@ -58,6 +59,7 @@ __all__ = [
     "Failure",
     "FuzzFailure",
     "check_transfer",
+    "chunked_capacity",
     "fuzz",
     "run_fuzz",
     "reason_key",
@@ -78,6 +80,7 @@ class Outcome:
     report: Report | None = None  # the simulator's report (violation)
     error: str | None = None  # "Type: message" (crash, wrong_rejection, reason_mismatch)
     where: str | None = None  # "plan" or "simulate" (crash)
+    staging_bytes: int | None = None  # the packed strategy's capacity when it was not the default
 
     @property
     def failed(self) -> bool:
@@ -93,10 +96,11 @@ class Outcome:
         return f"{self.kind}-{self.strategy}"
 
     def describe(self) -> str:
+        capacity = f" --staging-bytes {self.staging_bytes}" if self.staging_bytes is not None else ""
         if self.kind == "violation" and self.report is not None:
-            return f"strategy {self.strategy}: the simulator found violations\n{self.report}"
+            return f"strategy {self.strategy}{capacity}: the simulator found violations\n{self.report}"
         if self.kind == "crash":
-            return f"strategy {self.strategy}: {self.where} raised {self.error}"
+            return f"strategy {self.strategy}{capacity}: {self.where} raised {self.error}"
         if self.kind == "wrong_rejection":
             return f"strategy {self.strategy}: pairable() says ok but the planner raised {self.error}"
         if self.kind == "reason_mismatch":
@@ -111,16 +115,30 @@ def reason_key(path: str) -> str:
     return re.sub(r"groups\[\d+\](\([^)]*\))?", "groups[*]", path)
 
 
+def chunked_capacity(plan: Any, minimum: int) -> int:
+    """A staging capacity that cuts ``plan`` (a packed plan) into about three chunks, and never below
+    ``minimum`` (the smallest the planner accepts): a third of its busiest rank's staging."""
+    used = int(max(plan.staging_used("prefill").max(initial=0), plan.staging_used("decode").max(initial=0)))
+    return max(minimum, used // 3, 1)
+
+
 def check_transfer(prefill: Any, decode: Any, request: Request, strategies: tuple[str, ...] = STRATEGIES) -> Outcome:
     """The fuzz property for one pair and request: a typed rejection that agrees with
-    :func:`kvgeom.pairable`, or, for every strategy, a deterministic plan with zero violations."""
+    :func:`kvgeom.pairable`, or, for every strategy, a deterministic plan with zero violations.
+    ``packed`` is checked twice: with the default staging capacity and with a third of the first
+    plan's busiest staging (:func:`chunked_capacity`), so chunks and token-range pieces are drawn too."""
     compat = pairable(prefill, decode)
     verified = 0
     passed: list[Any] = []  # plans the simulator already verified for this request
-    for strategy in strategies:
+    runs: list[tuple[str, int | None]] = [(s, None) for s in strategies]
+    i = 0
+    while i < len(runs):
+        strategy, capacity = runs[i]
+        i += 1
+        extra = {} if capacity is None else {"staging_bytes": capacity}
         try:
-            plan = plan_transfer(prefill, decode, request, strategy=strategy)  # type: ignore[arg-type]
-            replan = plan_transfer(prefill, decode, request, strategy=strategy)  # type: ignore[arg-type]
+            plan = plan_transfer(prefill, decode, request, strategy=strategy, **extra)  # type: ignore[arg-type]
+            replan = plan_transfer(prefill, decode, request, strategy=strategy, **extra)  # type: ignore[arg-type]
         except IncompatibleGeometry as e:
             if compat.ok:
                 return Outcome("wrong_rejection", verified, strategy, error=f"{type(e).__name__}: {e}")
@@ -129,18 +147,22 @@ def check_transfer(prefill: Any, decode: Any, request: Request, strategies: tupl
                 return Outcome("reason_mismatch", verified, strategy, reason=first, error=e.path)
             return Outcome("rejected", verified, reason=e.path)
         except Exception as e:  # noqa: BLE001 - any other exception is a finding
-            return Outcome("crash", verified, strategy, error=f"{type(e).__name__}: {e}", where="plan")
+            return Outcome("crash", verified, strategy, error=f"{type(e).__name__}: {e}", where="plan",
+                           staging_bytes=capacity)
         if not compat.ok:
             return Outcome("accepted_unpairable", verified, strategy, reason=compat.reasons[0].path)
+        if strategy == "packed" and capacity is None and plan.packed:
+            runs.append(("packed", chunked_capacity(plan, min_staging_bytes(Pair(prefill, decode), request))))
         if plan == replan and any(plan == seen for seen in passed):
             verified += 1  # the same rows as a verified plan (auto picks one, staged may fall back to direct)
             continue
         try:
             report = simulate(Pair(prefill, decode), request, plan, replan=replan)
         except Exception as e:  # noqa: BLE001
-            return Outcome("crash", verified, strategy, error=f"{type(e).__name__}: {e}", where="simulate")
+            return Outcome("crash", verified, strategy, error=f"{type(e).__name__}: {e}", where="simulate",
+                           staging_bytes=capacity)
         if not report.ok:
-            return Outcome("violation", verified, strategy, report=report)
+            return Outcome("violation", verified, strategy, report=report, staging_bytes=capacity)
         passed.append(plan)
         verified += 1
     return Outcome("verified", verified)
@@ -382,6 +404,8 @@ def run_fuzz(args: argparse.Namespace) -> int:
     for i, (sig, failure) in enumerate(sorted(result.failures.items())):
         print(f"\nFAILURE {i + 1} of {len(result.failures)} ({sig}): {failure.outcome.describe()}")
         strategy = failure.outcome.strategy or "direct"
+        if failure.outcome.staging_bytes is not None:
+            strategy += f" --staging-bytes {failure.outcome.staging_bytes}"
         text = failure.reproducer()
         if args.out:
             path = _out_path(args.out, i)

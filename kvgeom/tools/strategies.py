@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import attrs
+import numpy as np
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
@@ -45,6 +46,8 @@ from ..arith.shard import divisible
 from ..arith.tokens import window_start
 from ..building.presets import hybrid_blocks_per_logical
 from ..errors import InternalError, KvGeomError
+from ..planning.packed import min_staging_bytes, plan_packed
+from ..planning.transfer import Pair
 from ..values.coverage import coverage_problems
 from ..values.engine import EngineGeometry
 from ..values.fields import check_int
@@ -64,6 +67,8 @@ __all__ = [
     "unpairable_pairs",
     "requests",
     "transfers",
+    "PackedTransfer",
+    "packed_transfers",
     "blocks_for",
     "valid_tps",
     "hybrid_rule_ppl",
@@ -95,6 +100,14 @@ class Transfer(NamedTuple):
 
     pair: GeometryPair
     request: Request
+
+
+class PackedTransfer(NamedTuple):
+    """A drawn pair, a request and a staging capacity for the packed strategy (docs/design.md §12.3)."""
+
+    pair: GeometryPair
+    request: Request
+    staging_bytes: int
 
 
 # ---- argument validation (eager: at strategy construction, not at draw time) -------------------------
@@ -931,3 +944,45 @@ def _transfers(draw: Any, pair_strategy: st.SearchStrategy[GeometryPair], max_to
         limit = min(max_tokens, _max_fitting(gp.prefill, gp.decode, max_tokens))
     request = draw(requests(gp, max_tokens=max(limit, opts["min_tokens"], 1), **opts))
     return Transfer(gp, request)
+
+
+def packed_transfers(*, transfers: st.SearchStrategy[Transfer] | None = None) -> st.SearchStrategy[PackedTransfer]:
+    """A :func:`transfers` draw (``transfers`` default: ``transfers()``) and a staging capacity for
+    the packed strategy between the smallest the planner accepts
+    (:func:`kvgeom.planning.min_staging_bytes`) and what one chunk needs on the busiest rank.
+
+    Shrinks towards the larger capacity (one chunk); smaller ones cut the request into chunks by
+    layers, then by token ranges or state sections. An unpairable pair gets capacity 1 (the planner
+    refuses the pair first)::
+
+        >>> t = packed_transfers().example()
+        >>> plan_transfer(*t.pair, t.request, strategy="packed", staging_bytes=t.staging_bytes)  # 1 or more chunks
+    """
+    if transfers is None:
+        transfers = _transfers_strategy()
+    elif not isinstance(transfers, st.SearchStrategy):
+        raise InvalidArgument(f"transfers={transfers!r} must be a strategy of Transfer (e.g. transfers())")
+    return _packed_transfers(transfers)
+
+
+_transfers_strategy = transfers  # ``packed_transfers(transfers=...)`` shadows the name
+
+
+@st.composite
+def _packed_transfers(draw: Any, transfer_strategy: st.SearchStrategy[Transfer]) -> PackedTransfer:
+    t = draw(transfer_strategy)
+    gp = t.pair if isinstance(t.pair, GeometryPair) else GeometryPair(t.pair.prefill, t.pair.decode)
+    if not pairable(gp.prefill, gp.decode):
+        return PackedTransfer(gp, t.request, 1)
+    pair = Pair(gp.prefill, gp.decode)
+    lo = max(1, min_staging_bytes(pair, t.request))
+    whole = plan_packed(pair, t.request, 1 << 40)
+    used = whole.wire
+    hi = lo
+    if len(used):
+        per_p = np.zeros(gp.prefill.num_ranks, np.int64)
+        per_d = np.zeros(gp.decode.num_ranks, np.int64)
+        np.add.at(per_p, used.p_rank, used.nbytes)
+        np.add.at(per_d, used.d_rank, used.nbytes)
+        hi = max(lo, int(per_p.max()), int(per_d.max()))
+    return PackedTransfer(gp, t.request, hi - draw(st.integers(0, hi - lo)))

@@ -90,6 +90,14 @@ from .request import (
     request_html,
     request_repr,
 )
+from .staging import (
+    STAGING_SIDES,
+    WIRE_COLUMNS,
+    Chunk,
+    ChunkPiece,
+    StagingStep,
+    WireCopies,
+)
 from .tensors import (
     AXIS_NAMES,
     LayerTensors,
@@ -169,6 +177,12 @@ __all__ = [
     "plan_pair_bytes",
     "CopyBlock",
     "blocks_to_copies",
+    "StagingStep",
+    "WireCopies",
+    "WIRE_COLUMNS",
+    "ChunkPiece",
+    "Chunk",
+    "STAGING_SIDES",
     "BlockList",
     "StateSlots",
     "SideBlocks",

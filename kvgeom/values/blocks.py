@@ -1,6 +1,6 @@
 """Copy rows as outer sums: the compiled planner's rows of one rank before they become columns.
 
-A family of streams shares one pattern of rows shifted per stream (docs/design.md §12), so its rows
+A family of streams shares one pattern of rows shifted per stream (docs/design.md §13), so its rows
 are ``S x H`` values built from ``S + H`` numbers::
 
     row (s, i):  P rank p_rank[s], region p_region[s], offset p_base[i] + p_shift[s]

@@ -4,6 +4,8 @@ A plan is data, applied on the D side in this order::
 
     copies      P rank/region/offset  ->  D rank/region/offset, nbytes      (NIXL descriptor pairs)
     rearranges  in-place permutations of whole D kernel pages (staged strategy)
+    chunks      packed strategy, per chunk: packs (P cache -> P staging), wire rows (P staging
+                -> D staging, NIXL descriptor pairs), unpacks (D staging -> D cache)
     zeros       D rank/region/offset, nbytes                                (stale bytes)
 
 Offsets are bytes from the start of the region. One global plan serves both executors:
@@ -35,6 +37,7 @@ from ..arith.runs import element_offsets
 from ..errors import PlanError
 from .fields import check_int, int_tuple
 from .notes import Note, as_notes
+from .staging import Chunk, StagingStep, WireCopies
 from .text import cut, format_bytes, format_ids, html_block, html_table, text_table
 
 __all__ = ["Copies", "Zeros", "Rearrange", "TransferPlan", "COPY_COLUMNS", "ZERO_COLUMNS", "plan_repr", "plan_html",
@@ -260,9 +263,30 @@ def _rearranges(value: Any) -> tuple[Rearrange, ...]:
     return out
 
 
+def _steps(name: str, value: Any) -> tuple[StagingStep, ...]:
+    out = tuple(value)
+    for i, r in enumerate(out):
+        if not isinstance(r, StagingStep):
+            raise PlanError(f"TransferPlan.{name}[{i}]", f"expected StagingStep, got {type(r).__name__}", actual=r)
+    return out
+
+
+def _chunks(value: Any) -> tuple[Chunk, ...]:
+    out = tuple(value)
+    for i, c in enumerate(out):
+        if not isinstance(c, Chunk):
+            raise PlanError(f"TransferPlan.chunks[{i}]", f"expected Chunk, got {type(c).__name__}", actual=c)
+    return out
+
+
 @attrs.frozen(repr=False)
 class TransferPlan:
-    """Everything one request's transfer does; see the module docstring for the order."""
+    """Everything one request's transfer does; see the module docstring for the order.
+
+    A packed plan (docs/design.md §12) has ``packs`` (side "prefill"), ``unpacks`` (side
+    "decode"), ``wire`` rows and ``chunks``; ``staging_bytes`` is the slot capacity per rank it
+    was planned for (0 for plans without staging).
+    """
 
     prefill_tp: int
     decode_tp: int
@@ -274,6 +298,13 @@ class TransferPlan:
     zeros_before_coalescing: int = -1
     prefill_ranks: int = attrs.field(kw_only=True, default=attrs.Factory(lambda s: s.prefill_tp, takes_self=True))
     decode_ranks: int = attrs.field(kw_only=True, default=attrs.Factory(lambda s: s.decode_tp, takes_self=True))
+    packs: tuple[StagingStep, ...] = attrs.field(default=(), converter=lambda v: _steps("packs", v),
+                                                   kw_only=True)
+    unpacks: tuple[StagingStep, ...] = attrs.field(default=(), converter=lambda v: _steps("unpacks", v),
+                                                     kw_only=True)
+    wire: WireCopies = attrs.field(factory=WireCopies.empty, kw_only=True)
+    chunks: tuple[Chunk, ...] = attrs.field(default=(), converter=_chunks, kw_only=True)
+    staging_bytes: int = attrs.field(default=0, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         check_int("TransferPlan.prefill_tp", self.prefill_tp, minimum=1, error=PlanError)
@@ -290,8 +321,27 @@ class TransferPlan:
                 raise PlanError(f"TransferPlan.{name}", f"expected {'Copies' if name == 'copies' else 'Zeros'}, got "
                                 f"{type(cols).__name__}", actual=type(cols).__name__,
                                 fix="build the columns with Copies(...) / Zeros(...)")
-        if _PLANNER_COLUMNS.get():
-            return  # the compiled planner's ranks are below the rank counts by construction
+        if not _PLANNER_COLUMNS.get():  # the compiled planner's ranks are below the rank counts by construction
+            self._check_row_ranks()
+        if not isinstance(self.wire, WireCopies):
+            raise PlanError("TransferPlan.wire", f"expected WireCopies, got {type(self.wire).__name__}",
+                            actual=type(self.wire).__name__, fix="build the rows with WireCopies(...)")
+        check_int("TransferPlan.staging_bytes", self.staging_bytes, minimum=0, error=PlanError)
+        for col, n, tp in (("p_rank", self.prefill_ranks, self.prefill_tp), ("d_rank", self.decode_ranks, self.decode_tp)):
+            arr = getattr(self.wire, col)
+            if len(arr) and int(arr.max()) >= n:
+                raise PlanError(f"TransferPlan.wire.{col}", f"rank {int(arr.max())} outside {_ranks_text(n, tp)}",
+                                actual=int(arr.max()), expected=f"< {n}")
+        for name in ("packs", "unpacks"):
+            for i, st in enumerate(getattr(self, name)):
+                if st.side != ("prefill" if name == "packs" else "decode"):
+                    raise PlanError(f"TransferPlan.{name}[{i}].side", f"a step of side {st.side!r} among the {name}",
+                                    actual=st.side, fix="packs run on P (side 'prefill'), unpacks on D ('decode')")
+                if st.p_rank >= self.prefill_ranks or st.d_rank >= self.decode_ranks:
+                    raise PlanError(f"TransferPlan.{name}[{i}]", f"ranks P{st.p_rank} -> D{st.d_rank} outside the "
+                                    f"{self.prefill_ranks} -> {self.decode_ranks} ranks", actual=(st.p_rank, st.d_rank))
+
+    def _check_row_ranks(self) -> None:
         for col, n, tp in (("p_rank", self.prefill_ranks, self.prefill_tp), ("d_rank", self.decode_ranks, self.decode_tp)):
             arr = getattr(self.copies, col)
             if len(arr) and int(arr.max()) >= n:
@@ -308,34 +358,80 @@ class TransferPlan:
 
     # ---- projections -----------------------------------------------------------------------
     def for_decode_rank(self, d_rank: int) -> TransferPlan:
-        """The rows a pull executor on D rank ``d_rank`` posts and applies."""
+        """The rows a pull executor on D rank ``d_rank`` posts and applies (packed: its wire rows and
+        unpacks, and the packs of the P ranks feeding it)."""
         return attrs.evolve(
             self,
             copies=self.copies.take(self.copies.d_rank == d_rank),
             zeros=self.zeros.take(self.zeros.d_rank == d_rank),
             rearranges=tuple(r for r in self.rearranges if r.d_rank == d_rank),
+            packs=tuple(s for s in self.packs if s.d_rank == d_rank),
+            unpacks=tuple(s for s in self.unpacks if s.d_rank == d_rank),
+            wire=self.wire.take(self.wire.d_rank == d_rank),
         )
 
     def for_prefill_rank(self, p_rank: int) -> Copies:
         """The copies a push executor on P rank ``p_rank`` posts (D applies the rest)."""
         return self.copies.take(self.copies.p_rank == p_rank)
 
+    def packed_for_prefill_rank(self, p_rank: int) -> TransferPlan:
+        """What P rank ``p_rank`` does in a packed plan: its packs and wire rows (no D-side steps)."""
+        return attrs.evolve(
+            self,
+            copies=self.copies.take(self.copies.p_rank == p_rank),
+            zeros=Zeros.empty(),
+            rearranges=(),
+            packs=tuple(s for s in self.packs if s.p_rank == p_rank),
+            unpacks=(),
+            wire=self.wire.take(self.wire.p_rank == p_rank),
+        )
+
+    @property
+    def packed(self) -> bool:
+        """Whether the plan moves bytes through staging (docs/design.md §12)."""
+        return bool(len(self.wire) or self.packs or self.unpacks)
+
+    def _pair_keys(self) -> np.ndarray:
+        keys = [self.copies.p_rank * self.decode_ranks + self.copies.d_rank]
+        if len(self.wire):
+            keys.append(self.wire.p_rank * self.decode_ranks + self.wire.d_rank)
+        return np.unique(np.concatenate(keys))
+
     def consumers(self) -> np.ndarray:
         """For every (flat) P rank, how many distinct D ranks read from it (it may free after that many)."""
         out = np.zeros(self.prefill_ranks, np.int64)
-        if len(self.copies):
-            pairs = np.unique(self.copies.p_rank * self.decode_ranks + self.copies.d_rank)
+        pairs = self._pair_keys()
+        if len(pairs):
             np.add.at(out, pairs // self.decode_ranks, 1)
         return out
 
     def sources_of(self, d_rank: int) -> tuple[int, ...]:
         """The (flat) P ranks D rank ``d_rank`` reads from, sorted: only those holding its layers and tokens."""
-        return tuple(int(p) for p in np.unique(self.copies.p_rank[self.copies.d_rank == d_rank]))
+        pairs = self._pair_keys()
+        return tuple(int(p) for p in pairs[pairs % self.decode_ranks == d_rank] // self.decode_ranks)
+
+    def staging_used(self, side: str) -> np.ndarray:
+        """``[chunks, ranks]``: bytes each chunk stages on each (flat) rank of ``side`` ("prefill" or
+        "decode"), from the wire rows (a slot holds exactly what crosses the wire)."""
+        n = self.prefill_ranks if side == "prefill" else self.decode_ranks
+        out = np.zeros((len(self.chunks), n), np.int64)
+        w = self.wire
+        if len(w):
+            rank = w.p_rank if side == "prefill" else w.d_rank
+            keep = w.chunk < len(self.chunks)
+            np.add.at(out, (w.chunk[keep], rank[keep]), w.nbytes[keep])
+        return out
 
     # ---- summaries -------------------------------------------------------------------------
     @property
     def bytes_copied(self) -> int:
-        return self.copies.total_bytes
+        """Bytes that cross from P to D: copy rows plus wire rows."""
+        return self.copies.total_bytes + self.wire.total_bytes
+
+    @property
+    def descriptors(self) -> int:
+        """NIXL descriptors the plan posts: copy rows plus wire rows."""
+        return len(self.copies) + len(self.wire)
 
     @property
     def bytes_zeroed(self) -> int:
@@ -347,11 +443,13 @@ class TransferPlan:
         return (self.prefill_tp == other.prefill_tp and self.decode_tp == other.decode_tp
                 and self.prefill_ranks == other.prefill_ranks and self.decode_ranks == other.decode_ranks
                 and self.copies == other.copies and self.zeros == other.zeros
-                and self.rearranges == other.rearranges)
+                and self.rearranges == other.rearranges and self.packs == other.packs
+                and self.unpacks == other.unpacks and self.wire == other.wire and self.chunks == other.chunks
+                and self.staging_bytes == other.staging_bytes)
 
     def __hash__(self) -> int:
         return hash((self.prefill_tp, self.decode_tp, self.prefill_ranks, self.decode_ranks, self.copies, self.zeros,
-                     self.rearranges))
+                     self.rearranges, self.packs, self.unpacks, self.wire, self.chunks, self.staging_bytes))
 
     def __repr__(self) -> str:
         return plan_repr(self)
@@ -370,17 +468,24 @@ def _ranks_text(n: int, tp: int) -> str:
 
 
 def plan_rank_rows(p: TransferPlan) -> list[list[Any]]:
-    """Per D rank: its P sources, copies, bytes, zero ranges, zero bytes, rearranged pages."""
+    """Per D rank: its P sources, copies, bytes, zero ranges, zero bytes, rearranged pages. A
+    packed plan shows its wire rows as the copies (they are what NIXL posts) and the D pages its
+    unpacks write instead of rearranged pages."""
     d_tp = p.decode_ranks
-    c, z = p.copies, p.zeros
-    n_copies = np.bincount(c.d_rank, minlength=d_tp)
-    b_copies = np.bincount(c.d_rank, weights=c.nbytes, minlength=d_tp)
+    c, z, w = p.copies, p.zeros, p.wire
+    n_copies = np.bincount(c.d_rank, minlength=d_tp) + np.bincount(w.d_rank, minlength=d_tp)
+    b_copies = np.bincount(c.d_rank, weights=c.nbytes, minlength=d_tp) \
+        + np.bincount(w.d_rank, weights=w.nbytes, minlength=d_tp)
     n_zeros = np.bincount(z.d_rank, minlength=d_tp)
     b_zeros = np.bincount(z.d_rank, weights=z.nbytes, minlength=d_tp)
     pages = np.zeros(d_tp, np.int64)
     for r in p.rearranges:
         pages[r.d_rank] += len(r.pages)
-    rows: list[list[Any]] = [["D rank", "from P", "copies", "bytes", "zero ranges", "zero B", "rearranged pages"]]
+    for st in p.unpacks:
+        pages[st.d_rank] += len(st.pages) * len(st.regions)
+    packed = p.packed
+    rows: list[list[Any]] = [["D rank", "from P", "wire rows" if packed else "copies", "bytes", "zero ranges",
+                              "zero B", "unpacked pages" if packed else "rearranged pages"]]
     for d in range(d_tp):
         src = format_ids(p.sources_of(d), limit=4)
         rows.append([d, src, int(n_copies[d]), int(b_copies[d]), int(n_zeros[d]), int(b_zeros[d]), int(pages[d])])
@@ -388,13 +493,14 @@ def plan_rank_rows(p: TransferPlan) -> list[list[Any]]:
 
 
 def plan_pair_bytes(p: TransferPlan) -> dict[tuple[int, int], int]:
-    """Bytes each (P rank, D rank) pair moves, non-zero pairs only, sorted."""
-    c = p.copies
-    if not len(c):
+    """Bytes each (P rank, D rank) pair moves (copies and wire rows), non-zero pairs only, sorted."""
+    c, w = p.copies, p.wire
+    if not len(c) and not len(w):
         return {}
-    key = c.p_rank * p.decode_ranks + c.d_rank
+    key = np.concatenate([c.p_rank * p.decode_ranks + c.d_rank, w.p_rank * p.decode_ranks + w.d_rank])
+    nbytes = np.concatenate([c.nbytes, w.nbytes])
     uniq, inv = np.unique(key, return_inverse=True)
-    sums = np.bincount(inv, weights=c.nbytes)
+    sums = np.bincount(inv.reshape(-1), weights=nbytes)
     return {(int(k) // p.decode_ranks, int(k) % p.decode_ranks): int(s) for k, s in zip(uniq, sums, strict=True)}
 
 
@@ -415,17 +521,26 @@ def _side_text(tp: int, ranks: int) -> str:
 
 
 def _plan_title(p: TransferPlan) -> str:
-    return f"TransferPlan P {_side_text(p.prefill_tp, p.prefill_ranks)} -> D {_side_text(p.decode_tp, p.decode_ranks)}"
+    return (f"TransferPlan P {_side_text(p.prefill_tp, p.prefill_ranks)} -> D {_side_text(p.decode_tp, p.decode_ranks)}"
+            + (" (packed)" if p.packed else ""))
 
 
 def _plan_lines(p: TransferPlan) -> list[str]:
     before = p.copies_before_coalescing
     before_text = f" ({before:,} before coalescing)" if before >= 0 else ""
-    return [
-        f"copies: {len(p.copies):,}{before_text}, {format_bytes(p.bytes_copied)}",
-        f"zeros: {len(p.zeros):,} ranges, {format_bytes(p.bytes_zeroed)}; rearranges: {len(p.rearranges)} "
-        f"({sum(len(r.pages) for r in p.rearranges):,} pages)",
-    ]
+    lines = []
+    if p.packed:
+        used_p, used_d = p.staging_used("prefill"), p.staging_used("decode")
+        lines.append(f"wire rows: {len(p.wire):,} in {len(p.chunks)} chunk{'s' if len(p.chunks) != 1 else ''}, "
+                     f"{format_bytes(p.wire.total_bytes)}; packs: {len(p.packs)} steps, unpacks: {len(p.unpacks)} "
+                     "steps")
+        lines.append(f"staging per rank and chunk: P up to {format_bytes(int(used_p.max(initial=0)))}, D up to "
+                     f"{format_bytes(int(used_d.max(initial=0)))} (slot {format_bytes(p.staging_bytes)})")
+    if len(p.copies) or not p.packed:
+        lines.append(f"copies: {len(p.copies):,}{before_text}, {format_bytes(p.copies.total_bytes)}")
+    lines.append(f"zeros: {len(p.zeros):,} ranges, {format_bytes(p.bytes_zeroed)}; rearranges: {len(p.rearranges)} "
+                 f"({sum(len(r.pages) for r in p.rearranges):,} pages)")
+    return lines
 
 
 def plan_repr(p: TransferPlan) -> str:
