@@ -315,3 +315,14 @@ def test_every_engine_path_plans_the_same(knob: str, monkeypatch: pytest.MonkeyP
         check_all(pair, pair.compile(), t.request)
 
     drawn()
+
+
+def test_rearrange_with_pages_equals_evolve() -> None:
+    # the worked number of Rearrange (NHD -> HND, 2 heads x 4 tokens of 8 B) on other pages: the
+    # compiled path copies its checked templates instead of building each rearrange again
+    from kvgeom.values import Rearrange
+
+    r = Rearrange(0, 1, (3,), (2, 4), (8, 16), (32, 8), 8, page_bytes=64)
+    moved = r.with_pages((5, 7))
+    assert moved == attrs.evolve(r, pages=(5, 7)) and hash(moved) == hash(attrs.evolve(r, pages=(5, 7)))
+    assert r.pages == (3,) and moved.nbytes_per_page == 64

@@ -909,7 +909,7 @@ class CompiledPair:
         self.direct: dict[int, _AttentionCopies] = {}
         self.staged: dict[int, _AttentionCopies | str] = {}
         self.staged_kind: dict[int, NoteKind] = {}
-        self.rearrange_shapes: dict[int, dict[str, Any]] = {}
+        self.rearranges: dict[int, tuple[tuple[Rearrange, ...], int]] = {}  # templates, bytes per page
         self.zeros: dict[int, _AttentionZeros] = {}
         self.states: dict[int, _StateCopies] = {}
         self.sources: dict[int, tuple[Note, ...]] = {}
@@ -964,9 +964,9 @@ class CompiledPair:
             self.staged_kind[gi] = NoteKind.STAGED_EQUALS_DIRECT
             return
         self.staged[gi] = _AttentionCopies(self.pair, gi, ArrivedView(D, gi, arr))
-        for kw in shape["rearranges"]:  # every shape through Rearrange's own checks, once
-            Rearrange(pages=(0,), **kw)
-        self.rearrange_shapes[gi] = shape
+        # every shape through Rearrange's own checks, once; a request's copies take its pages
+        templates = tuple(Rearrange(pages=(0,), **kw) for kw in shape["rearranges"])
+        self.rearranges[gi] = (templates, sum(r.nbytes_per_page for r in templates))
 
     def _sharing(self, eng: Any) -> list[tuple[int, ...]]:
         users: dict[int, list[int]] = {}
@@ -1255,10 +1255,11 @@ class CompiledPair:
         s_work, s_raw, s_nseg = self._pages(staged, p_list, d_list, lo, hi)
         pages = tuple(s_work.units.g.tolist()) if s_work is not None else ()
         rearranges: tuple[Rearrange, ...] = ()
+        moved = 0
         if pages:
-            with planner_columns():  # shapes checked once, by the reference's own constructor at compile time
-                rearranges = tuple(Rearrange(pages=pages, **kw) for kw in self.rearrange_shapes[gi]["rearranges"])
-        moved = sum(r.nbytes_per_page * len(r.pages) for r in rearranges)
+            templates, per_page = self.rearranges[gi]
+            rearranges = tuple(r.with_pages(pages) for r in templates)
+            moved = per_page * len(pages)
         arr = staged.ds.arr if isinstance(staged.ds, ArrivedView) else None
         if arr is None:
             raise InternalError("a staged source lands in an arrived view")

@@ -246,6 +246,16 @@ class Rearrange:
     def nbytes_per_page(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.unit_bytes
 
+    def with_pages(self, pages: tuple[int, ...]) -> Rearrange:
+        """This rearrange on other ``pages``, without running the checks again: for the compiled
+        planner, whose ``self`` was built (and checked) once and whose ``pages`` are a checked
+        request's D pages, a tuple of Python ints. Equal to ``attrs.evolve(self, pages=pages)``."""
+        new = object.__new__(Rearrange)
+        for name in _REARRANGE_FIELDS:
+            object.__setattr__(new, name, getattr(self, name))
+        object.__setattr__(new, "pages", pages)
+        return new
+
     def src_offsets(self) -> np.ndarray:
         """Page byte offset of every element's source, first mode outermost (the one definition)."""
         return element_offsets(self.shape, self.src_strides, self.src_offset)
@@ -253,6 +263,9 @@ class Rearrange:
     def dst_offsets(self) -> np.ndarray:
         """Page byte offset of every element's destination, in the same element order."""
         return element_offsets(self.shape, self.dst_strides, self.dst_offset)
+
+
+_REARRANGE_FIELDS = tuple(f.name for f in attrs.fields(Rearrange))
 
 
 def _rearranges(value: Any) -> tuple[Rearrange, ...]:
