@@ -162,11 +162,20 @@ DESC_PRESETS = ("llama3-70b-tp8-tp4", "llama3-70b-tp4-tp8", "deepseek-v3-tp8-tp1
 DESC_SYNTHETIC = ("syn-tp1-tp1", "syn-tp1-tp1-inner", "syn-tp2-tp4-inner", "syn-tp4-tp1", "syn-nhd-hnd-staged")
 
 
-def interleaved_medians(funcs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median seconds of each callable over ``repeats`` interleaved rounds (results are dropped)."""
+def interleaved_medians(funcs: dict[str, Callable[[], Any]], repeats: int,
+                        prime: Callable[[], Any] | None = None) -> dict[str, float]:
+    """Median seconds of each callable over ``repeats`` interleaved rounds (results are dropped).
+
+    ``prime``, when given, runs untimed before every timed call (and its result is dropped): e.g.
+    allocating the outputs' sizes once, so that every callable finds the allocator in the same
+    state instead of some paying for fresh pages and others not.
+    """
     times: dict[str, list[float]] = {k: [] for k in funcs}
     for _ in range(max(1, repeats)):
         for key, fn in funcs.items():
+            if prime is not None:
+                primed = prime()
+                del primed
             gc.collect()
             t0 = time.perf_counter()
             out = fn()

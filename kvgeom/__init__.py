@@ -38,6 +38,7 @@ from .planning import (
     DEFAULT_BUDGET,
     DEFAULT_STAGING_BYTES,
     STRATEGIES,
+    CompiledPair,
     CostModel,
     Pair,
     PlanBudget,
@@ -48,6 +49,7 @@ from .planning import (
     estimate_plan,
     min_staging_bytes,
     plan_pair,
+    plan_reference,
     plan_transfer,
 )
 from .show import draw
@@ -105,6 +107,7 @@ __all__ = [
     "Chunk",
     "ChunkPiece",
     "Compatibility",
+    "CompiledPair",
     "Copies",
     "CostModel",
     "EngineGeometry",
@@ -165,6 +168,7 @@ __all__ = [
     "owned_slice",
     "pairable",
     "plan_pair",
+    "plan_reference",
     "plan_transfer",
     "request_from_block_tables",
     "simulate",

@@ -23,7 +23,7 @@ Values are written with :func:`value_text`, which never formats an integer of mo
 (Python refuses ``str()`` of an int beyond 4300 digits, and a hostile value may be that long).
 
 :class:`PlanBudgetExceeded` refuses a request whose plan would be too large to build
-(docs/design.md §13): it names the estimate, the budget and how to raise the budget.
+(docs/design.md §14): it names the estimate, the budget and how to raise the budget.
 
 Worked number: ``value_text(10**5000) == '<an integer of 16610 bits>'``.
 """
@@ -150,7 +150,7 @@ class PlanBudgetExceeded(KvGeomError):
     """A request whose plan (rows, bytes or planning steps) would exceed the planner's budget.
 
     Raised before any row is built, from an estimate in O(groups x ranks) arithmetic
-    (docs/design.md §13). ``actual`` is the estimate and ``expected`` the budget.
+    (docs/design.md §14). ``actual`` is the estimate and ``expected`` the budget.
     """
 
 

@@ -25,7 +25,7 @@ bounded inbox (:mod:`kvgeom_nixl.agent`). Nothing polls in the background: every
 (registration, handshake, failure and invalid blocks) is docs/design.md §8; every copy is checked
 to stay in its regions before posting (docs/design.md §4.2 (invariant 1)).
 
-Hostile peers (docs/design.md §13): ``connect`` refuses payloads beyond the endpoint's
+Hostile peers (docs/design.md §14): ``connect`` refuses payloads beyond the endpoint's
 :class:`~kvgeom_nixl.handshake.HandshakeLimits`; every planning call of a link (``plan``, ``pull``,
 ``push``, ``serve_pull``, ``accept_push``) takes a ``strategy`` and a ``budget``
 (:class:`kvgeom.PlanBudget`, the endpoint's by default) and refuses a request whose plan would
@@ -52,21 +52,26 @@ import numpy as np
 
 from kvgeom import (
     DEFAULT_BUDGET,
+    CompiledPair,
     Copies,
     EngineGeometry,
     Pair,
     PlanBudget,
+    PlanBudgetExceeded,
     PlanError,
     Rearrange,
     Request,
+    RequestShape,
     TransferPlan,
     Zeros,
+    check_budget,
     plan_pair,
+    plan_reference,
     tile_bytes,
     value_text,
 )
-from kvgeom.lowering import check_in_regions, tile_index_pairs
-from kvgeom.values import check_instance, check_int, check_seconds
+from kvgeom.lowering import check_in_regions, tile_index_blocks, tile_index_pairs
+from kvgeom.values import CopyBlock, check_instance, check_int, check_seconds
 
 from .agent import INBOX_MAX, INBOX_TTL_S, RankAgent, classify, nixl_errors, notification
 from .errors import ExecutorError, HandshakeError
@@ -83,6 +88,7 @@ __all__ = ["Endpoint", "Link", "Transfer", "TransferResult", "wait_all", "MAX_TA
            "check_timeout"]
 
 DEFAULT_TIMEOUT_S = 30.0
+RANK_STRATEGIES = ("direct", "staged")  # planned per rank on the compiled pair when a link plans itself
 
 
 def check_timeout(path: str, timeout_s: Any) -> float:
@@ -198,7 +204,7 @@ class Endpoint:
 
         Every blob is probed in a scratch agent first (:meth:`RankAgent.probe`): a blob NIXL refuses, or
         one naming another agent than its payload, never reaches this endpoint's agent, which stays
-        able to load the honest peer afterwards (docs/design.md §13)."""
+        able to load the honest peer afterwards (docs/design.md §14)."""
         loaded: list[str] = []
         try:
             for info in peers.values():
@@ -349,6 +355,39 @@ class Link:
         sizes = [info.staging[3] if info.staging is not None else 0 for info in self.peers.values()]
         return min([own.slot_bytes if own is not None else 0] + sizes)
 
+    def rank_plan(self, request: Request, *, strategy: str = "direct", budget: PlanBudget | None = None) -> TransferPlan:
+        """What this rank posts and applies for ``request``, planned on the compiled pair for this
+        rank only (``plan.for_decode_rank(rank)`` on D, ``plan.for_prefill_rank(rank)``'s copies on
+        P; docs/design.md §13.4). The pair compiles on the link's first request, when compiling fits
+        ``budget`` (the endpoint's by default; else the reference path plans, the same rows); a
+        request whose plan would exceed it raises :class:`kvgeom.PlanBudgetExceeded`."""
+        plan, _ = self._planned(request, None, strategy, budget, "coalesced")
+        return plan
+
+    def _planned(self, request: Request | None, plan: TransferPlan | None, strategy: str, budget: PlanBudget | None,
+                 mode: str) -> tuple[TransferPlan, tuple[CopyBlock, ...] | None]:
+        """The plan a transfer call runs, and (mode prepped, this rank planned on the compiled pair)
+        its copies as outer-sum blocks for the tile indices (no byte columns)."""
+        if plan is not None or request is None or strategy not in RANK_STRATEGIES:
+            return self._plan(request, plan, strategy, budget), None
+        check_instance("request", request, Request, error=ExecutorError, fix="pass a kvgeom.Request")
+        budget = self.endpoint.budget if budget is None else budget
+        check_budget(self.pair, RequestShape.of(request), strategy, staging_bytes=self.staging_bytes, budget=budget)
+        try:
+            compiled: CompiledPair | None = self.pair.compile(budget=budget)
+        except PlanBudgetExceeded:  # a pair too costly to compile plans on the reference path
+            compiled = None
+        rank, kw = self.endpoint.rank, {"decode_rank" if self.local_is_decode else "prefill_rank": self.endpoint.rank}
+        blocks = None
+        if compiled is None:
+            whole = plan_reference(self.pair, request, strategy=strategy, budget=None)  # type: ignore[arg-type]
+            plan = whole.for_decode_rank(rank) if self.local_is_decode else whole.packed_for_prefill_rank(rank)
+        else:
+            if mode == "prepped":
+                blocks = compiled.copy_blocks(request, strategy=strategy, **kw)  # type: ignore[arg-type]
+            plan = compiled.plan(request, strategy=strategy, **kw)  # type: ignore[arg-type]
+        return self._plan(request, plan, strategy, budget), blocks
+
     @property
     def tile_bytes(self) -> int:
         if self._tile is None:
@@ -366,13 +405,13 @@ class Link:
         default); ``timeout_s`` counts from this call, planning included."""
         started = time.perf_counter()
         timeout_s = self._begin("decode", "pull", request_id, timeout_s)
-        plan = self._plan(request, plan, strategy, budget)
+        plan, blocks = self._planned(request, plan, strategy, budget, mode)
         if plan.packed:
             return self._packed("pull", request_id, request, plan, mode, timeout_s, started)
         t = self._transfer("pull", request_id, request, plan, self._mode(mode), timeout_s, started)
         if not self._expired(t, timeout_s):
             self._post(t, plan.for_decode_rank(self.endpoint.rank).copies, "READ",
-                       notification("pulled", request_id))
+                       notification("pulled", request_id), blocks)
         return self.endpoint.track(t)
 
     def push(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
@@ -383,12 +422,13 @@ class Link:
         ``strategy``, ``budget`` and ``timeout_s`` as in :meth:`pull`)."""
         started = time.perf_counter()
         timeout_s = self._begin("prefill", "push", request_id, timeout_s)
-        plan = self._plan(request, plan, strategy, budget)
+        plan, blocks = self._planned(request, plan, strategy, budget, mode)
         if plan.packed:
             return self._packed("push", request_id, request, plan, mode, timeout_s, started)
         t = self._transfer("push", request_id, request, plan, self._mode(mode), timeout_s, started)
         if not self._expired(t, timeout_s):
-            self._post(t, plan.for_prefill_rank(self.endpoint.rank), "WRITE", notification("pushed", request_id))
+            self._post(t, plan.for_prefill_rank(self.endpoint.rank), "WRITE", notification("pushed", request_id),
+                       blocks)
         return self.endpoint.track(t)
 
     # ---- passive sides ---------------------------------------------------------------------
@@ -491,7 +531,8 @@ class Link:
                         receive=ep.receive if self.local_is_decode else None, started=started,
                         invalid_blocks=invalid)
 
-    def _post(self, t: Transfer, copies: Copies, op: str, notif: bytes) -> None:
+    def _post(self, t: Transfer, copies: Copies, op: str, notif: bytes,
+              blocks: tuple[CopyBlock, ...] | None = None) -> None:
         """Lower this rank's ``copies`` to one NIXL request per peer rank and post them.
 
         Every row is checked against the regions the two ranks hold (a region of another pipeline
@@ -510,7 +551,7 @@ class Link:
                     check_in_regions(mine, info.sizes, self.endpoint.memory.sizes)
                 else:
                     check_in_regions(mine, self.endpoint.memory.sizes, info.sizes)
-            prepped = self._tile_indices(t, copies, rows_of) if t.mode == "prepped" and len(copies) else None
+            prepped = self._tile_indices(t, copies, rows_of, blocks) if t.mode == "prepped" and len(copies) else None
             for info in peers:
                 rows = rows_of[info.rank]
                 nbytes = int(copies.nbytes[rows].sum())
@@ -539,15 +580,28 @@ class Link:
             return copies.p_rank, copies.d_region, copies.d_offset, copies.p_region, copies.p_offset
         return copies.d_rank, copies.p_region, copies.p_offset, copies.d_region, copies.d_offset
 
-    def _tile_indices(self, t: Transfer, copies: Copies,
-                      rows_of: dict[int, np.ndarray]) -> dict[int, tuple[np.ndarray, np.ndarray]] | None:
+    def _tile_indices(self, t: Transfer, copies: Copies, rows_of: dict[int, np.ndarray],
+                      blocks: tuple[CopyBlock, ...] | None = None) -> dict[int, tuple[np.ndarray, np.ndarray]] | None:
         """Mode prepped: per peer rank, (local indices, peer indices) into the two ranks' tables, or
         ``None`` (``t`` falls back to coalesced) when the plan is off the tile grid or a table is
-        too large. Each rank's table has tiles only for the regions it holds."""
+        too large. Each rank's table has tiles only for the regions it holds. With ``blocks`` (the
+        compiled pair's rows of this rank) the indices come straight from them
+        (:func:`kvgeom.lowering.tile_index_blocks`), not from the byte columns."""
         tile = self.tile_bytes
         me = self.endpoint.rank
         out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         try:
+            if blocks is not None:
+                pair = self.pair
+                got = tile_index_blocks(blocks, tile, p_tables=lambda r: capped_table(pair.prefill, tile, r),
+                                        d_tables=lambda r: capped_table(pair.decode, tile, r))
+                for (p_rank, d_rank), (p_idx, d_idx) in got.items():
+                    peer = p_rank if self.local_is_decode else d_rank
+                    out[peer] = (d_idx, p_idx) if self.local_is_decode else (p_idx, d_idx)
+                if set(out) != set(rows_of):
+                    raise PlanError("blocks", "the blocks and the plan's copies name different peers",
+                                    actual=sorted(out), expected=sorted(rows_of))
+                return out
             for peer, rows in rows_of.items():
                 p_rank, d_rank = (peer, me) if self.local_is_decode else (me, peer)
                 p_idx, d_idx = tile_index_pairs(copies.take(rows), tile,
@@ -604,7 +658,9 @@ class Link:
             if request is None:
                 raise ExecutorError("request", "pass the request (to plan it) or a plan",
                                     fix="link.pull(request_id, request)")
-            plan = self.plan(request, strategy=strategy, budget=budget)
+            if strategy in RANK_STRATEGIES:  # this rank's part only, on the compiled pair
+                return self.rank_plan(request, strategy=strategy, budget=budget)
+            plan = self.plan(request, strategy=strategy, budget=budget)  # auto may pick packed: the whole plan
         check_instance("plan", plan, TransferPlan, error=ExecutorError, fix="pass the plan kvgeom made")
         if plan.prefill_tp != self.pair.prefill.tp or plan.decode_tp != self.pair.decode.tp:
             raise ExecutorError("plan", f"plan for TP{plan.prefill_tp}->TP{plan.decode_tp} on a "

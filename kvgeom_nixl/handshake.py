@@ -17,7 +17,7 @@ one memory entry per region of the geometry and each exactly ``num_pages * page_
 (with pipeline stages: one per region of the rank's stage, docs/design.md §11.4), addresses that
 do not wrap around. ``rank`` is the flat rank ``0 <= rank < num_ranks`` (docs/design.md §11.1).
 Any failure raises :class:`HandshakeError` naming the field; a peer that advertises regions not
-fitting its own geometry is refused before any transfer (docs/design.md §6, §8 and §13: peer
+fitting its own geometry is refused before any transfer (docs/design.md §6, §8 and §14: peer
 input is hostile).
 
 Worked number: a TP1 engine with one region of 64 pages x 16384 B must advertise exactly one
@@ -56,7 +56,7 @@ MAX_SLOTS = 1 << 10  # a ring of more slots than this is refused (a peer's input
 
 @attrs.frozen
 class HandshakeLimits:
-    """The largest sizes a peer may advertise (configured maxima, docs/design.md §13).
+    """The largest sizes a peer may advertise (configured maxima, docs/design.md §14).
 
     ``max_bytes``: the payload (an 80-layer engine's is about 30 KiB); ``max_tp``: the peer's TP
     size, and so the payloads one ``connect`` may be given; ``max_ranks``: all its ranks

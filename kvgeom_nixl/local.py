@@ -116,9 +116,10 @@ class LocalDeployment:
     def endpoints(self) -> list[Endpoint]:
         return self.p + self.d
 
-    def post(self, request_id: str, request: Request | None, plan: TransferPlan, *, push: bool = False,
+    def post(self, request_id: str, request: Request | None, plan: TransferPlan | None, *, push: bool = False,
              mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Transfer]:
-        """Post both sides of one request (initiators first); nothing is waited for."""
+        """Post both sides of one request (initiators first); nothing is waited for. With ``plan``
+        None every link plans its own rank's part of ``request`` on the compiled pair."""
         out: list[Transfer] = []
         if push:
             out += [lk.push(request_id, request, plan=plan, mode=mode, timeout_s=timeout_s) for lk in self.p_links]
@@ -128,7 +129,7 @@ class LocalDeployment:
             out += [lk.serve_pull(request_id, request, plan=plan, timeout_s=timeout_s) for lk in self.p_links]
         return out
 
-    def run(self, request_id: str, request: Request | None, plan: TransferPlan, *, push: bool = False,
+    def run(self, request_id: str, request: Request | None, plan: TransferPlan | None, *, push: bool = False,
             mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S) -> list[TransferResult]:
         """Post and drive one request to the end on every rank; raises TransferFailed."""
         return wait_all(self.post(request_id, request, plan, push=push, mode=mode, timeout_s=timeout_s),

@@ -65,18 +65,28 @@ def test_plan_and_descriptor_sections_give_the_schema() -> None:
     rows = json.loads(json.dumps(to_json_list(ms)))
     _check_schema(rows)
     names = {r["name"] for r in rows}
-    # 4 pairs x 2 sizes x (vs output, vs raw rows) + 4 exponents
-    assert sum(r["section"] == "plan" for r in rows) == 4 * 2 * 2 + 4
+    # 4 pairs x (compile + fixed cost + 2 sizes x 2 patterns x (compiled, reference, compiled vs reference)
+    # + exponent)
+    assert sum(r["section"] == "plan" for r in rows) == 4 * (2 + 2 * 2 * 3 + 1)
     assert "plan/syn-tp1-tp1/exponent" in names
-    assert sum(r["section"] == "memory" for r in rows) == 4
+    assert {"plan/syn-tp4-tp1/scattered/512", "plan/syn-tp4-tp1/scattered/512/reference",
+            "plan/syn-tp4-tp1/scattered/512/vs-reference", "plan/kimi-linear-tp8-tp1/fixed",
+            "compile/deepseek-v3-tp8-tp1"} <= names
+    # 4 pairs x 2 patterns x (compiled, reference)
+    assert sum(r["section"] == "memory" for r in rows) == 4 * 2 * 2
+    # the compiled and reference rows of one request describe the same plan
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["plan/syn-tp4-tp1/fresh/256"]["baseline"] == by_name["plan/syn-tp4-tp1/fresh/256/reference"]["baseline"]
     # 3 pairs x 3 patterns + one geometric mean per pattern
     assert sum(r["section"] == "descriptors" for r in rows) == 3 * 3 + 3
     for p in PATTERNS:
         assert f"descriptors/{p}/geomean" in names
-    # the goal applies from 16k tokens on: nothing at these sizes is judged except exponents
-    assert all(r["met"] is None for r in rows if r["section"] == "plan" and not r["name"].endswith("exponent"))
+    # the ratio goal applies from 16k tokens on: at these sizes only exponents, fixed costs and compile
+    # times are judged
+    judged = {r["name"] for r in rows if r["section"] == "plan" and r["met"] is not None}
+    assert all(n.endswith(("exponent", "fixed")) or n.startswith("compile/") for n in judged)
     table = render_table(ms)
-    assert "plan/deepseek-v3-tp8-tp1/512" in table and "goals:" in table
+    assert "plan/deepseek-v3-tp8-tp1/fresh/512" in table and "goals:" in table
 
 
 def test_cli_json_is_a_list_of_measurements(capsys: pytest.CaptureFixture[str]) -> None:
@@ -139,8 +149,11 @@ def test_plan_profile_names_the_case_and_its_sizes() -> None:
     # 32 layers, fresh blocks on identical HND layouts: every page is one whole-page run on both
     # sides, so the 256 / 16 = 16 consecutive pages of a layer collapse before the rows are built:
     # 32 rows before coalescing, 32 copies after
-    assert text.startswith("syn-tp1-tp1 M=256 strategy=direct: 32 copies, 0 zeros, 32 rows before coalescing")
+    assert text.startswith("syn-tp1-tp1 M=256 fresh compiled strategy=direct: 32 copies, 0 zeros, "
+                           "32 rows before coalescing")
     assert "ncalls" in text
+    assert profile_plan("syn-tp4-tp1", 256, repeats=1, top=5, path="reference", pattern="scattered").startswith(
+        "syn-tp4-tp1 M=256 scattered reference strategy=direct")
 
 
 def test_hostile_campaigns_run_and_render() -> None:

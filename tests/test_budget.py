@@ -1,4 +1,4 @@
-"""The work budget (docs/design.md §13): the estimate bounds the real plan, and a plan beyond the budget is
+"""The work budget (docs/design.md §14): the estimate bounds the real plan, and a plan beyond the budget is
 refused before it is built.
 
 The property tests plan drawn pairs for real and compare: the estimate is never below the rows the
@@ -39,6 +39,7 @@ from kvgeom import (  # noqa: E402
     estimate_plan,
     fresh_request,
     plan_pair,
+    plan_reference,
     plan_transfer,
 )
 from kvgeom.building import fresh_shape, get_preset  # noqa: E402
@@ -125,6 +126,20 @@ def test_auto_counts_the_packed_candidate(t: Any) -> None:
     assert est.staging_steps >= len(plan.packs) + len(plan.unpacks)
 
 
+@SETTINGS
+@given(PACKED, st.sampled_from(("direct", "staged", "auto", "packed")))
+def test_the_quick_bound_is_an_upper_bound_of_the_real_plan(t: Any, strategy: str) -> None:
+    """The O(groups) bound the planner admits a request with first (rows per moved token x tokens)."""
+    pair = Pair(*t.pair)
+    plan = plan_pair(pair, t.request, strategy=strategy, staging_bytes=t.staging_bytes, budget=None)
+    q = budget_module.quick_estimate(pair, RequestShape.of(t.request), strategy, staging_bytes=t.staging_bytes)
+    steps = plan.packs + plan.unpacks
+    assert q.copy_rows >= plan.copies_before_coalescing and q.zero_rows >= plan.zeros_before_coalescing
+    assert q.rearrange_pages >= sum(len(r.pages) for r in plan.rearranges)
+    assert q.chunks >= len(plan.chunks) and q.wire_rows >= len(plan.wire) and q.staging_steps >= len(steps)
+    assert q.staging_entries >= sum(len(s.pages) + len(s.regions) for s in steps)
+
+
 def test_a_tiny_staging_capacity_is_refused_before_planning() -> None:
     """One token per chunk: llama3-70b TP8 -> TP4 at 131,072 tokens would cut 80 layers into 10M chunks;
     refused from the estimate (no chunk is laid out). Auto leaves packed out and plans direct."""
@@ -163,6 +178,39 @@ def test_the_default_budget_admits_packed_presets_at_128k_tokens() -> None:
         assert DEFAULT_BUDGET.admits(estimate_plan(pair, shape, "packed")), name
 
 
+@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(kst.pairs(mismatch_probability=0.0, max_tokens=96))
+def test_the_compile_estimate_bounds_the_compiled_patterns(gp: Any) -> None:
+    """The rows a compile builds (every alignment class of a D page, both landings, every side cut at
+    each kernel page) are at most what ``estimate_compile`` counts."""
+    from kvgeom.planning.compiled import _Source
+
+    pair = Pair(gp.prefill, gp.decode)
+    est = budget_module.estimate_compile(pair)
+    compiled = pair.compile(budget=None)
+    sources = list(compiled.direct.values()) + [s for s in compiled.staged.values() if isinstance(s, _Source)]
+    assert est.copy_rows >= sum(p.raw for src in sources for p in src.interior)
+    assert DEFAULT_BUDGET.admits(est)
+
+
+def test_a_pair_too_costly_to_compile_stays_on_the_reference_path() -> None:
+    """P pages of 1009 tokens, D pages of 1013 (HND -> NHD): a D page has 1009 alignment classes, so
+    compiling builds the rows of 1,022,117 tokens (main ran 14 s into MemoryError on the pair's
+    second 100-token plan). The compile is refused from its estimate; plan_pair stays on the
+    reference path, whose plans are the same."""
+    m = ModelSpec("m", [AttentionSpec("a", "full", 4, 8, 64)])
+    pair = Pair(EngineGeometry.build(m, tp=1, kernel_block_tokens=1009, num_blocks=8, name="prefill"),
+                EngineGeometry.build(m, tp=1, kernel_block_tokens=1013, num_blocks=8, layout="NHD", name="decode"))
+    request = fresh_request(pair, 100)
+    t0 = time.perf_counter()
+    plans = [plan_pair(pair, request) for _ in range(3)]
+    with pytest.raises(PlanBudgetExceeded, match="compile"):
+        pair.compile()
+    assert time.perf_counter() - t0 < 60  # a generous ceiling: compiling it takes minutes and gigabytes
+    assert plans[0] == plans[2] == plan_reference(pair, request)
+    assert not DEFAULT_BUDGET.admits(budget_module.estimate_compile(pair))
+
+
 def test_fresh_shape_is_the_shape_of_fresh_request() -> None:
     for name in ("qwen-swa-tp2-tp4", "kimi-linear-tp8-tp1", "gqa-tp2-tp4"):
         preset = get_preset(name)
@@ -173,7 +221,7 @@ def test_fresh_shape_is_the_shape_of_fresh_request() -> None:
 
 
 def test_worked_number_whole_pages() -> None:
-    """docs/design.md §13: TP1 -> TP1, HND, K = 16, 80 layers of 8 heads x 256 B, M = 16384: 1024 segments,
+    """docs/design.md §14: TP1 -> TP1, HND, K = 16, 80 layers of 8 heads x 256 B, M = 16384: 1024 segments,
     the token, head and plane modes all fold (a whole 64 KiB page per row), so 1024 x 80 rows are
     estimated; the planner builds 80 (the consecutive pages of each layer collapse into one run)."""
     m = ModelSpec("m", [AttentionSpec("a", "full", 80, 8, 256)])

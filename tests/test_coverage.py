@@ -32,7 +32,7 @@ from kvgeom import (
 from kvgeom.arith import window_start
 from kvgeom.building import state_slot_tokens
 from kvgeom.tools import strategies as kst
-from kvgeom.values import coverage_problems
+from kvgeom.values import coverage_problems, needed_range
 
 ATTN = ModelSpec("m", [AttentionSpec("attn", "full", num_layers=1, num_kv_heads=2, head_bytes=8)])
 
@@ -103,12 +103,12 @@ def test_sliding_windows_need_the_window_from_window_start() -> None:
     pair = pair16(swa)
     M = 100
     ws = window_start(M, 40)
-    assert ws == 60  # max(0, 100 - 40)
-    # P from the block of token 60 (token 48): [48, 112) covers [60, 100)
+    assert ws == 61  # max(0, 100 - 40 + 1): the next query, token 100, attends to [61, 100]
+    # P from the block of token 61 (token 48): [48, 112) covers [61, 100)
     ok = Request(M, [GroupRequest(BlockList([1, 2, 3, 4], 48), BlockList([5, 6, 7, 8], 48))])
     pair.check_request(ok)
     err = refused(pair, Request(M, [GroupRequest(BlockList([2, 3, 4], 64), BlockList([5, 6, 7, 8], 48))]))
-    assert err.path.endswith(".prefill") and "needs [60, 100)" in err.message and "too short at the start" in err.message
+    assert err.path.endswith(".prefill") and "needs [61, 100)" in err.message and "too short at the start" in err.message
     # fresh_request lists from window_start's block on both sides (the one rule)
     fresh = fresh_request(pair, M, decode_tokens=M + 1)
     assert [getattr(fresh.groups[0], s).first_token for s in ("prefill", "decode")] == [48, 48]
@@ -143,6 +143,10 @@ def test_covering_draws_pass_and_every_truncation_is_named(t: Any) -> None:
             end = listing.first_token + len(listing.block_ids) * pair.side(side).logical_block_tokens
             if end - pair.side(side).logical_block_tokens >= request.computed_tokens:
                 continue  # its last block holds no needed token: dropping it leaves a covering list
+            if isinstance(spec, AttentionSpec):
+                lo, hi = needed_range(spec, side, request.computed_tokens, request.prefix_hit_tokens)
+                if lo >= hi:
+                    continue  # nothing needed (a 1-token window needs no cached token): any list covers it
             short = BlockList(listing.block_ids[:-1], listing.first_token)
             groups = list(request.groups)
             groups[gi] = GroupRequest(short, gr.decode) if side == "prefill" else GroupRequest(gr.prefill, short)
@@ -173,7 +177,7 @@ def test_block_tables_for_sliding_groups_are_tails_unless_told() -> None:
     swa = ModelSpec("s", [AttentionSpec("full", "full", 1, 2, 8),
                           AttentionSpec("swa", "sliding", 1, 2, 8, window_tokens=40)])
     pair = pair16(swa, blocks=24)
-    M = 100  # blocks of 16: token 99 is in block 6; the window needs [60, 100): blocks 3..6
+    M = 100  # blocks of 16: token 99 is in block 6; the window needs [61, 100): blocks 3..6
     full = [list(range(7)), list(range(7, 14))]
     r = request_from_block_tables(pair, M, [full[0], [20, 21, 22, 23]], [full[1], [14, 15, 16, 17]])
     assert r.groups[1].prefill == BlockList([20, 21, 22, 23], 48)  # (ceil(100 / 16) - 4) * 16 = 48

@@ -109,7 +109,9 @@ def test_prefix_tokens_are_untouched_and_unlisted_tokens_are_not_drawn() -> None
     req = fresh_request(swa, 30)  # the window group lists tokens [20, 32) on both sides
     cm = transfer_cells(swa.plan(req), swa, req)
     win = [r for r in cm.rows if r.group == 1][0]
-    assert (win.codes[:20] == NOT_LISTED).all() and (win.codes[20:30] >= 0).all() and (win.codes[30:] == ZEROED).all()
+    # window_start(30, 8) = 30 - 8 + 1 = 23: listed tokens 20..22 lie before the window and are zeroed
+    assert (win.codes[:20] == NOT_LISTED).all() and (win.codes[20:23] == ZEROED).all()
+    assert (win.codes[23:30] >= 0).all() and (win.codes[30:] == ZEROED).all()
 
 
 def test_staged_plans_draw_the_same_cells_as_direct_ones() -> None:

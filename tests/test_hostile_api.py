@@ -1,4 +1,4 @@
-"""Hostile API values (issue 11, docs/design.md §13): only typed errors, bounded work, ints converted.
+"""Hostile API values (issue 11, docs/design.md §14): only typed errors, bounded work, ints converted.
 
 The fuzzer draws cases from ``benchmarks/hostile.py``'s API campaign (one ``random.Random`` per case,
 its seed drawn by hypothesis, derandomized): constructors, ``pairable``, ``plan_transfer``,

@@ -1,4 +1,4 @@
-"""Hostile documents and command lines (issue 11, docs/design.md §13).
+"""Hostile documents and command lines (issue 11, docs/design.md §14).
 
 The fuzzer mutates valid pair files (``benchmarks/hostile.py``'s file campaign: JSON leaves replaced
 by extreme numbers and wrong types, keys deleted or added, nested ``"schema"`` markers, truncation,

@@ -1,4 +1,4 @@
-"""A hostile peer through real NIXL (issue 11, docs/design.md §8 and §13).
+"""A hostile peer through real NIXL (issue 11, docs/design.md §8 and §14).
 
 Two fuzzers share one honest P endpoint and one D endpoint whose regions sit inside guard bytes
 (``benchmarks/hostile.py``'s ``NixlBench``):

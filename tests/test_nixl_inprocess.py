@@ -117,6 +117,29 @@ def test_transfer_lands_every_byte(case: str, push: bool, mode: str) -> None:
     _check(out, pair, mode, push)
 
 
+RANK_CASES = ["tp2->tp1 hnd k16", "k8 hnd split -> k16 nhd inner, prefix", "preset qwen-swa-tp2-tp4 (sliding)",
+              "preset deepseek-v3 mla tp8->tp1", "preset kimi-linear tp8->tp1 (hybrid)"]
+
+
+@pytest.mark.parametrize("mode", ["coalesced", "prepped"])
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+@pytest.mark.parametrize("case", RANK_CASES)
+def test_links_plan_their_own_rank_on_the_compiled_pair(case: str, push: bool, mode: str) -> None:
+    """No plan given: every link plans its own rank's part on the compiled pair (docs/design.md §13)
+    and, in mode prepped, lowers it to table indices straight from the compiled blocks."""
+    pair, request = _case(case)
+    plan = plan_pair(pair, request)
+    p_caches = allocate_caches(pair.prefill, DEVICE)
+    d_caches = allocate_caches(pair.decode, DEVICE)
+    fill_caches(pair, request, p_caches, d_caches)
+    with LocalDeployment(pair, p_caches, d_caches, telemetry=True) as dep:
+        results = dep.run("r", request, None, push=push, mode=mode)
+        for link in dep.d_links + dep.p_links:
+            assert link.pair.compile().plan(request) == plan  # each link's own compiled pair
+    violations, checked = check_caches(pair, request, d_caches)
+    _check({"plan": plan, "results": results, "violations": violations, "checked": checked}, pair, mode, push)
+
+
 STAGED_CASES = ["k16 nhd -> k8 hnd", "k8 hnd tp2 -> k16 nhd tp1"]
 
 

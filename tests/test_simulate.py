@@ -491,15 +491,18 @@ def test_unpaired_state_slot_stays_untouched() -> None:
 
 # ---- sliding window: alignment by token position --------------------------------------------
 # window 4, K = 4, M = 10. P lists its blocks from token 4 (ids 3, 6 -> tokens [4, 12)); D lists
-# from token 0 (ids 1, 4, 2 -> tokens [0, 12)). Needed [4, 10); must be zero: [0, 4) and [10, 12).
+# from token 0 (ids 1, 4, 2 -> tokens [0, 12)). The next query, token 10, attends to [7, 10]
+# (window_start = 10 - 4 + 1 = 7): needed [7, 10); must be zero: [0, 7) and [10, 12).
 
 SWA = ModelSpec("swa", [AttentionSpec("swa", "sliding", num_layers=1, num_kv_heads=4, head_bytes=8, window_tokens=4)])
 SWA_REQ = Request(10, [GroupRequest(BlockList((3, 6), first_token=4), BlockList((1, 4, 2)))])
-SWA_COPIES = [(0, 0, 3 * PAGE, 0, 0, 4 * PAGE, PAGE)] + [
+SWA_COPIES = [(0, 0, 3 * PAGE + kv * PLANE + h * HEAD + 3 * TOK, 0, 0, 4 * PAGE + kv * PLANE + h * HEAD + 3 * TOK, TOK)
+              for kv in range(2) for h in range(4)] + [
     (0, 0, 6 * PAGE + kv * PLANE + h * HEAD, 0, 0, 2 * PAGE + kv * PLANE + h * HEAD, 2 * TOK)
     for kv in range(2) for h in range(4)]
-SWA_ZEROS = [(0, 0, 1 * PAGE, PAGE)] + [(0, 0, 2 * PAGE + kv * PLANE + h * HEAD + 2 * TOK, 2 * TOK)
-                                        for kv in range(2) for h in range(4)]
+SWA_ZEROS = [(0, 0, 1 * PAGE, PAGE)] + [(0, 0, 4 * PAGE + kv * PLANE + h * HEAD, 3 * TOK)
+                                        for kv in range(2) for h in range(4)] + [
+    (0, 0, 2 * PAGE + kv * PLANE + h * HEAD + 2 * TOK, 2 * TOK) for kv in range(2) for h in range(4)]
 
 
 def swa_pair() -> Pair:

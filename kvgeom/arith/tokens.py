@@ -36,16 +36,22 @@ __all__ = ["SideTokens", "Segments", "segments", "locate", "window_start"]
 def window_start(computed_tokens: int, window_tokens: int | None) -> int:
     """The first token a sliding-window group still needs after ``computed_tokens`` tokens.
 
-    The ONE place this rule lives (coverage checks, :func:`kvgeom.fresh_request`, the strategies
-    and the block-table constructor all ask it): today ``max(0, M - W)``, the last ``W`` tokens
-    before ``M``; a full-attention group (``window_tokens`` None) needs every token from 0.
+    The ONE place this rule lives (the planner's needed range, the simulator's needed bytes,
+    coverage checks, :func:`kvgeom.fresh_request`, the strategies and the block-table constructor
+    all ask it): ``max(0, M - W + 1)``. A window of ``W`` tokens includes the query's own token,
+    so the next token D computes, token ``M``, attends to keys ``[M - W + 1, M]`` and D needs the
+    cached ``W - 1`` tokens ``[M - W + 1, M)``. That is vLLM's convention: its FlashAttention
+    backends pass ``window_size = (W - 1, 0)`` (W - 1 keys to the left of the query, none to the
+    right), and its sliding-window KV cache manager frees ``num_computed_tokens - W + 1`` skipped
+    tokens (docs/design.md §3.4). A full-attention group (``window_tokens`` None) needs every
+    token from 0.
 
-    >>> window_start(100, 16), window_start(10, 16), window_start(100, None)
-    (84, 0, 0)
+    >>> window_start(100, 16), window_start(10, 16), window_start(100, None), window_start(16, 16)
+    (85, 0, 0, 1)
     """
     if window_tokens is None:
         return 0
-    return max(0, computed_tokens - window_tokens)
+    return max(0, computed_tokens - window_tokens + 1)
 
 
 def locate(block_ids: np.ndarray, first_token: int, kernel_tokens: int, pages_per_block: int,

@@ -8,7 +8,7 @@ state groups list one running state::
                                            D: ids 0 1 2 from token 16    (tokens [16, 40))
 
 :func:`fresh_shape` is the same request by size only (token ranges and block counts, no ids), in
-O(groups): what the work budget checks before a request is built (docs/design.md §13), so that a
+O(groups): what the work budget checks before a request is built (docs/design.md §14), so that a
 request of 10**8 tokens is refused before its block lists exist. :func:`fresh_request` also refuses,
 before making any id, a listing that runs past a side's block pool.
 
@@ -76,7 +76,7 @@ def _fits(pair: EnginePair, gi: int, side: str, first: int, count: int) -> None:
 def fresh_shape(pair: EnginePair, computed_tokens: int, *, decode_tokens: int | None = None,
                 prefix_hit_tokens: int = 0) -> RequestShape:
     """The shape of :func:`fresh_request` (token ranges and block counts, no ids), in O(groups): what
-    the work budget checks before a request of ``computed_tokens`` is built (docs/design.md §13)."""
+    the work budget checks before a request of ``computed_tokens`` is built (docs/design.md §14)."""
     listings = _listings(pair, computed_tokens, decode_tokens, prefix_hit_tokens)
     groups = tuple(lst if lst is not None else (ListingShape(0, 1), ListingShape(0, 1)) for lst in listings)
     pairs = tuple(1 if lst is None else None for lst in listings)

@@ -8,9 +8,12 @@ blocks, ``M`` computed tokens, ``S`` prefix-hit tokens; docs/design.md §3.4)::
                |   keep    | must be  |    needed     | must be  |
                | (D holds) |  zero    | (P's hash)    |  zero    |
 
-* **needed** (attention, D rank ``d``): tokens ``[lo, hi)``, ``lo = max(S, d0, p0)``,
+* **needed** (attention, D rank ``d``): tokens ``[lo, hi)``, ``lo = max(S, d0, p0, ws)``,
   ``hi = min(M, d1, p1)``, every layer, plane, byte and every head D rank ``d`` holds: the
-  coordinate hash P computed (docs/design.md §4.2, invariant 3).
+  coordinate hash P computed (docs/design.md §4.2, invariant 3). ``ws`` is 0, or for a sliding
+  group of window ``W`` the first token the next query attends to, ``max(0, M - W + 1)`` (the
+  model's window and vLLM's convention, :func:`kvgeom.arith.tokens.window_start`): tokens before
+  it are never read again.
   (state) a D slot is *paired* with the P slot that lists the same ``tokens``; every coordinate of
   D rank ``d``'s section slices of a paired slot is needed.
 * **must be zero** (attention only): tokens ``[max(S, d0), d1)`` outside ``[lo, hi)``, all of D's
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..arith.tokens import window_start
 from ..values.model import AttentionSpec
 from ..values.pair import EnginePair
 from ..values.request import Request
@@ -69,7 +73,7 @@ def _expected_decode(pair: EnginePair, request: Request) -> tuple[Memory, list[l
                 p0, p1 = pl.token_range(P.logical_block_tokens)
                 d0, d1 = dl.token_range(D.logical_block_tokens)
                 start = max(S, d0)
-                lo, hi = max(start, p0), min(M, d1, p1)
+                lo, hi = max(start, p0, window_start(M, spec.window_tokens)), min(M, d1, p1)
                 spans = [(lo, hi, _NEEDED)] if lo < hi else []
                 spans += [(start, min(lo, d1), _ZERO), (max(hi, start), d1, _ZERO)] if lo < hi else [(start, d1, _ZERO)]
                 for a, b, what in spans:

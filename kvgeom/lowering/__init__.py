@@ -26,6 +26,7 @@ from .tiles import (
     check_in_regions,
     rank_region_bytes,
     tile_bytes,
+    tile_index_blocks,
     tile_index_pairs,
     tile_quantities,
     tile_rows,
@@ -51,6 +52,7 @@ __all__ = [
     "TileTable",
     "tile_table",
     "tile_index_pairs",
+    "tile_index_blocks",
     "check_in_regions",
     "rank_region_bytes",
 ]

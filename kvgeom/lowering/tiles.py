@@ -31,6 +31,7 @@ import attrs
 import numpy as np
 
 from ..errors import InternalError, PlanError
+from ..values.blocks import CopyBlock
 from ..values.engine import EngineGeometry
 from ..values.layout import AttentionGroupGeometry, StateGroupGeometry, StateLayout
 from ..values.model import AttentionSpec, StateSpec
@@ -38,7 +39,7 @@ from ..values.pair import EnginePair
 from ..values.plan import Copies
 
 __all__ = ["tile_rows", "tile_bytes", "tile_quantities", "TileTable", "tile_table", "tile_index_pairs",
-           "check_in_regions", "rank_region_bytes"]
+           "tile_index_blocks", "check_in_regions", "rank_region_bytes"]
 
 
 def _channel_grain(n: int, tp_a: int, tp_b: int, replicated: bool) -> int:
@@ -276,3 +277,86 @@ def tile_rows(copies: Copies, tile: int) -> np.ndarray:
         raise PlanError("tile_bytes", "must be positive", actual=tile, expected=">= 1")
     _check_multiple("nbytes", copies.nbytes, int(tile))
     return np.repeat(np.arange(len(copies), dtype=np.int64), copies.nbytes // int(tile))
+
+
+def _check_block(side: str, region: np.ndarray, shift: np.ndarray, base: np.ndarray, nbytes: np.ndarray,
+                 shared: bool, sizes: np.ndarray) -> None:
+    if len(region) and int(region.max()) >= len(sizes):
+        s = int(np.argmax(region >= len(sizes)))
+        raise PlanError(f"CopyBlock.{side}_region[{s}]", f"region {int(region[s])} does not exist on a rank with "
+                        f"{len(sizes)} regions", actual=int(region[s]), expected=f"< {len(sizes)}",
+                        fix="the plan does not fit this engine; re-plan against its advertised geometry")
+    end = shift + (int((base + nbytes).max()) if shared else base[0] + nbytes)
+    over = np.flatnonzero((end > sizes[region]) | (shift + int(base.min()) < 0))
+    if over.size:
+        s = int(over[0])
+        raise PlanError(f"CopyBlock.{side}_shift[{s}]", f"rows reach byte {int(end[s])} of region {int(region[s])} "
+                        f"of {int(sizes[region[s]])} B", actual=int(end[s]), expected=f"<= {int(sizes[region[s]])}",
+                        fix="the plan does not fit this engine; re-plan against its advertised geometry")
+
+
+def tile_index_blocks(blocks: Iterable[CopyBlock], tile: int, *, p_tables: Any,
+                      d_tables: Any) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
+    """:func:`tile_index_pairs` straight from outer-sum blocks, per (P rank, D rank): the index
+    lists into the two ranks' tables, in the plan's row order, without writing byte columns.
+
+    ``p_tables[p]`` / ``d_tables[d]`` are the :class:`TileTable` of P rank ``p`` / D rank ``d``
+    (a mapping or a callable). Every row is checked against its regions' sizes and the tile grid
+    first (:class:`PlanError`), like :func:`tile_index_pairs` with tables.
+
+    Worked number: a block of 2 streams x 3 rows of one 1024-byte tile each, D offsets
+    ``base [0, 4096, 8192] + shift [0, 1024]`` in region 0 (first entry 0) gives D indices
+    ``[0, 4, 8]`` and ``[1, 5, 9]``.
+    """
+    tile = int(tile)
+    if tile <= 0:
+        raise PlanError("tile_bytes", "must be positive", actual=tile, expected=">= 1")
+
+    def table(tables: Any, rank: int) -> TileTable:
+        got = tables(rank) if callable(tables) else tables[rank]
+        if got.tile_bytes != tile:
+            raise PlanError("table.tile_bytes", f"table tile {got.tile_bytes} != requested {tile}",
+                            actual=got.tile_bytes, expected=tile, fix="build both tables with the same tile")
+        return got
+
+    parts: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = {}
+    for b in blocks:
+        S, H = b.streams, b.per_stream
+        if not S * H:
+            continue
+        shared = len(b.nbytes) == H
+        for name, col in (("p_shift", b.p_shift), ("d_shift", b.d_shift), ("p_base", b.p_base),
+                          ("d_base", b.d_base), ("nbytes", b.nbytes)):
+            _check_multiple(name, col, tile)
+        keys = b.p_rank * (int(b.d_rank.max()) + 1) + b.d_rank
+        cut = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1], [True])))
+        for a, z in zip(cut[:-1].tolist(), cut[1:].tolist()):
+            p, d = int(b.p_rank[a]), int(b.d_rank[a])
+            pt, dt = table(p_tables, p), table(d_tables, d)
+            sl = slice(a, z)
+            nb = b.nbytes if shared else b.nbytes[sl]
+            _check_block("p", b.p_region[sl], b.p_shift[sl], b.p_base, nb, shared, np.asarray(pt.region_bytes, np.int64))
+            _check_block("d", b.d_region[sl], b.d_shift[sl], b.d_base, nb, shared, np.asarray(dt.region_bytes, np.int64))
+            p0 = pt.first[b.p_region[sl]] + b.p_shift[sl] // tile  # per stream
+            d0 = dt.first[b.d_region[sl]] + b.d_shift[sl] // tile
+            if shared:
+                k = b.nbytes // tile  # tiles of each base row
+                if np.all(k == 1):
+                    p_idx = (p0[:, None] + (b.p_base // tile)[None, :]).ravel()
+                    d_idx = (d0[:, None] + (b.d_base // tile)[None, :]).ravel()
+                else:
+                    total = int(k.sum())
+                    step = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(k) - k, k)
+                    p_row = np.repeat(b.p_base // tile, k) + step
+                    d_row = np.repeat(b.d_base // tile, k) + step
+                    p_idx = (p0[:, None] + p_row[None, :]).ravel()
+                    d_idx = (d0[:, None] + d_row[None, :]).ravel()
+            else:  # one base row, one size per stream
+                k = b.nbytes[sl] // tile
+                total = int(k.sum())
+                step = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(k) - k, k)
+                p_idx = np.repeat(p0 + b.p_base[0] // tile, k) + step
+                d_idx = np.repeat(d0 + b.d_base[0] // tile, k) + step
+            parts.setdefault((p, d), []).append((p_idx, d_idx))
+    return {key: (np.concatenate([x[0] for x in v]), np.concatenate([x[1] for x in v])) if len(v) > 1 else v[0]
+            for key, v in parts.items()}

@@ -19,7 +19,9 @@ from .budget import (
     STEP_WORK,
     PlanBudget,
     PlanEstimate,
+    estimate_compile,
     estimate_plan,
+    quick_estimate,
 )
 from .choose import (
     DEFAULT_COST_MODEL,
@@ -35,6 +37,11 @@ from .choose import (
 from .coalesce import (
     coalesce,
     coalesce_zeros,
+)
+from .compiled import (
+    CompiledGroup,
+    CompiledPair,
+    compile_pair,
 )
 from .group import (
     GroupPlan,
@@ -70,6 +77,7 @@ from .transfer import (
     Pair,
     check_budget,
     plan_pair,
+    plan_reference,
     plan_transfer,
 )
 
@@ -78,6 +86,8 @@ __all__ = [
     "PlanEstimate",
     "DEFAULT_BUDGET",
     "estimate_plan",
+    "estimate_compile",
+    "quick_estimate",
     "ROW_BYTES",
     "SEGMENT_BYTES",
     "PAGE_ENTRY_BYTES",
@@ -103,6 +113,9 @@ __all__ = [
     "plan_packed",
     "coalesce",
     "coalesce_zeros",
+    "CompiledGroup",
+    "CompiledPair",
+    "compile_pair",
     "GroupPlan",
     "Rows",
     "SideView",
@@ -119,4 +132,5 @@ __all__ = [
     "plan_transfer",
     "plan_pair",
     "check_budget",
+    "plan_reference",
 ]

@@ -1,7 +1,8 @@
 """Direct copies and zeros for attention groups (full, sliding window, MLA): any K, ppl, TP, layout.
 
-For one group, D rank ``d`` needs tokens ``[lo, hi)`` with ``lo = max(S, d0, p0)`` and
-``hi = min(M, d1, p1)`` ([p0, p1) and [d0, d1) being the tokens each side lists) and the heads of
+For one group, D rank ``d`` needs tokens ``[lo, hi)`` with ``lo = max(S, d0, p0, ws)`` and
+``hi = min(M, d1, p1)`` ([p0, p1) and [d0, d1) being the tokens each side lists, ``ws`` a sliding
+group's window start ``max(0, M - W + 1)``, 0 otherwise) and the heads of
 its slice, each read from exactly one P rank (:func:`kvgeom.arith.shard.sources`). Every other token
 D lists from ``max(S, d0)`` on is zeroed, in D's layout, for every head D holds::
 
@@ -30,7 +31,7 @@ import numpy as np
 
 from ..arith.runs import Mode, fold_modes, strided_rows
 from ..arith.shard import owned_slice, sources
-from ..arith.tokens import Segments, segments
+from ..arith.tokens import Segments, SideTokens, segments, window_start
 from ..errors import InternalError
 from ..values.model import AttentionSpec
 from ..values.notes import Note, NoteKind
@@ -41,17 +42,25 @@ from .group import GroupPlan
 from .rows import Rows
 from .sides import SideView, stage_parts
 
-__all__ = ["needed_tokens", "zero_intervals", "plan_attention_group", "attention_zeros"]
+__all__ = ["needed_tokens", "zero_intervals", "plan_attention_group", "attention_zeros", "copy_rows", "zero_rows",
+           "source_notes", "segments_note", "nothing_note", "zeroed_note"]
 
 
 def needed_tokens(request: Request, pair: EnginePair, group: int) -> tuple[int, int]:
-    """``[lo, hi)``: the tokens D needs and P has for ``group`` (may be empty: lo >= hi)."""
+    """``[lo, hi)``: the tokens D needs and P has for ``group`` (may be empty: lo >= hi).
+
+    A sliding group needs nothing before its window: ``lo`` is at least
+    ``window_start(M, W) = max(0, M - W + 1)`` (docs/design.md §3.4), so the partial first block
+    outside the window is zeroed, not copied.
+    """
     g = request.groups[group]
-    if not (isinstance(g.prefill, BlockList) and isinstance(g.decode, BlockList)):
+    spec = pair.model.groups[group]
+    if not (isinstance(g.prefill, BlockList) and isinstance(g.decode, BlockList) and isinstance(spec, AttentionSpec)):
         raise InternalError("checked by Pair")
     p0, p1 = g.prefill.token_range(pair.prefill.logical_block_tokens)
     d0, d1 = g.decode.token_range(pair.decode.logical_block_tokens)
-    return max(request.prefix_hit_tokens, d0, p0), min(request.computed_tokens, d1, p1)
+    M = request.computed_tokens
+    return max(request.prefix_hit_tokens, d0, p0, window_start(M, spec.window_tokens)), min(M, d1, p1)
 
 
 def zero_intervals(request: Request, pair: EnginePair, group: int) -> list[tuple[int, int]]:
@@ -164,25 +173,112 @@ def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
     P, D = pair.prefill, pair.decode
     ps, ds_final = SideView(P, group), SideView(D, group)
     ds = ds_final if landing is None else landing
-    H, hb = spec.num_kv_heads, spec.head_bytes
     lo, hi = needed_tokens(request, pair, group)
     notes: list[Note] = []
-    plain = P.topology.trivial and D.topology.trivial
-    p_dcp, d_dcp, p_reps = P.topology.dcp, D.topology.dcp, P.topology.replicas
-
-    copies = Rows()
-    n_copies = 0
-    planes_inner = spec.planes > 1 and ps.planes_share_region() and ds.planes_share_region()
-    plane_sets: Sequence[tuple[int, ...]] = [(0,)] if spec.planes == 1 or planes_inner else [(0,), (1,)]
     p_tok, d_tok = ps.tokens(g.prefill), ds.tokens(g.decode)
     segs = segments(lo, hi, [p_tok, d_tok])
     if hi > lo:
-        notes.append(Note(NoteKind.SEGMENTS, f"{spec.name}: tokens [{lo}, {hi}) move in {len(segs)} aligned segments "
-                          f"(P K={P.kernel_block_tokens} ppl={P.blocks_per_logical}, "
-                          f"D K={D.kernel_block_tokens} ppl={D.blocks_per_logical})"))
+        notes.append(segments_note(pair, group, lo, hi, len(segs)))
     else:
-        notes.append(Note(NoteKind.NOTHING_TO_MOVE,
-                          f"{spec.name}: no token is both listed by P (computed) and needed by D"))
+        notes.append(nothing_note(pair, group))
+    copies = Rows()
+    n_copies = copy_rows(pair, group, segs, p_tok, d_tok, ps, ds, copies if materialize else None)
+    if materialize and hi > lo:
+        notes.extend(source_notes(pair, group))
+    if not materialize:
+        return GroupPlan(Copies.empty(), Zeros.empty(), (), notes, n_copies)
+    zeros, zero_notes = attention_zeros(pair, request, group)
+    return GroupPlan(copies.copies(), zeros, (), notes + zero_notes, n_copies)
+
+
+def attention_zeros(pair: EnginePair, request: Request, group: int) -> tuple[Zeros, list[Note]]:
+    """The zero rows of one attention group, in D's own layout (every strategy's), with a
+    ``ZEROED`` note per zeroed token interval."""
+    g = request.groups[group]
+    if not isinstance(g.decode, BlockList):
+        raise InternalError("an attention group lists BlockLists (checked by Pair)")
+    ds_final = SideView(pair.decode, group)
+    z_tok = ds_final.tokens(g.decode)
+    rows = Rows()
+    notes: list[Note] = []
+    for z0, z1 in zero_intervals(request, pair, group):
+        notes.append(zeroed_note(pair, group, z0, z1))
+        zero_rows(pair, group, segments(z0, z1, [z_tok]), z_tok, ds_final, rows)
+    return rows.zeros(), notes
+
+
+def segments_note(pair: EnginePair, group: int, lo: int, hi: int, count: int) -> Note:
+    """The ``SEGMENTS`` note: ``[lo, hi)`` moves in ``count`` aligned segments."""
+    P, D = pair.prefill, pair.decode
+    return Note(NoteKind.SEGMENTS, f"{pair.model.groups[group].name}: tokens [{lo}, {hi}) move in {count} aligned "
+                f"segments (P K={P.kernel_block_tokens} ppl={P.blocks_per_logical}, "
+                f"D K={D.kernel_block_tokens} ppl={D.blocks_per_logical})")
+
+
+def nothing_note(pair: EnginePair, group: int) -> Note:
+    """The ``NOTHING_TO_MOVE`` note of an attention group whose ``[lo, hi)`` is empty."""
+    return Note(NoteKind.NOTHING_TO_MOVE,
+                f"{pair.model.groups[group].name}: no token is both listed by P (computed) and needed by D")
+
+
+def zeroed_note(pair: EnginePair, group: int, z0: int, z1: int) -> Note:
+    """The ``ZEROED`` note of D tokens ``[z0, z1)``."""
+    return Note(NoteKind.ZEROED, f"{pair.model.groups[group].name}: D tokens [{z0}, {z1}) receive nothing and are zeroed")
+
+
+def source_notes(pair: EnginePair, group: int) -> tuple[Note, ...]:
+    """The ``SOURCES`` notes of an attention group (D ranks 0-3 and the last): which P ranks each
+    reads which heads (and, on topologies, layers and tokens) from. Request-independent; a plan
+    carries them when the group moves something."""
+    spec = pair.model.groups[group]
+    if not isinstance(spec, AttentionSpec):
+        raise InternalError("dispatched on kind")
+    P, D = pair.prefill, pair.decode
+    plain = P.topology.trivial and D.topology.trivial
+    p_dcp, d_dcp, p_reps = P.topology.dcp, D.topology.dcp, P.topology.replicas
+    notes: list[Note] = []
+    for d in range(D.num_ranks):
+        if not (d < 4 or d == D.num_ranks - 1):
+            continue
+        c = D.coords(d)
+        d_layers = D.stage_layers(group, c.stage)
+        if d_layers.size == 0:
+            continue
+        d_slice = D.head_slice(group, d)
+        q = d // d_dcp + d % d_dcp
+        srcs = sources(spec.num_kv_heads, p_tp=P.head_tp, p_replicated=spec.replicated, d_tp=D.head_tp,
+                       d_rank=c.head_group, d_replicated=spec.replicated, spread=q // p_reps)
+        if plain:
+            notes.append(Note(NoteKind.SOURCES, f"{spec.name}: D rank {d} heads {d_slice} <- " +
+                              ", ".join(f"P{s.p_rank} {s.items}" for s in srcs)))
+            continue
+        read = [f"P{P.rank_of(p_stage, src.p_rank * p_dcp + po, q % p_reps)} layers {layers} heads {src.items}"
+                + (f" tokens of DCP rank {po}" if p_dcp > 1 else "")
+                for p_stage, layers in stage_parts(P, group, d_layers) for po in range(p_dcp) for src in srcs]
+        notes.append(Note(NoteKind.SOURCES, f"{spec.name}: D rank {d} (stage {c.stage}, tp {c.tp_rank}) "
+                          f"layers {d_layers} heads {d_slice} tokens {D.tokens_of(d)} <- " + ", ".join(read)))
+    return tuple(notes)
+
+
+def copy_rows(pair: EnginePair, group: int, segs: Segments, p_tok: SideTokens, d_tok: SideTokens, ps: SideView,
+              ds: SideView, rows: Rows | None) -> int:
+    """The copy rows of ``segs`` (aligned segments of one attention group), added to ``rows`` unless
+    it is None; returns their number (the count before coalescing, whole-page runs collapsed).
+
+    Per D rank, P stage part, P DCP owner, source head group, plane set and segment length, in that
+    order (the order :func:`kvgeom.planning.coalesce.coalesce` expects to find mostly sorted).
+    """
+    spec = pair.model.groups[group]
+    if not isinstance(spec, AttentionSpec):
+        raise InternalError("dispatched on kind")
+    P, D = pair.prefill, pair.decode
+    H, hb = spec.num_kv_heads, spec.head_bytes
+    p_dcp, d_dcp, p_reps = P.topology.dcp, D.topology.dcp, P.topology.replicas
+    materialize = rows is not None
+    out = rows if rows is not None else Rows()
+    n_copies = 0
+    planes_inner = spec.planes > 1 and ps.planes_share_region() and ds.planes_share_region()
+    plane_sets: Sequence[tuple[int, ...]] = [(0,)] if spec.planes == 1 or planes_inner else [(0,), (1,)]
     p_owner, d_owner = p_tok.owner(segs.start), d_tok.owner(segs.start)
     pieces: dict[tuple[int, int], list[tuple[int, Segments]]] = {}
 
@@ -205,19 +301,14 @@ def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
         srcs = sources(H, p_tp=P.head_tp, p_replicated=spec.replicated, d_tp=D.head_tp, d_rank=c.head_group,
                        d_replicated=spec.replicated, spread=q // p_reps)
         replica = q % p_reps
-        noted = materialize and hi > lo and (d < 4 or d == D.num_ranks - 1)
-        read: list[str] = []
         for p_stage, layers in stage_parts(P, group, d_layers):
             lsel = slice(layers.start, layers.stop)
             for po in range(p_dcp):
                 by_len = by_owner(c.dcp_rank, po)
+                if not by_len:
+                    continue
                 for src in srcs:
                     p_rank = P.rank_of(p_stage, src.p_rank * p_dcp + po, replica)
-                    if noted and not plain:
-                        read.append(f"P{p_rank} layers {layers} heads {src.items}"
-                                    + (f" tokens of DCP rank {po}" if p_dcp > 1 else ""))
-                    if not by_len:
-                        continue
                     p_slice = owned_slice(H, P.head_tp, src.p_rank, replicated=spec.replicated)
                     hp0, hd0, nh = src.items.start - p_slice.start, src.items.start - d_slice.start, src.items.size
                     for planes in plane_sets:
@@ -228,65 +319,49 @@ def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
                                                   (nh, (ps.layout.head_stride, ds.layout.head_stride))]
                             if planes_inner:
                                 cmodes.append((spec.planes, (ps.layout.kv_stride, ds.layout.kv_stride)))
-                            n_copies += _emit(copies, sub, n, [(0, ps, preg[lsel], poff[lsel], hp0),
-                                                               (1, ds, dreg[lsel], doff[lsel], hd0)],
+                            n_copies += _emit(out, sub, n, [(0, ps, preg[lsel], poff[lsel], hp0),
+                                                            (1, ds, dreg[lsel], doff[lsel], hd0)],
                                               cmodes, hb, (p_rank, d), materialize)
-        if noted:
-            if plain:
-                notes.append(Note(NoteKind.SOURCES, f"{spec.name}: D rank {d} heads {d_slice} <- " +
-                                  ", ".join(f"P{s.p_rank} {s.items}" for s in srcs)))
-            else:
-                notes.append(Note(NoteKind.SOURCES, f"{spec.name}: D rank {d} (stage {c.stage}, tp {c.tp_rank}) "
-                                  f"layers {d_layers} heads {d_slice} tokens {D.tokens_of(d)} <- " + ", ".join(read)))
-    if not materialize:
-        return GroupPlan(Copies.empty(), Zeros.empty(), (), notes, n_copies)
-    zeros, zero_notes = attention_zeros(pair, request, group)
-    return GroupPlan(copies.copies(), zeros, (), notes + zero_notes, n_copies)
+    return n_copies
 
 
-def attention_zeros(pair: EnginePair, request: Request, group: int) -> tuple[Zeros, list[Note]]:
-    """The zero rows of one attention group, in D's own layout (every strategy's), with a
-    ``ZEROED`` note per zeroed token interval."""
+def zero_rows(pair: EnginePair, group: int, zsegs: Segments, z_tok: SideTokens, ds: SideView,
+              rows: Rows | None) -> int:
+    """The zero rows of D segments ``zsegs`` (tokens that receive nothing), in D's own layout ``ds``,
+    for every D rank, added to ``rows`` unless it is None; returns their number. D ranks of one
+    (stage, DCP rank) share the same rows."""
     spec = pair.model.groups[group]
-    g = request.groups[group]
-    if not (isinstance(spec, AttentionSpec) and isinstance(g.decode, BlockList)):
-        raise InternalError("an attention group lists BlockLists (checked by Pair)")
+    if not isinstance(spec, AttentionSpec):
+        raise InternalError("dispatched on kind")
     D = pair.decode
-    ds_final = SideView(D, group)
     hb = spec.head_bytes
-    d_dcp = D.topology.dcp
-    notes: list[Note] = []
-    zeros = Rows()
-    d_planes_inner = spec.planes > 1 and ds_final.planes_share_region()
+    d_planes_inner = spec.planes > 1 and ds.planes_share_region()
     d_plane_sets: Sequence[tuple[int, ...]] = [(0,)] if spec.planes == 1 or d_planes_inner else [(0,), (1,)]
     h_local = D.local_heads(group)
-    z_tok = ds_final.tokens(g.decode)
+    z_owner = z_tok.owner(zsegs.start)
     # D ranks by (stage, DCP rank): they share the zero rows (same layers, same token slots)
     ranks_of: dict[tuple[int, int], list[int]] = {}
     for d in range(D.num_ranks):
         c = D.coords(d)
         ranks_of.setdefault((c.stage, c.dcp_rank), []).append(d)
-    for z0, z1 in zero_intervals(request, pair, group):
-        zsegs = segments(z0, z1, [z_tok])
-        z_owner = z_tok.owner(zsegs.start)
-        notes.append(Note(NoteKind.ZEROED, f"{spec.name}: D tokens [{z0}, {z1}) receive nothing and are zeroed"))
-        for (stage, dr), members in ranks_of.items():
-            layers = D.stage_layers(group, stage)
-            if layers.size == 0:
-                continue
-            lsel = slice(layers.start, layers.stop)
-            mine = zsegs if d_dcp == 1 else zsegs.take(np.flatnonzero(z_owner == dr))
-            for planes in d_plane_sets:
-                dreg, doff = ds_final.layer_arrays(planes[0])
-                for n, sub in _by_length(mine):
-                    modes: list[Mode] = [(n, (ds_final.layout.token_stride,)),
-                                         (h_local, (ds_final.layout.head_stride,))]
-                    if d_planes_inner:
-                        modes.append((spec.planes, (ds_final.layout.kv_stride,)))
-                    one = Rows()
-                    _emit(one, sub, n, [(0, ds_final, dreg[lsel], doff[lsel], 0)], modes, hb, (0, 0))
-                    if one.count:
-                        z = one.zeros()
-                        for d in members:
-                            zeros.add(0, 0, 0, d, z.d_region, z.d_offset, z.nbytes)
-    return zeros.zeros(), notes
+    count = 0
+    for (stage, dr), members in ranks_of.items():
+        layers = D.stage_layers(group, stage)
+        if layers.size == 0:
+            continue
+        lsel = slice(layers.start, layers.stop)
+        mine = zsegs if D.topology.dcp == 1 else zsegs.take(np.flatnonzero(z_owner == dr))
+        for planes in d_plane_sets:
+            dreg, doff = ds.layer_arrays(planes[0])
+            for n, sub in _by_length(mine):
+                modes: list[Mode] = [(n, (ds.layout.token_stride,)), (h_local, (ds.layout.head_stride,))]
+                if d_planes_inner:
+                    modes.append((spec.planes, (ds.layout.kv_stride,)))
+                one = Rows()
+                count += len(members) * _emit(one, sub, n, [(0, ds, dreg[lsel], doff[lsel], 0)], modes, hb, (0, 0),
+                                              rows is not None)
+                if one.count and rows is not None:
+                    z = one.zeros()
+                    for d in members:
+                        rows.add(0, 0, 0, d, z.d_region, z.d_offset, z.nbytes)
+    return count

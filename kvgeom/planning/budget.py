@@ -1,7 +1,7 @@
 """The work budget: how large a request's plan will be, estimated before any row is built.
 
 A geometry can come from a remote peer and a request from a connector on every step, so the
-planner bounds its work before doing it (docs/design.md §13). :func:`estimate_plan` mirrors the
+planner bounds its work before doing it (docs/design.md §14). :func:`estimate_plan` mirrors the
 planners in O(groups x ranks) arithmetic on the geometry and the request's *shape* (token ranges
 and block counts, never the ids); :meth:`PlanBudget.check` refuses an estimate over the budget
 with :class:`~kvgeom.errors.PlanBudgetExceeded`::
@@ -36,6 +36,8 @@ estimated. The planner builds 80, since each layer's consecutive pages collapse 
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -47,20 +49,21 @@ import numpy as np
 from ..arith.ints import ceil_div
 from ..arith.runs import Mode, fold_modes
 from ..arith.shard import local_count, sources
-from ..arith.tokens import SideTokens
-from ..errors import InternalError, KvGeomError, PlanBudgetExceeded
+from ..arith.tokens import SideTokens, window_start
+from ..errors import InternalError, KvGeomError, PlanBudgetExceeded, RequestError
 from ..values.engine import EngineGeometry
 from ..values.fields import check_int
 from ..values.layout import PageLayout
 from ..values.model import AttentionSpec, StateSpec
 from ..values.pair import EnginePair
-from ..values.request import ListingShape, RequestShape
+from ..values.request import MAX_LISTED, ListingShape, RequestShape
 from .packed import DEFAULT_STAGING_BYTES, class_counts, cuts_of
 from .sides import SideView, stage_parts
 from .staged import arrival, is_identity, rearrange_modes
 
-__all__ = ["PlanBudget", "PlanEstimate", "DEFAULT_BUDGET", "estimate_plan", "ROW_BYTES", "SEGMENT_BYTES",
-           "PAGE_ENTRY_BYTES", "STAGING_ENTRY_BYTES", "STAGING_STEP_BYTES", "STEP_WORK"]
+__all__ = ["PlanBudget", "PlanEstimate", "DEFAULT_BUDGET", "estimate_plan", "estimate_compile", "quick_estimate",
+           "ROW_BYTES",
+           "SEGMENT_BYTES", "PAGE_ENTRY_BYTES", "STAGING_ENTRY_BYTES", "STAGING_STEP_BYTES", "STEP_WORK"]
 
 # Peak bytes of planner memory per unit, measured with tracemalloc on the presets and synthetic pairs
 # (benchmarks/hostile.py --calibrate); rounded up. A copy row is 7 int64 columns, built, repeated,
@@ -78,7 +81,7 @@ STEP_WORK = 2000  # one Python-level planner iteration costs about as much as th
 
 @attrs.frozen
 class PlanEstimate:
-    """Upper bounds of what planning one request builds and does (docs/design.md §13).
+    """Upper bounds of what planning one request builds and does (docs/design.md §14).
 
     ``copy_rows`` / ``zero_rows``: rows before coalescing; ``segments``: token segments cut;
     ``rearrange_pages``: page entries of the staged rearranges; ``steps``: Python-level planner
@@ -105,7 +108,11 @@ class PlanEstimate:
                 + self.staging_steps * STAGING_STEP_BYTES)
 
     def __add__(self, other: PlanEstimate) -> PlanEstimate:
-        return PlanEstimate(*(a + b for a, b in zip(attrs.astuple(self), attrs.astuple(other))))
+        return PlanEstimate(self.copy_rows + other.copy_rows, self.zero_rows + other.zero_rows,
+                            self.segments + other.segments, self.rearrange_pages + other.rearrange_pages,
+                            self.steps + other.steps, self.work + other.work, self.wire_rows + other.wire_rows,
+                            self.staging_steps + other.staging_steps, self.staging_entries + other.staging_entries,
+                            self.chunks + other.chunks)
 
     def peak(self, other: PlanEstimate) -> PlanEstimate:
         """Two alternatives of which one is built: the larger sizes, the summed time."""
@@ -211,7 +218,7 @@ def _side_step(engine: EngineGeometry, view: SideView, cut_tokens: int = 0) -> t
         return engine.topology.interleave, True
     if cut_tokens:
         return cut_tokens, True
-    if view.linear():
+    if view.linear() and not _COMPILING.get():
         return engine.logical_block_tokens, False
     return engine.kernel_block_tokens, True
 
@@ -331,6 +338,24 @@ def _span(listing: ListingShape, block_tokens: int) -> tuple[int, int]:
     return listing.first_token, listing.first_token + listing.count * block_tokens
 
 
+_COMPILING: contextvars.ContextVar[bool] = contextvars.ContextVar("kvgeom_estimate_compiling", default=False)
+"""Set while a compile is estimated: windows are ignored and every side cuts at each kernel page
+(the compiled pair's synthetic listings, docs/design.md §13)."""
+
+
+def _needed(pair: EnginePair, shape: RequestShape, gi: int) -> tuple[int, int, int, int, int, int]:
+    """``(p0, p1, d0, d1, lo, hi)``: both listings' token spans and the tokens D needs and P has (the
+    planner's :func:`~kvgeom.planning.attention.needed_tokens`: a sliding group from its window's
+    start on, unless a compile is estimated, whose patterns ignore windows)."""
+    p_list, d_list = shape.groups[gi]
+    p0, p1 = _span(p_list, pair.prefill.logical_block_tokens)
+    d0, d1 = _span(d_list, pair.decode.logical_block_tokens)
+    M = shape.computed_tokens
+    spec = pair.model.groups[gi]
+    ws = window_start(M, spec.window_tokens) if isinstance(spec, AttentionSpec) and not _COMPILING.get() else 0
+    return p0, p1, d0, d1, max(shape.prefix_hit_tokens, d0, p0, ws), min(M, d1, p1)
+
+
 @attrs.frozen
 class _Modes:
     """The strided block of one (D rank, source, plane set): unit, token strides, the other modes."""
@@ -340,10 +365,20 @@ class _Modes:
     others: tuple[Mode, ...]
 
     def rows(self, length: int) -> int:
-        return _rows_of(self.unit, self.token, list(self.others), length)
+        return _modes_rows(self, length)
 
     def bound(self) -> tuple[bool, int]:
-        return _rows_bound(self.unit, self.token, list(self.others))
+        return _modes_bound(self)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _modes_rows(modes: _Modes, length: int) -> int:
+    return _rows_of(modes.unit, modes.token, list(modes.others), length)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _modes_bound(modes: _Modes) -> tuple[bool, int]:
+    return _rows_bound(modes.unit, modes.token, list(modes.others))
 
 
 @attrs.frozen
@@ -432,13 +467,9 @@ def _rows(modes: _Modes, counts: dict[int, int] | None, segs: int, tokens: int) 
 
 def _attention(pair: EnginePair, shape: RequestShape, gi: int, staged: bool) -> PlanEstimate:
     """Copy and zero rows of one attention group, direct or staged (:mod:`kvgeom.planning.attention`)."""
-    P, D = pair.prefill, pair.decode
+    D = pair.decode
     f = _factors(pair, ("attention", gi, staged), lambda: _attention_factors(pair, gi, staged))
-    p_list, d_list = shape.groups[gi]
-    p0, p1 = _span(p_list, P.logical_block_tokens)
-    d0, d1 = _span(d_list, D.logical_block_tokens)
-    M, S = shape.computed_tokens, shape.prefix_hit_tokens
-    lo, hi = max(S, d0, p0), min(M, d1, p1)
+    p0, _, d0, _, lo, hi = _needed(pair, shape, gi)
     n = max(0, hi - lo)
     (step_p, every_p), (step_d, every_d) = f.step_p, f.step_d
     segs = 1 + _union_cuts(lo, hi, (p0, step_p), (d0, step_d)) if hi > lo else 0
@@ -460,15 +491,102 @@ def _attention(pair: EnginePair, shape: RequestShape, gi: int, staged: bool) -> 
     return PlanEstimate(copy_rows, 0, segs + touched_segs, rearrange_pages, steps, work) + zeros
 
 
+def _per_token(f: _AttentionFactors) -> tuple[int, int]:
+    """(copy rows, zero rows) one token can make at most: a segment's rows are at most ``rest`` when
+    its token mode folds (and a segment has at least one token), else ``rest`` per token."""
+    return (sum(times * m.bound()[1] for m, times in f.copies), f.zero_times * f.zeros.bound()[1])
+
+
+def _attention_factors_of(pair: EnginePair, gi: int, staged: bool) -> _AttentionFactors:
+    return _factors(pair, ("attention", gi, staged), lambda: _attention_factors(pair, gi, staged))
+
+
+def _quick_tokens(pair: EnginePair, shape: RequestShape, gi: int) -> tuple[int, int]:
+    """(tokens moved, tokens zeroed) of one attention group."""
+    _, _, d0, d1, lo, hi = _needed(pair, shape, gi)
+    zs = max(shape.prefix_hit_tokens, d0)
+    Z = max(0, d1 - zs) if hi <= lo else max(0, lo - zs) + max(0, d1 - max(hi, zs))
+    return max(0, hi - lo), Z
+
+
+def _quick_zeros(f: _AttentionFactors, per_zero: int, Z: int) -> PlanEstimate:
+    steps = f.zero_groups * f.zero_planes * Z * (1 + f.zero_members)
+    return PlanEstimate(zero_rows=per_zero * Z, segments=Z, steps=steps,
+                        work=2 * per_zero * Z + Z * (Z + f.zero_groups) + steps * STEP_WORK)
+
+
+def _quick_copies(pair: EnginePair, gi: int, staged: bool, T: int) -> PlanEstimate:
+    f = _attention_factors_of(pair, gi, staged)
+    per_copy, _ = _factors(pair, ("per-token", gi, staged), lambda: _per_token(f))
+    pages = f.rearranges * (ceil_div(T, pair.decode.kernel_block_tokens) + 1) if f.staged and T else 0
+    steps = f.sources * T + (f.rearranges if pages else 0)
+    return PlanEstimate(copy_rows=per_copy * T, segments=T + (T + 2 if pages else 0), rearrange_pages=pages,
+                        steps=steps, work=2 * per_copy * T + pages + T * (f.owner_pairs + T) + steps * STEP_WORK)
+
+
+def _quick_packed(pair: EnginePair, gi: int, T: int, staging: int) -> PlanEstimate:
+    """One attention group's packed plan, bounded from its tokens alone: at most L x R pieces (R
+    token ranges per layer, L when a layer fits), and over the ranges of one layer a pair's classes
+    and page entries are at most its segments (T) plus two per range, on each side."""
+    if not T:
+        return PlanEstimate()
+    f = _packed_factors(pair, gi, True)
+    if not f.pairs:
+        return PlanEstimate()
+    L = pair.model.groups[gi].num_layers
+    R = min(T, 2 + 2 * ceil_div(T, max(1, staging // f.per_item)))
+    pieces = L * R
+    entries = L * f.pairs * 2 * (T + 2 * R)
+    staging_steps = entries * f.page_sizes
+    ranks = pair.prefill.num_ranks + pair.decode.num_ranks
+    steps = staging_steps + R * f.owners * TOKEN_MAP_STEPS + 2 * pieces
+    segments = 2 * (T + 1) + 2 * R
+    work = (entries + staging_steps * f.entries + segments * (1 + f.owners) + pieces * f.pairs
+            + pieces * (L * ranks + f.pairs) + L * L * ranks + 3 * pieces * f.pairs * LIGHT_WORK + steps * STEP_WORK)
+    return PlanEstimate(segments=segments, steps=steps, work=work, wire_rows=pieces * f.pairs,
+                        staging_steps=staging_steps, staging_entries=entries + staging_steps * f.entries, chunks=pieces)
+
+
+def _quick(pair: EnginePair, shape: RequestShape, strategy: str, staging: int) -> PlanEstimate:
+    """A looser bound of :func:`estimate_plan` in O(groups) from cached per-pair numbers (rows per
+    token, zero rows per zeroed token, pairs): what the budget admits first, so that a small
+    request (a decode step, one token) costs microseconds of checking; only a request it does not
+    admit gets the exact estimate."""
+    total = PlanEstimate()
+    packed = PlanEstimate()
+    if strategy == "packed" or (strategy == "auto" and staging):
+        all_pairs = sum(_packed_factors(pair, gi, isinstance(spec, AttentionSpec)).pairs
+                        for gi, spec in enumerate(pair.model.groups))
+        packed = PlanEstimate(steps=1 + all_pairs // 16, work=STEP_WORK + all_pairs * LIGHT_WORK)
+    for gi, spec in enumerate(pair.model.groups):
+        if isinstance(spec, StateSpec):
+            total = total + _state(pair, shape, gi)
+            if packed.steps:
+                packed = packed + _packed_state(pair, shape, gi, staging, 0)
+            continue
+        T, Z = _quick_tokens(pair, shape, gi)
+        f = _attention_factors_of(pair, gi, False)
+        _, per_zero = _factors(pair, ("per-token", gi, False), lambda f=f: _per_token(f))  # type: ignore[misc]
+        zeros = _quick_zeros(f, per_zero, Z)
+        if strategy in ("direct", "staged"):
+            total = total + _quick_copies(pair, gi, strategy == "staged", T) + zeros
+        elif strategy == "auto":
+            total = total + _quick_copies(pair, gi, False, T) + _quick_copies(pair, gi, True, T) + zeros
+        if packed.steps:
+            packed = packed + _quick_packed(pair, gi, T, staging) + zeros
+    if strategy == "packed":
+        return packed
+    total = total + PlanEstimate(work=total.copy_rows + total.zero_rows)  # coalescing
+    if packed.steps:
+        total = total + packed + PlanEstimate(steps=packed.chunks, work=packed.work // 4)
+    return total
+
+
 def _zeros(pair: EnginePair, shape: RequestShape, gi: int, f: _AttentionFactors) -> PlanEstimate:
     """Zero rows of one attention group (:func:`kvgeom.planning.attention.attention_zeros`, every
     strategy): D's own layout, once per zero interval, repeated for every D rank."""
-    P, D = pair.prefill, pair.decode
-    p_list, d_list = shape.groups[gi]
-    p0, p1 = _span(p_list, P.logical_block_tokens)
-    d0, d1 = _span(d_list, D.logical_block_tokens)
+    _, _, d0, d1, lo, hi = _needed(pair, shape, gi)
     S = shape.prefix_hit_tokens
-    lo, hi = max(S, d0, p0), min(shape.computed_tokens, d1, p1)
     zero_rows = zsegs = steps = scans = 0
     zs = max(S, d0)
     intervals = [(zs, d1)] if hi <= lo else [(zs, lo), (max(hi, zs), d1)]
@@ -726,10 +844,7 @@ def _packed_attention(pair: EnginePair, shape: RequestShape, gi: int, staging: i
     f = _packed_factors(pair, gi, True)
     zeros = _zeros(pair, shape, gi, _factors(pair, ("attention", gi, False),
                                              lambda: _attention_factors(pair, gi, False)))
-    p_list, d_list = shape.groups[gi]
-    p0, p1 = _span(p_list, P.logical_block_tokens)
-    d0, d1 = _span(d_list, D.logical_block_tokens)
-    lo, hi = max(shape.prefix_hit_tokens, d0, p0), min(shape.computed_tokens, d1, p1)
+    p0, _, d0, _, lo, hi = _needed(pair, shape, gi)
     T = hi - lo
     if T <= 0 or f.pairs == 0:
         return zeros
@@ -845,9 +960,8 @@ def _moved(pair: EnginePair, shape: RequestShape, gi: int) -> int:
     if isinstance(pair.model.groups[gi], StateSpec):
         known = shape.state_pairs[gi] if gi < len(shape.state_pairs) else None
         return min(p_list.count, d_list.count) if known is None else known
-    p0, p1 = _span(p_list, pair.prefill.logical_block_tokens)
-    d0, d1 = _span(d_list, pair.decode.logical_block_tokens)
-    return max(0, min(shape.computed_tokens, d1, p1) - max(shape.prefix_hit_tokens, d0, p0))
+    _, _, _, _, lo, hi = _needed(pair, shape, gi)
+    return max(0, hi - lo)
 
 
 # Factors depend on the pair alone: cached per pair object (by identity: hashing a large geometry costs
@@ -862,6 +976,7 @@ def _factors(pair: EnginePair, key: Any, make: Callable[[], _T]) -> _T:
         entry = (weakref.ref(pair, lambda _: _CACHE.pop(pid, None)), {})
         _CACHE[pid] = entry
     table = entry[1]
+    key = (key, _COMPILING.get())
     if key not in table:
         table[key] = make()
     out: _T = table[key]
@@ -880,6 +995,75 @@ def _coarse_steps(pair: EnginePair) -> int:
     return total
 
 
+COMPILE_CLASS_STEPS = 8  # a compiled page class: its rows built, keyed, cut into pieces (per landing)
+
+
+def estimate_compile(pair: EnginePair) -> PlanEstimate:
+    """Upper bounds of what :meth:`Pair.compile` builds (docs/design.md §13): per attention group and
+    landing, the rows of every alignment class of a D page, from a synthetic listing of
+    ``2 x lcm(page spans) + 2 x D span`` tokens, so at most a plan of that many tokens (windows
+    ignored) plus a few steps per class; a state group's one slot pair. Cached per pair; a
+    compile beyond the budget leaves the pair on the reference path (the same plans)."""
+    return _factors(pair, ("compile",), lambda: _estimate_compile(pair))
+
+
+def _estimate_compile(pair: EnginePair) -> PlanEstimate:
+    P, D = pair.prefill, pair.decode
+    coarse = _coarse_steps(pair)
+    if coarse > ESTIMATE_LIMIT.max_steps:  # never loop over the ranks of an absurd pair: no budget admits it
+        return PlanEstimate(steps=coarse, work=coarse * STEP_WORK)
+    reach = 1
+    classes = owners = 0
+    for gi, spec in enumerate(pair.model.groups):
+        if isinstance(spec, AttentionSpec):
+            span_d, span_p = D.kernel_block_tokens * D.topology.dcp, P.kernel_block_tokens * P.topology.dcp
+            period = math.lcm(span_d, span_p)
+            reach = max(reach, 2 * period + 2 * span_d)
+            classes += 2 * (period // span_d)  # direct and staged landings
+            if SideView(P, gi).linear() or SideView(D, gi).linear():  # the first token of every owner pair
+                owners += math.lcm(*(e.topology.interleave * e.topology.dcp for e in (P, D)))
+    blocks = max(ceil_div(reach, e.logical_block_tokens) + 2 for e in (P, D))
+    if blocks > MAX_LISTED:  # its synthetic listing could not even be built
+        return PlanEstimate(steps=1 << 62, work=1 << 62)
+    groups = []
+    for spec in pair.model.groups:
+        if isinstance(spec, AttentionSpec):
+            groups.append((ListingShape(0, ceil_div(reach, P.logical_block_tokens) + 2),
+                           ListingShape(0, ceil_div(reach, D.logical_block_tokens) + 2)))
+        else:
+            groups.append((ListingShape(0, 1), ListingShape(0, 1)))
+    shape = RequestShape(reach, 0, tuple(groups), tuple(1 for _ in groups))
+    token = _COMPILING.set(True)
+    try:
+        total = estimate_plan(pair, shape, "auto", staging_bytes=0)
+    finally:
+        _COMPILING.reset(token)
+    steps = classes * COMPILE_CLASS_STEPS + owners // 64
+    return total + PlanEstimate(segments=owners, steps=steps, work=steps * STEP_WORK + 20 * owners)
+
+
+def quick_estimate(pair: EnginePair, shape: RequestShape, strategy: str = "direct", *,
+                   budget: PlanBudget | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES) -> PlanEstimate:
+    """A looser upper bound than :func:`estimate_plan`, in O(groups) once the pair's factors are
+    cached: rows per moved token times the tokens (packed: pieces, classes and entries from the
+    tokens). The planner admits a request with it first and computes the exact estimate only when
+    it is over the budget."""
+    _check_shape(pair, shape, budget)
+    return _quick(pair, shape, strategy, check_int("staging_bytes", staging_bytes, minimum=0, error=KvGeomError))
+
+
+def _check_shape(pair: EnginePair, shape: RequestShape, budget: PlanBudget | None) -> None:
+    """The shape lists the model's groups, and the ranks alone are within the budget's steps."""
+    if len(shape.groups) != len(pair.model.groups):
+        raise RequestError("request.groups", f"the request lists {len(shape.groups)} groups, the model has "
+                           f"{len(pair.model.groups)}", actual=len(shape.groups), expected=len(pair.model.groups),
+                           fix="list every group of the model, in its order")
+    coarse = _coarse_steps(pair)
+    limit = budget if budget is not None else ESTIMATE_LIMIT
+    if coarse > limit.max_steps:
+        limit.check(PlanEstimate(steps=coarse, work=coarse * STEP_WORK), what="plan")
+
+
 def estimate_plan(pair: EnginePair, shape: RequestShape, strategy: str = "direct", *,
                   budget: PlanBudget | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES) -> PlanEstimate:
     """Upper bounds of the rows, segments, rearranged pages and steps of planning ``shape`` on ``pair``
@@ -890,13 +1074,10 @@ def estimate_plan(pair: EnginePair, shape: RequestShape, strategy: str = "direct
     2**24 of them), so the estimate itself never loops over a hostile TP.
     """
     staging_bytes = check_int("staging_bytes", staging_bytes, minimum=0, error=KvGeomError)
-    coarse = _coarse_steps(pair)
-    limit = budget if budget is not None else ESTIMATE_LIMIT
-    if coarse > limit.max_steps:
-        limit.check(PlanEstimate(steps=coarse, work=coarse * STEP_WORK), what="plan")
+    _check_shape(pair, shape, budget)
     if strategy == "packed":
         total = _packed(pair, shape, staging_bytes)
-        return attrs.evolve(total, work=total.work + total.zero_rows)
+        return total + PlanEstimate(work=total.zero_rows)
     total = PlanEstimate()
     for gi, spec in enumerate(pair.model.groups):
         if isinstance(spec, StateSpec):
@@ -910,7 +1091,7 @@ def estimate_plan(pair: EnginePair, shape: RequestShape, strategy: str = "direct
             staged = _attention(pair, shape, gi, staged=True)
             total = total + direct.peak(staged) + PlanEstimate(segments=direct.segments + staged.segments)
     # coalescing sorts and merges every copy and zero row once more
-    total = attrs.evolve(total, work=total.work + total.copy_rows + total.zero_rows)
+    total = total + PlanEstimate(work=total.copy_rows + total.zero_rows)  # coalescing
     if strategy == "auto" and staging_bytes > 0:
         # auto also counts the packed plan (count_packed) and may build it while holding the others
         packed = _packed(pair, shape, staging_bytes)

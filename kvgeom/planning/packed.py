@@ -45,16 +45,17 @@ from ..values.layout import StateGroupGeometry
 from ..values.model import AttentionSpec, StateSpec
 from ..values.notes import Note, NoteKind
 from ..values.pair import EnginePair
-from ..values.plan import Zeros
+from ..values.plan import Copies, TransferPlan, Zeros
 from ..values.request import BlockList, Request
 from ..values.staging import Chunk, ChunkPiece, StagingStep, WireCopies
 from ..values.text import format_bytes
 from .attention import attention_zeros, needed_tokens
+from .coalesce import coalesce_zeros
 from .sides import SideView, stage_parts
 from .state import paired_slots, state_notes
 
 __all__ = ["DEFAULT_STAGING_BYTES", "PackedParts", "PackedCount", "plan_packed", "count_packed",
-           "min_staging_bytes", "cuts_of", "class_counts"]
+           "min_staging_bytes", "packed_transfer_plan", "cuts_of", "class_counts"]
 
 DEFAULT_STAGING_BYTES = 256 << 20
 """Default slot capacity per rank (bytes one chunk may stage on one rank): 256 MiB."""
@@ -868,3 +869,26 @@ def _zeros_and_notes(pair: EnginePair, request: Request, groups: Sequence[_Group
                 notes.append(Note(NoteKind.PACKED, f"{spec.name}: {len(g.p_slots)} paired slot(s) of {g.layers} layers "
                                   "move through staging, section by section"))
     return (Zeros.concat(zeros) if zeros else Zeros.empty()), notes
+
+
+def packed_transfer_plan(pair: EnginePair, request: Request, staging_bytes: int,
+                         notes: tuple[Note, ...]) -> TransferPlan:
+    """The packed :class:`~kvgeom.values.plan.TransferPlan` of ``request``: :func:`plan_packed`'s
+    parts after ``notes`` (the strategy note and whatever the caller decided)."""
+    parts = plan_packed(pair, request, staging_bytes)
+    return TransferPlan(
+        prefill_tp=pair.prefill.tp,
+        decode_tp=pair.decode.tp,
+        copies=Copies.empty(),
+        zeros=coalesce_zeros(parts.zeros),
+        notes=notes + parts.notes,
+        copies_before_coalescing=0,
+        zeros_before_coalescing=len(parts.zeros),
+        packs=parts.packs,
+        unpacks=parts.unpacks,
+        wire=parts.wire,
+        chunks=parts.chunks,
+        staging_bytes=parts.staging_bytes,
+        prefill_ranks=pair.prefill.num_ranks,
+        decode_ranks=pair.decode.num_ranks,
+    )

@@ -24,13 +24,15 @@ landing, so DCP on either side falls back to direct (docs/design.md §11.3).
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import numpy as np
 
 from ..arith.tokens import SideTokens, segments
 from ..errors import InternalError
 from ..values.engine import EngineGeometry
-from ..values.layout import PageLayout
+from ..values.layout import AttentionGroupGeometry, PageLayout
 from ..values.model import AttentionSpec
 from ..values.notes import Note, NoteKind
 from ..values.pair import EnginePair
@@ -40,7 +42,8 @@ from .attention import needed_tokens, plan_attention_group
 from .group import GroupPlan
 from .sides import SideView
 
-__all__ = ["Arrival", "ArrivedView", "arrival", "rearrange_modes", "is_identity", "plan_staged_group"]
+__all__ = ["Arrival", "ArrivedView", "arrival", "rearrange_modes", "is_identity", "plan_staged_group",
+           "staged_rearrange_shape"]
 
 
 @attrs.frozen
@@ -155,6 +158,32 @@ def is_identity(shape: list[int], src: list[int], dst: list[int]) -> bool:
     return all(s == t for n, s, t in zip(shape, src, dst) if n > 1)
 
 
+def staged_rearrange_shape(D: EngineGeometry, group: int, arr: Arrival) -> dict[str, Any] | None:
+    """The rearranges of a staged group without their pages: ``{"rearranges": [keyword arguments of
+    each Rearrange but pages]}``, one per (D rank, layer of its stage, plane region); None when the
+    permutation is the identity (staged would change nothing)."""
+    spec = D.model.groups[group]
+    if not isinstance(spec, AttentionSpec):
+        raise InternalError("dispatched on kind")
+    shape, src, dst = rearrange_modes(D, group, arr)  # one shape for the whole page
+    if is_identity(shape, src, dst):
+        return None
+    geo = D.groups[group]
+    if not isinstance(geo, AttentionGroupGeometry):
+        raise InternalError("an attention group has an attention geometry")
+    plane_regions = [0] if arr.planes_in_page == 2 or spec.planes == 1 else [0, 1]
+    out = []
+    for d in range(D.num_ranks):  # each D rank permutes the pages of its own stage's layers
+        layers = D.stage_layers(group, D.coords(d).stage)
+        for view in geo.views[layers.start:layers.stop]:
+            for plane in plane_regions:
+                region = view.regions[plane]
+                out.append(dict(d_rank=d, d_region=region, shape=tuple(shape), src_strides=tuple(src),
+                                dst_strides=tuple(dst), unit_bytes=spec.head_bytes, src_offset=view.offset,
+                                dst_offset=view.offset, page_bytes=D.regions[region].page_bytes))
+    return {"rearranges": out}
+
+
 def plan_staged_group(pair: EnginePair, request: Request, group: int, *,
                       materialize: bool = True) -> GroupPlan:
     """Staged copies, zeros (final layout), rearranges, notes and the copy rows before coalescing
@@ -168,9 +197,8 @@ def plan_staged_group(pair: EnginePair, request: Request, group: int, *,
     if isinstance(arr, str):
         return plan_attention_group(pair, request, group, materialize=materialize).with_notes(
             Note(NoteKind.STAGED_NOT_APPLICABLE, f"{spec.name}: staged does not apply ({arr}); direct copies"))
-    final = SideView(D, group)
-    shape, src, dst = rearrange_modes(D, group, arr)
-    if is_identity(shape, src, dst):
+    shape = staged_rearrange_shape(D, group, arr)
+    if shape is None:
         return plan_attention_group(pair, request, group, materialize=materialize).with_notes(
             Note(NoteKind.STAGED_EQUALS_DIRECT, f"{spec.name}: arrived layout equals D's layout; staged = direct"))
     landed = plan_attention_group(pair, request, group, landing=ArrivedView(D, group, arr), materialize=materialize)
@@ -179,21 +207,12 @@ def plan_staged_group(pair: EnginePair, request: Request, group: int, *,
         raise InternalError("an attention group lists BlockLists (checked by Pair)")
     lo, hi = needed_tokens(request, pair, group)
     # every D page holding a needed token (cut at every page, even where D's pages are token-major)
-    per_page = attrs.evolve(final.tokens(g.decode), linear=False)
+    per_page = attrs.evolve(SideView(D, group).tokens(g.decode), linear=False)
     touched = np.unique(segments(lo, hi, [per_page]).page[0]) if hi > lo else np.zeros(0, np.int64)
     rearranges: list[Rearrange] = []
     if len(touched):
         pages = tuple(int(p) for p in touched)
-        plane_regions = [0] if arr.planes_in_page == 2 or spec.planes == 1 else [0, 1]
-        for d in range(D.num_ranks):  # each D rank permutes the pages of its own stage's layers
-            layers = D.stage_layers(group, D.coords(d).stage)
-            for view in final.views[layers.start:layers.stop]:
-                for plane in plane_regions:
-                    region = view.regions[plane]
-                    rearranges.append(Rearrange(
-                        d_rank=d, d_region=region, pages=pages, shape=shape, src_strides=src,
-                        dst_strides=dst, unit_bytes=spec.head_bytes, src_offset=view.offset,
-                        dst_offset=view.offset, page_bytes=D.regions[region].page_bytes))
+        rearranges = [Rearrange(pages=pages, **kw) for kw in shape["rearranges"]]
     moved = sum(r.nbytes_per_page * len(r.pages) for r in rearranges)
     return attrs.evolve(landed.with_notes(Note(
         NoteKind.STAGED, f"{spec.name}: staged: P pages land in sub-pages of {arr.sub_tokens} tokens in P's mode "

@@ -37,7 +37,7 @@ from .group import GroupPlan
 from .rows import Rows
 from .sides import stage_parts
 
-__all__ = ["paired_slots", "plan_state_group", "state_notes"]
+__all__ = ["paired_slots", "plan_state_group", "state_rows", "state_notes"]
 
 
 def paired_slots(request: Request, group: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
@@ -75,13 +75,23 @@ def plan_state_group(pair: EnginePair, request: Request, group: int) -> GroupPla
     spec = pair.model.groups[group]
     if not isinstance(spec, StateSpec):
         raise InternalError("dispatched on kind")
-    P, D = pair.prefill, pair.decode
     paired, _ = paired_slots(request, group)
     notes = state_notes(pair, request, group)
     if not paired:
         return GroupPlan(Copies.empty(), Zeros.empty(), (), notes, 0)
-    p_slots = np.array([p for p, _, _ in paired], np.int64)
-    d_slots = np.array([d for _, d, _ in paired], np.int64)
+    rows = Rows()
+    state_rows(pair, group, np.array([p for p, _, _ in paired], np.int64),
+               np.array([d for _, d, _ in paired], np.int64), rows)
+    return GroupPlan(rows.copies(), Zeros.empty(), (), notes, rows.count)
+
+
+def state_rows(pair: EnginePair, group: int, p_slots: np.ndarray, d_slots: np.ndarray, rows: Rows) -> None:
+    """The copy rows of state group ``group`` for the paired slots ``p_slots[i] -> d_slots[i]``, added
+    to ``rows``: per section, D rank, P stage part and source, layer-major over (layer, slot pair)."""
+    spec = pair.model.groups[group]
+    if not isinstance(spec, StateSpec):
+        raise InternalError("dispatched on kind")
+    P, D = pair.prefill, pair.decode
     p_places, d_places = P.state_sections(group), D.state_sections(group)
     pgeo, dgeo = P.groups[group], D.groups[group]
     if not (isinstance(pgeo, StateGroupGeometry) and isinstance(dgeo, StateGroupGeometry)):
@@ -95,13 +105,12 @@ def plan_state_group(pair: EnginePair, request: Request, group: int) -> GroupPla
     d_lpb = np.array([D.logical_page_bytes(int(r)) for r in d_reg], np.int64)
     p_view = np.array([v.offset for v in pgeo.views], np.int64)
     d_view = np.array([v.offset for v in dgeo.views], np.int64)
+    n_slots = len(p_slots)
     # slot x layer, layer-major like the attention rows
     p_base = (p_slots[None, :] * p_lpb[:, None] + p_view[:, None]).ravel()
     d_base = (d_slots[None, :] * d_lpb[:, None] + d_view[:, None]).ravel()
-    p_regs = np.repeat(p_reg, len(paired))
-    d_regs = np.repeat(d_reg, len(paired))
-    rows = Rows()
-    n_slots = len(paired)
+    p_regs = np.repeat(p_reg, n_slots)
+    d_regs = np.repeat(d_reg, n_slots)
     p_reps = P.topology.replicas
     for si, sec in enumerate(spec.sections):
         pp, dp = p_places[si], d_places[si]
@@ -127,4 +136,3 @@ def plan_state_group(pair: EnginePair, request: Request, group: int) -> GroupPla
                          d_base[b] + dp.offset + dc0 * dp.channel_stride])
                     rows.add(P.rank_of(p_stage, src.p_rank, q % p_reps), np.repeat(p_regs[b], per), op, d,
                              np.repeat(d_regs[b], per), od, np.asarray(run, np.int64))
-    return GroupPlan(rows.copies(), Zeros.empty(), (), notes, rows.count)

@@ -25,32 +25,56 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 
 import attrs
 
 from ..errors import IncompatibleGeometry, InternalError, KvGeomError, StagingCapacityError, value_text
 from ..values.engine import EngineGeometry
 from ..values.fields import check_instance, check_int
-from ..values.model import StateSpec
 from ..values.notes import Note, NoteKind
 from ..values.pair import EnginePair
 from ..values.plan import Copies, TransferPlan, Zeros
 from ..values.request import Request, RequestShape
-from .budget import DEFAULT_BUDGET, PlanBudget, PlanEstimate, estimate_plan
+from .budget import DEFAULT_BUDGET, PlanBudget, PlanEstimate, estimate_compile, estimate_plan, quick_estimate
 from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy, choose_group, plan_group
 from .coalesce import coalesce, coalesce_zeros
+from .compiled import COMPILED_STRATEGIES, CompiledPair
 from .group import GroupPlan
-from .packed import DEFAULT_STAGING_BYTES, PackedCount, count_packed, plan_packed
+from .packed import DEFAULT_STAGING_BYTES, PackedCount, count_packed, packed_transfer_plan
+from .topology import topology_notes
 
-__all__ = ["Pair", "plan_transfer", "plan_pair", "check_budget"]
+__all__ = ["Pair", "plan_transfer", "plan_pair", "plan_reference", "check_budget"]
 
 logger = logging.getLogger(__name__)
+
+
+class _Compiled:
+    """A pair's compiled form, made on its second planned request (or by :meth:`Pair.compile`)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.compiled: CompiledPair | None = None
+        self.lock = threading.Lock()
+
+    def get(self, pair: EnginePair) -> CompiledPair:
+        with self.lock:
+            if self.compiled is None:
+                self.compiled = CompiledPair(pair)
+            return self.compiled
 
 
 @attrs.frozen(repr=False)
 class Pair(EnginePair):
     """Two engines that can exchange KV cache (raises :class:`~kvgeom.errors.IncompatibleGeometry`
-    otherwise, naming the field), and the way to plan requests between them."""
+    otherwise, naming the field), and the way to plan requests between them.
+
+    A pair keeps its compiled form (docs/design.md §13): :meth:`compile` makes it now, and
+    :meth:`plan` makes it on the pair's second request (one request is cheaper on the reference
+    path than compiling); the plans are the same either way.
+    """
+
+    _compiled: _Compiled = attrs.field(init=False, factory=_Compiled, eq=False, repr=False)
 
     def plan(self, request: Request, *, strategy: Strategy = "direct",
              cost_model: CostModel = DEFAULT_COST_MODEL, staging_bytes: int = DEFAULT_STAGING_BYTES,
@@ -65,6 +89,18 @@ class Pair(EnginePair):
         self.check_request(request)
         return estimate_plan(self, RequestShape.of(request), _strategy(strategy),
                              staging_bytes=_staging(staging_bytes))
+
+    def compile(self, *, budget: PlanBudget | None = DEFAULT_BUDGET) -> CompiledPair:
+        """This pair with every request-independent step of planning done, once (cached): its
+        :meth:`~kvgeom.planning.compiled.CompiledPair.plan` returns :func:`plan_reference`'s plans.
+
+        Raises :class:`~kvgeom.errors.PlanBudgetExceeded` when compiling would exceed ``budget``
+        (:func:`~kvgeom.planning.budget.estimate_compile`; pairs whose page spans have a huge least
+        common multiple: plan such a pair with :func:`plan_pair`, which stays on the reference path)."""
+        if budget is not None and self._compiled.compiled is None:
+            check_instance("budget", budget, PlanBudget, error=KvGeomError, fix="pass a kvgeom.PlanBudget(...) or None")
+            budget.check(estimate_compile(self), what="compile")
+        return self._compiled.get(self)
 
 
 @functools.lru_cache(maxsize=64)
@@ -88,7 +124,7 @@ def plan_transfer(
     :class:`~kvgeom.errors.IncompatibleGeometry` if the engines cannot be paired,
     :class:`~kvgeom.errors.RequestError` if the request does not fit them and
     :class:`~kvgeom.errors.PlanBudgetExceeded` if its plan would exceed ``budget``
-    (docs/design.md §13; ``budget=None`` plans whatever the size). ``staging_bytes`` is the packed
+    (docs/design.md §14; ``budget=None`` plans whatever the size). ``staging_bytes`` is the packed
     strategy's slot capacity per rank (docs/design.md §12.3); 0 means no staging, so ``auto``
     leaves packed out and ``packed`` raises :class:`~kvgeom.errors.StagingCapacityError` unless
     nothing moves.
@@ -114,26 +150,69 @@ def _staging(staging_bytes: object) -> int:
 def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direct",
               cost_model: CostModel = DEFAULT_COST_MODEL, staging_bytes: int = DEFAULT_STAGING_BYTES,
               budget: PlanBudget | None = DEFAULT_BUDGET) -> TransferPlan:
-    """:func:`plan_transfer` for an already built pair.
+    """:func:`plan_transfer` for an already built pair: the compiled path (docs/design.md §13) for a
+    :class:`Pair` from its second request on (direct, staged, auto), else :func:`plan_reference`.
+    Same plan either way.
 
     Before any row is built, the plan's size is estimated (:func:`estimate_plan`) and checked
-    against ``budget`` (:class:`~kvgeom.errors.PlanBudgetExceeded` when over it).
+    against ``budget`` (:class:`~kvgeom.errors.PlanBudgetExceeded` when over it); the pair is
+    compiled only when compiling fits the budget too (:func:`~kvgeom.planning.budget.estimate_compile`),
+    else it plans on the reference path.
     """
-    strategy = _strategy(strategy)  # type: ignore[assignment]
-    staging_bytes = _staging(staging_bytes)
+    strategy, staging_bytes = _arguments(pair, request, strategy, cost_model, staging_bytes, budget)
+    chosen: str = strategy
+    over: tuple[Note, ...] = ()
+    if budget is not None:
+        chosen, staging_bytes, over = _within_budget(pair, RequestShape.of(request), strategy, staging_bytes, budget)
+    if isinstance(pair, Pair) and chosen in COMPILED_STRATEGIES and not over:
+        cache = pair._compiled
+        cache.requests += 1
+        if (cache.compiled is not None or cache.requests >= 2) and _compile_fits(pair, budget):
+            return cache.get(pair).plan(request, strategy=chosen, cost_model=cost_model,  # type: ignore[arg-type]
+                                        staging_bytes=staging_bytes)
+    return _reference(pair, request, chosen, cost_model, staging_bytes, over)
+
+
+def plan_reference(pair: EnginePair, request: Request, *, strategy: Strategy = "direct",
+                   cost_model: CostModel = DEFAULT_COST_MODEL, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                   budget: PlanBudget | None = DEFAULT_BUDGET) -> TransferPlan:
+    """The reference planner: every group's rows built (:mod:`kvgeom.planning.attention`,
+    :mod:`~kvgeom.planning.staged`, :mod:`~kvgeom.planning.state`), then coalesced; packed plans
+    from :mod:`kvgeom.planning.packed`. The readable definition the compiled path is tested against
+    (``tests/test_compiled.py``). Checks ``budget`` as :func:`plan_pair` does."""
+    strategy, staging_bytes = _arguments(pair, request, strategy, cost_model, staging_bytes, budget)
+    chosen: str = strategy
+    over: tuple[Note, ...] = ()
+    if budget is not None:
+        chosen, staging_bytes, over = _within_budget(pair, RequestShape.of(request), strategy, staging_bytes, budget)
+    return _reference(pair, request, chosen, cost_model, staging_bytes, over)
+
+
+def _arguments(pair: EnginePair, request: Request, strategy: object, cost_model: object, staging_bytes: object,
+               budget: object) -> tuple[Strategy, int]:
+    """Every argument checked (typed errors naming it) and the request checked against the pair."""
+    checked = _strategy(strategy)
+    staging = _staging(staging_bytes)
     check_instance("cost_model", cost_model, CostModel, error=KvGeomError, fix="pass a kvgeom.CostModel(...)")
     if budget is not None:
         check_instance("budget", budget, PlanBudget, error=KvGeomError, fix="pass a kvgeom.PlanBudget(...) or None")
     check_instance("pair", pair, EnginePair, error=IncompatibleGeometry, fix="build the pair with kvgeom.Pair(P, D)")
     pair.check_request(request)
-    first = (Note(NoteKind.STRATEGY, f"strategy {strategy}"),) + topology_notes(pair)
-    chosen: str = strategy
-    if budget is not None:
-        chosen, staging_bytes, over = _within_budget(pair, RequestShape.of(request), strategy, staging_bytes, budget)
-        first += over
-    if chosen == "packed":
-        plan = _packed_plan(pair, request, staging_bytes, first)
-    elif chosen == "auto":
+    return checked, staging  # type: ignore[return-value]
+
+
+def _compile_fits(pair: EnginePair, budget: PlanBudget | None) -> bool:
+    """Whether compiling ``pair`` fits ``budget`` (always without one); a pair whose compiling would
+    not plans every request on the reference path (the same plans)."""
+    return budget is None or budget.admits(estimate_compile(pair))
+
+
+def _reference(pair: EnginePair, request: Request, strategy: str, cost_model: CostModel, staging_bytes: int,
+               over: tuple[Note, ...] = ()) -> TransferPlan:
+    first = (Note(NoteKind.STRATEGY, f"strategy {strategy if not over else 'auto'}"),) + topology_notes(pair) + over
+    if strategy == "packed":
+        plan = packed_transfer_plan(pair, request, staging_bytes, first)
+    elif strategy == "auto":
         plan = _auto_plan(pair, request, cost_model, staging_bytes, first)
     else:
         groups = [plan_group(pair, request, gi, strategy) for gi in range(len(pair.model.groups))]
@@ -160,6 +239,8 @@ def _within_budget(pair: EnginePair, shape: RequestShape, strategy: str, staging
     """Check the plan's estimate against ``budget`` (:class:`~kvgeom.errors.PlanBudgetExceeded` when
     over it). ``auto`` weighs only the candidates within the budget: without packed when packed alone
     is too large, only packed when direct and staged are (an ``AUTO_OVER_BUDGET`` note says which)."""
+    if budget.admits(quick_estimate(pair, shape, strategy, budget=budget, staging_bytes=staging_bytes)):
+        return strategy, staging_bytes, ()  # a looser bound admits it already (a small request)
     estimate = estimate_plan(pair, shape, strategy, budget=budget, staging_bytes=staging_bytes)
     if strategy != "auto" or not staging_bytes or budget.admits(estimate):
         budget.check(estimate)
@@ -174,26 +255,6 @@ def _within_budget(pair: EnginePair, shape: RequestShape, strategy: str, staging
                                               f"plans would exceed the budget ({without}); packed"),)
     budget.check(estimate)
     raise InternalError("an estimate over the budget was admitted")
-
-
-def _packed_plan(pair: EnginePair, request: Request, staging_bytes: int, notes: tuple[Note, ...]) -> TransferPlan:
-    parts = plan_packed(pair, request, staging_bytes)
-    return TransferPlan(
-        prefill_tp=pair.prefill.tp,
-        decode_tp=pair.decode.tp,
-        copies=Copies.empty(),
-        zeros=coalesce_zeros(parts.zeros),
-        notes=notes + parts.notes,
-        copies_before_coalescing=0,
-        zeros_before_coalescing=len(parts.zeros),
-        packs=parts.packs,
-        unpacks=parts.unpacks,
-        wire=parts.wire,
-        chunks=parts.chunks,
-        staging_bytes=parts.staging_bytes,
-        prefill_ranks=pair.prefill.num_ranks,
-        decode_ranks=pair.decode.num_ranks,
-    )
 
 
 def _auto_plan(pair: EnginePair, request: Request, cost_model: CostModel, staging_bytes: int,
@@ -213,7 +274,7 @@ def _auto_plan(pair: EnginePair, request: Request, cost_model: CostModel, stagin
            f"{count.bytes} B on the wire either way ({cost_model.wire_seconds(count.bytes) * 1e6:.1f} us)")
     if count.wire_rows and packed < unpacked:
         logger.debug("%s -> packed", why)
-        return _packed_plan(pair, request, staging_bytes, first + (Note(NoteKind.AUTO_PACKED, why + " -> packed"),))
+        return packed_transfer_plan(pair, request, staging_bytes, first + (Note(NoteKind.AUTO_PACKED, why + " -> packed"),))
     groups = [c.plan.with_notes(c.note) if c.note is not None else c.plan for c in choices]
     kind = NoteKind.AUTO_STAGED if any(g.rearranges for g in groups) else NoteKind.AUTO_DIRECT
     logger.debug("%s -> not packed", why)
@@ -238,28 +299,3 @@ def _assemble(pair: EnginePair, groups: list[GroupPlan], first: tuple[Note, ...]
         prefill_ranks=pair.prefill.num_ranks,
         decode_ranks=pair.decode.num_ranks,
     )
-
-
-def _side_topology(e: EngineGeometry) -> str:
-    t = e.topology
-    text = f"{e.topology.describe(e.tp)} ({e.num_ranks} ranks)"
-    if t.pp > 1:
-        layers = ", ".join(str(e.stage_global_layers(s)) for s in range(t.pp))
-        text += f", global layers per stage {layers}"
-    if t.dcp > 1:
-        text += f", token t on DCP rank (t // {t.interleave}) % {t.dcp} of its head group"
-    if t.replicas > 1:
-        text += f", {t.replicas} replicas (D ranks spread their reads over them)"
-    return text
-
-
-def topology_notes(pair: EnginePair) -> tuple[Note, ...]:
-    """One ``TOPOLOGY`` note when either side has stages, DCP or replicas (docs/design.md §11.3)."""
-    P, D = pair.prefill, pair.decode
-    if P.topology.trivial and D.topology.trivial:
-        return ()
-    text = f"topology: P {_side_topology(P)} -> D {_side_topology(D)}"
-    states = [s.name for s in pair.model.groups if isinstance(s, StateSpec)]
-    if states and (P.topology.dcp > 1 or D.topology.dcp > 1):
-        text += f"; state groups {states} are not sharded by token (SGLang's DCP leaves request state unchanged)"
-    return (Note(NoteKind.TOPOLOGY, text),)

@@ -14,7 +14,7 @@
 Worked number: ``kvgeom plan`` (preset ``gqa-tp2-tp4``, M=100, S=16) moves tokens [16, 100):
 84 tokens x 4 layers x 2 planes x 8 heads x 256 B = 1,376,256 B over the four D ranks.
 
-Bounded work (docs/design.md §13): every input is checked before the work it sizes. Output paths
+Bounded work (docs/design.md §14): every input is checked before the work it sizes. Output paths
 (``--svg``, ``--png``) are opened before planning; pair files are read to at most 4 MiB; the plan
 is estimated from the request's shape before any block list is built, and refused over the budget
 (``--budget-mb``, default 4096) with exit 2, and so is a simulation (``plan``) or cache and

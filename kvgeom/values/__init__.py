@@ -5,6 +5,10 @@ Everything above this layer (planning, checking, lowering, building, showing, to
 
 from __future__ import annotations
 
+from .blocks import (
+    CopyBlock,
+    blocks_to_copies,
+)
 from .builder import (
     engine_fields,
 )
@@ -194,6 +198,8 @@ __all__ = [
     "plan_html",
     "plan_rank_rows",
     "plan_pair_bytes",
+    "CopyBlock",
+    "blocks_to_copies",
     "StagingStep",
     "WireCopies",
     "WIRE_COLUMNS",

@@ -20,7 +20,7 @@ Worked number: HND, 2 heads of 256 B, K = 16, packed (strides 8192/4096/256):
 The topology's rules (docs/design.md §11.5) come first: a layer partition of the model's layers,
 ``dcp`` dividing ``tp``, ``interleave`` dividing K, heads divisible over the ``tp // dcp`` head
 groups, and with several stages every region used by the layers of exactly one stage; and the
-rank count ``pp * replicas * tp`` is at most 2**20 (docs/design.md §13).
+rank count ``pp * replicas * tp`` is at most 2**20 (docs/design.md §14).
 """
 
 from __future__ import annotations

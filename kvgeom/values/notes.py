@@ -34,13 +34,14 @@ class NoteKind(str, enum.Enum):
     AUTO_DIRECT = "auto_direct"  # auto weighed the strategies and chose direct
     AUTO_STAGED = "auto_staged"  # auto weighed the strategies and chose staged
     AUTO_PACKED = "auto_packed"  # auto weighed the strategies and chose packed
-    AUTO_OVER_BUDGET = "auto_over_budget"  # auto left packed out: its plan would exceed the work budget (§13)
+    AUTO_OVER_BUDGET = "auto_over_budget"  # auto left packed out: its plan would exceed the work budget (§14)
     PACKED = "packed"  # a group moves through staging: pack, wire, unpack (docs/design.md §12)
     CHUNKS = "chunks"  # how a packed plan was cut into chunks, and its staging bytes per rank
     STATE_PAIRS = "state_pairs"  # how a state group's D slots pair with P slots
     STATE_UNPAIRED = "state_unpaired"  # a D slot with no P slot at its token position: not transferred
     TOPOLOGY = "topology"  # pipeline stages, DCP token shards or replicas on either side (docs/design.md §11)
     ROWS_NOT_APPLIED = "rows_not_applied"  # the simulator skipped out-of-bounds rows
+    REFERENCE_PATH = "reference_path"  # the compiled pair handed this plan to the reference planner (§13.5)
     PREPPED_FALLBACK = "prepped_fallback"  # the executor posted coalesced lists instead of prepped tables
     INFO = "info"  # anything else (a note given as a plain string)
 

@@ -197,7 +197,7 @@ class Request:
 @attrs.frozen
 class ListingShape:
     """One side's listing of one group by size only: from ``first_token``, ``count`` blocks (attention)
-    or slots (state). What the planner's work estimate needs (docs/design.md §13), without the ids."""
+    or slots (state). What the planner's work estimate needs (docs/design.md §14), without the ids."""
 
     first_token: int
     count: int
