@@ -106,14 +106,17 @@ def _drop_last_copy_of_pipeline_pairs(prefill: Any, decode: Any, request: Any, *
 def test_fuzz_draws_topologies_and_shrinks_a_bug_only_pipeline_stages_trigger(monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/design.md §11: the default draw gives some engines stages, DCP or replicas, so a bug that
     only a P with two pipeline stages triggers is found, and shrunk to such a pair with one token and
-two layers."""
+    a layer or two per stage. (Hypothesis' shrinker stops at a local minimum that depends on its
+    version and on the literals it collects from the modules already imported: alone this test
+    shrinks to 2 layers, after tests/test_benchmarks.py to 3, so the bound is per stage.)"""
     monkeypatch.setattr(kfuzz, "plan_transfer", _drop_last_copy_of_pipeline_pairs)
     result = kfuzz.fuzz(300, seed=7, strategies=("direct",), mismatch_probability=0.0)
     assert not result.ok and result.topology_pairs > 0
     (failure,) = result.failures.values()
     t = failure.transfer
     assert t.pair.prefill.topology.pp == 2 and t.pair.decode.topology.trivial
-    assert t.request.computed_tokens == 1 and t.pair.prefill.model.num_global_layers == 2  # a layer per stage
+    assert t.request.computed_tokens == 1
+    assert 2 <= t.pair.prefill.model.num_global_layers <= 2 * 2  # at least one layer per stage, at most two
     pair, request = parse_pair_file(json.loads(failure.reproducer()))  # the topology travels in the pair file
     assert request is not None and pair.prefill.topology == t.pair.prefill.topology
     assert simulate(pair, request, plan_transfer(pair.prefill, pair.decode, request)).ok
