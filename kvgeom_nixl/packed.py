@@ -201,18 +201,7 @@ class PackedTransfer(Transfer):
             self.nixl_requests += 1
 
     def _handles_done(self, ch: _Chunk) -> bool:
-        still = []
-        for h in ch.handles:
-            st = self.agent.state(h)
-            if st == "DONE":
-                if self.nixl_descs is not None:
-                    self.nixl_descs += self.agent.descriptor_count(h)
-                self.agent.release(h)
-            elif st == "PROC":
-                still.append(h)
-            else:
-                raise RuntimeError(f"NIXL reported {st} for a wire request")
-        ch.handles = still
+        still = ch.handles = self._reap(ch.handles, "a wire request")
         if not still:
             self.wire_s += time.perf_counter() - ch.started
         return not still

@@ -223,10 +223,12 @@ class Transfer:
             self.event = None
             self._finish()
 
-    def _check_posted(self) -> None:
-        """posted -> landed once every NIXL request is DONE and every awaited notification arrived."""
+    def _reap(self, handles: list[Any], what: str) -> list[Any]:
+        """Release the finished requests among ``handles`` (counting NIXL's descriptors when
+        telemetry is on) and return those still in flight; an error state raises (``fail()``
+        releases what is left: release is idempotent)."""
         still = []
-        for h in self.handles:
+        for h in handles:
             st = self.agent.state(h)
             if st == "DONE":
                 if self.nixl_descs is not None:
@@ -234,9 +236,13 @@ class Transfer:
                 self.agent.release(h)
             elif st == "PROC":
                 still.append(h)
-            else:  # fail() releases every handle of self.handles (release is idempotent)
-                raise RuntimeError(f"NIXL reported {st} for a request")
-        self.handles = still
+            else:
+                raise RuntimeError(f"NIXL reported {st} for {what}")
+        return still
+
+    def _check_posted(self) -> None:
+        """posted -> landed once every NIXL request is DONE and every awaited notification arrived."""
+        self.handles = self._reap(self.handles, "a request")
         if self.expect:
             self.expect -= self.agent.senders(self.notif_kind, self.request_id)
         if not self.handles and not self.expect:

@@ -30,6 +30,7 @@ from typing import Literal
 
 import attrs
 
+from ..errors import StagingCapacityError
 from ..values.model import AttentionSpec
 from ..values.notes import Note, NoteKind
 from ..values.pair import EnginePair
@@ -37,10 +38,11 @@ from ..values.request import Request
 from .attention import plan_attention_group
 from .coalesce import coalesce
 from .group import GroupPlan
+from .packed import PackedCount, count_packed
 from .staged import plan_staged_group
 from .state import plan_state_group
 
-__all__ = ["Strategy", "STRATEGIES", "CostModel", "DEFAULT_COST_MODEL", "plan_group", "Posted", "posted",
+__all__ = ["Strategy", "STRATEGIES", "CostModel", "DEFAULT_COST_MODEL", "plan_group", "Posted", "posted", "weigh_packed",
            "GroupChoice", "choose_group"]
 
 logger = logging.getLogger(__name__)
@@ -189,3 +191,21 @@ def plan_group(pair: EnginePair, request: Request, gi: int, strategy: str,
         choice = choose_group(pair, request, gi, cost_model)
         return choice.plan.with_notes(choice.note) if choice.note is not None else choice.plan
     return plan_attention_group(pair, request, gi)
+
+
+def weigh_packed(pair: EnginePair, request: Request, staging_bytes: int, unpacked: float,
+                 cost_model: CostModel) -> tuple[bool, str]:
+    """Auto's whole-plan step (docs/design.md §12.6): whether the packed plan, counted without being
+    built (:func:`~kvgeom.planning.packed.count_packed`), costs less than ``unpacked`` (the chosen
+    direct/staged plans' posted copies), and the sentence that says why. A capacity packed cannot
+    plan with is no candidate."""
+    try:
+        count = count_packed(pair, request, staging_bytes)
+    except StagingCapacityError:
+        count = PackedCount(0, 0, 0, 0)
+    packed = cost_model.packed_cost(count.wire_rows, count.bytes, count.operations)
+    why = (f"auto: direct/staged {unpacked * 1e6:.1f} us (posted copies of every group); packed "
+           f"{count.wire_rows} wire rows in {count.chunks} chunks + 2 x {count.bytes} B copied + "
+           f"{count.operations} operations = {packed * 1e6:.1f} us ({cost_model.describe()}); "
+           f"{count.bytes} B on the wire either way ({cost_model.wire_seconds(count.bytes) * 1e6:.1f} us)")
+    return bool(count.wire_rows) and packed < unpacked, why

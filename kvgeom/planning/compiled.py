@@ -36,7 +36,7 @@ import attrs
 import numpy as np
 
 from ..arith.tokens import Segments, SideTokens, segments, window_start
-from ..errors import InternalError, KvGeomError, StagingCapacityError
+from ..errors import InternalError, KvGeomError
 from ..values.blocks import CopyBlock
 from ..values.model import AttentionSpec
 from ..values.notes import Note, NoteKind
@@ -44,8 +44,8 @@ from ..values.pair import EnginePair
 from ..values.plan import Copies, Rearrange, TransferPlan, Zeros, planner_columns
 from ..values.request import BlockList, Request, StateSlots
 from .attention import copy_rows, nothing_note, segments_note, source_notes, zero_rows, zeroed_note
-from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy
-from .packed import DEFAULT_STAGING_BYTES, PackedCount, count_packed, packed_transfer_plan
+from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy, weigh_packed
+from .packed import DEFAULT_STAGING_BYTES, packed_transfer_plan
 from .pieces import (
     Family,
     FamilyRows,
@@ -1147,17 +1147,8 @@ class CompiledPair:
     def _auto(self, request: Request, groups: list[_Group], cost_model: CostModel, staging_bytes: int,
               first: tuple[Note, ...]) -> TransferPlan | tuple[list[_Group], tuple[Note, ...]]:
         """Auto's whole-plan step (the reference's ``_auto_plan``): the groups' choices against packed."""
-        unpacked = sum(g.cost for g in groups)
-        try:
-            count = count_packed(self.pair, request, staging_bytes)
-        except StagingCapacityError:  # packed cannot be planned with this capacity: not a candidate
-            count = PackedCount(0, 0, 0, 0)
-        packed = cost_model.packed_cost(count.wire_rows, count.bytes, count.operations)
-        why = (f"auto: direct/staged {unpacked * 1e6:.1f} us (posted copies of every group); packed "
-               f"{count.wire_rows} wire rows in {count.chunks} chunks + 2 x {count.bytes} B copied + "
-               f"{count.operations} operations = {packed * 1e6:.1f} us ({cost_model.describe()}); "
-               f"{count.bytes} B on the wire either way ({cost_model.wire_seconds(count.bytes) * 1e6:.1f} us)")
-        if count.wire_rows and packed < unpacked:
+        wins, why = weigh_packed(self.pair, request, staging_bytes, sum(g.cost for g in groups), cost_model)
+        if wins:
             logger.debug("%s -> packed", why)
             return self._reference_packed(request, staging_bytes, first + (Note(NoteKind.AUTO_PACKED,
                                                                                 why + " -> packed"),))

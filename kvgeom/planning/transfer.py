@@ -29,7 +29,7 @@ import threading
 
 import attrs
 
-from ..errors import IncompatibleGeometry, InternalError, KvGeomError, StagingCapacityError, value_text
+from ..errors import IncompatibleGeometry, InternalError, KvGeomError, value_text
 from ..values.engine import EngineGeometry
 from ..values.fields import check_instance, check_int
 from ..values.notes import Note, NoteKind
@@ -37,11 +37,11 @@ from ..values.pair import EnginePair
 from ..values.plan import Copies, TransferPlan, Zeros
 from ..values.request import Request, RequestShape
 from .budget import DEFAULT_BUDGET, PlanBudget, PlanEstimate, estimate_compile, estimate_plan, quick_estimate
-from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy, choose_group, plan_group
+from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy, choose_group, plan_group, weigh_packed
 from .coalesce import coalesce, coalesce_zeros
 from .compiled import COMPILED_STRATEGIES, CompiledPair
 from .group import GroupPlan
-from .packed import DEFAULT_STAGING_BYTES, PackedCount, count_packed, packed_transfer_plan
+from .packed import DEFAULT_STAGING_BYTES, packed_transfer_plan
 from .topology import topology_notes
 
 __all__ = ["Pair", "plan_transfer", "plan_pair", "plan_reference", "check_budget"]
@@ -262,17 +262,8 @@ def _auto_plan(pair: EnginePair, request: Request, cost_model: CostModel, stagin
     """Per group the cheaper of direct and staged, then that plan against the packed plan, each
     counted by what it posts (docs/design.md §12.6)."""
     choices = [choose_group(pair, request, gi, cost_model) for gi in range(len(pair.model.groups))]
-    unpacked = sum(c.cost for c in choices)
-    try:
-        count = count_packed(pair, request, staging_bytes)
-    except StagingCapacityError:  # packed cannot be planned with this capacity: not a candidate
-        count = PackedCount(0, 0, 0, 0)
-    packed = cost_model.packed_cost(count.wire_rows, count.bytes, count.operations)
-    why = (f"auto: direct/staged {unpacked * 1e6:.1f} us (posted copies of every group); packed "
-           f"{count.wire_rows} wire rows in {count.chunks} chunks + 2 x {count.bytes} B copied + "
-           f"{count.operations} operations = {packed * 1e6:.1f} us ({cost_model.describe()}); "
-           f"{count.bytes} B on the wire either way ({cost_model.wire_seconds(count.bytes) * 1e6:.1f} us)")
-    if count.wire_rows and packed < unpacked:
+    wins, why = weigh_packed(pair, request, staging_bytes, sum(c.cost for c in choices), cost_model)
+    if wins:
         logger.debug("%s -> packed", why)
         return packed_transfer_plan(pair, request, staging_bytes, first + (Note(NoteKind.AUTO_PACKED, why + " -> packed"),))
     groups = [c.plan.with_notes(c.note) if c.note is not None else c.plan for c in choices]
