@@ -43,6 +43,7 @@ from kvgeom import (
     fresh_request,
 )
 from kvgeom.building import get_preset
+from kvgeom.planning import Strategy
 
 __all__ = ["Case", "SYNTHETIC", "PATTERNS", "build_case", "draw_blocks", "pattern_request", "case_names"]
 
@@ -58,7 +59,7 @@ class Case:
     pair: Pair = attrs.field(repr=False)
     tokens: int
     decode_tokens: int
-    strategy: str = "direct"
+    strategy: Strategy = "direct"
 
     def fresh(self) -> Request:
         return fresh_request(self.pair, self.tokens, decode_tokens=self.decode_tokens)
@@ -74,7 +75,7 @@ class Synthetic:
     layers: int = 32
     heads: int = 8
     head_bytes: int = 256
-    strategy: str = "direct"
+    strategy: Strategy = "direct"
 
     def model(self, layers: int | None = None) -> ModelSpec:
         n = self.layers if layers is None else layers

@@ -643,8 +643,9 @@ def _plan_objects(r: random.Random) -> Case:
     cols = [np.array([0, 1], np.int64) for _ in range(6)] + [np.array([4, 4], np.int64)]
     if what == "copies":
         i = r.randrange(7)
-        cols[i] = r.choice((np.array([2**62, 2**63 - 1], np.int64), np.array([-1, 0]), np.array([1.5, 2.0]),
-                            np.array([[1, 2]]), [None, 1], np.array([2**64 - 1, 0], np.uint64), hostile(r)))
+        options: tuple[Any, ...] = (np.array([2**62, 2**63 - 1], np.int64), np.array([-1, 0]), np.array([1.5, 2.0]),
+                   np.array([[1, 2]]), [None, 1], np.array([2**64 - 1, 0], np.uint64), hostile(r))
+        cols[i] = r.choice(options)
         return Case("Copies(..)", lambda: Copies(*cols))
     if what == "zeros":
         zcols = cols[3:]
@@ -673,7 +674,7 @@ def _big_plan(r: random.Random) -> Case:
     heads = r.choice((8, 8, 2**47 + 1, 2**20, 2**40))
     layers = r.choice((2, 2, 2**10, 10**5, 2**20))
     head_bytes = r.choice((16, 2**20))
-    big = {"tp": r.choice((1, 2, 2**20, 2**40, 8)), "kernel_block_tokens": r.choice((16, 2**20, 2**30)),
+    big: dict[str, Any] = {"tp": r.choice((1, 2, 2**20, 2**40, 8)), "kernel_block_tokens": r.choice((16, 2**20, 2**30)),
            "num_blocks": r.choice((8, 2**17, 2**40, 65537)), "blocks_per_logical": r.choice((1, 1, 2**20, 2**30))}
     topo = r.choice((None, None, {"pp": 2}, {"replicas": 2**20}, {"replicas": 2**40}, {"pp": 2**20},
                      {"dcp": 8, "interleave": 16}, {"dcp": 2**20}))

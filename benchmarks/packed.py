@@ -21,6 +21,7 @@ Worked number: the default preset at 16,384 tokens moves ``16384 x 4 layers x 2 
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -30,7 +31,7 @@ from kvgeom import CostModel
 
 from .cases import build_case
 from .common import Config, Measurement, Progress, interleaved_medians, measurement, quiet
-from .transfer import set_nixl_env
+from .transfer import read_and_wait, set_nixl_env
 
 __all__ = ["PACKED_CASES", "run_packed", "run_packed_planning"]
 
@@ -69,25 +70,7 @@ class _Wire:
                 self.posts.append((d.agent, local, remote, p.name))
 
     def __call__(self) -> None:
-        pending = []
-        for agent, local, remote, peer in self.posts:
-            h = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"),
-                                      peer, b"bench-wire")
-            pending.append((agent, h, agent.transfer(h)))
-        while pending:
-            still = []
-            for agent, h, state in pending:
-                if state == "PROC":
-                    state = agent.check_xfer_state(h)
-                if state == "PROC":
-                    still.append((agent, h, state))
-                elif state == "DONE":
-                    h.release()
-                else:
-                    raise RuntimeError(f"NIXL transfer ended in state {state}")
-            for t in self.targets:
-                t.get_new_notifs()
-            pending = still
+        read_and_wait(self.posts, self.targets, b"bench-wire")
 
 
 def _steps(endpoints: list[Any], plan: Any, pack: bool) -> None:
@@ -130,6 +113,8 @@ def _one_pair(config: Config, name: str, layers: int | None, progress: Progress,
         wire = _Wire(ld, packed)
         wire()
         for ep in ld.endpoints:
+            if ep.staging is None:
+                raise RuntimeError("packed: an endpoint without staging rings")
             for s in range(ep.staging.slots):
                 ep.staging.view(s).fill_(0)  # first touch of every slot before timing
         med = interleaved_medians({
@@ -145,7 +130,7 @@ def _one_pair(config: Config, name: str, layers: int | None, progress: Progress,
             if plans[strategy].packed or (strategy == "staged" and not plans[strategy].rearranges):
                 continue
             run(plans[strategy])  # warm-up
-            baselines[strategy] = interleaved_medians({strategy: lambda s=strategy: run(plans[s]),
+            baselines[strategy] = interleaved_medians({strategy: functools.partial(run, plans[strategy]),
                                                        "copyto": lambda: np.copyto(dst, src)},
                                                       config.packed_baseline_repeats)
     counts = (f"direct {len(plans['direct'].copies):,} copies, staged {len(plans['staged'].copies):,} copies + "
@@ -185,7 +170,7 @@ def run_packed_planning(config: Config, progress: Progress = quiet) -> list[Meas
         progress(f"plan packed {name} M={M}")
         pair.plan(request, strategy="packed")
         # not interleaved: a direct plan frees hundreds of MiB, which the next packed plan would pay for
-        med = {s: interleaved_medians({s: lambda s=s, pair=pair, request=request: pair.plan(request, strategy=s)},
+        med = {s: interleaved_medians({s: functools.partial(pair.plan, request, strategy=s)},
                                       config.plan_repeats)[s] for s in ("packed", "direct")}
         plan = pair.plan(request, strategy="packed")
         steps = sum(len(s.pages) + len(s.regions) for s in plan.packs + plan.unpacks)

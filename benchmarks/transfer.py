@@ -36,6 +36,7 @@ import gc
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,31 @@ def set_nixl_env() -> None:
     """Quiet NIXL's stdout logging and keep UCX on loopback (before nixl is imported)."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+def read_and_wait(posts: Sequence[tuple[Any, Any, Any, str]], targets: Sequence[Any], tag: bytes) -> None:
+    """Post one raw NIXL READ per ``(agent, local descs, remote descs, peer)`` and poll every
+    initiator and every target (no progress thread) until all are DONE: the bound rows of the
+    transfer and packed sections time this, with no kvgeom code in the loop."""
+    pending = []
+    for agent, local, remote, peer in posts:
+        h = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
+                                  agent.get_xfer_descs(remote, "DRAM"), peer, tag)
+        pending.append((agent, h, agent.transfer(h)))
+    while pending:
+        still = []
+        for agent, h, state in pending:
+            if state == "PROC":
+                state = agent.check_xfer_state(h)
+            if state == "PROC":
+                still.append((agent, h, state))
+            elif state == "DONE":
+                h.release()
+            else:
+                raise RuntimeError(f"NIXL transfer ended in state {state}")
+        for t in targets:
+            t.get_new_notifs()
+        pending = still
 
 
 def nixl_missing(modules: tuple[str, ...] = ("torch", "nixl._api", "kvgeom_nixl.local")) -> str | None:
@@ -184,25 +210,8 @@ class RawNixl:
                 self.posts.append((d.agent, p.agent, local, remote, p.name))
 
     def __call__(self) -> None:
-        pending = []
-        for agent, _, local, remote, peer in self.posts:
-            h = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
-                                      agent.get_xfer_descs(remote, "DRAM"), peer, b"bench-raw")
-            pending.append((agent, h, agent.transfer(h)))
-        while pending:
-            still = []
-            for agent, h, state in pending:
-                if state == "PROC":
-                    state = agent.check_xfer_state(h)
-                if state == "PROC":
-                    still.append((agent, h, state))
-                elif state == "DONE":
-                    h.release()
-                else:
-                    raise RuntimeError(f"NIXL transfer ended in state {state}")
-            for t in self.targets:
-                t.get_new_notifs()
-            pending = still
+        read_and_wait([(agent, local, remote, peer) for agent, _, local, remote, peer in self.posts],
+                      self.targets, b"bench-raw")
 
 
 MODES = ("coalesced", "prepped", "raw-nixl")
