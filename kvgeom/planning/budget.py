@@ -630,12 +630,18 @@ def _state_factors(pair: EnginePair, gi: int) -> tuple[int, int]:
     return rows, steps
 
 
+def _paired_slots(shape: RequestShape, gi: int) -> int:
+    """Slots of state group ``gi`` that move: the shape's count when it knows it, else at most the
+    shorter listing."""
+    p_list, d_list = shape.groups[gi]
+    known = shape.state_pairs[gi] if gi < len(shape.state_pairs) else None
+    return min(p_list.count, d_list.count) if known is None else known
+
+
 def _state(pair: EnginePair, shape: RequestShape, gi: int) -> PlanEstimate:
     """Copy rows of one state group (:mod:`kvgeom.planning.state`): exact for the paired slots."""
     spec = pair.model.groups[gi]
-    p_list, d_list = shape.groups[gi]
-    known = shape.state_pairs[gi] if gi < len(shape.state_pairs) else None
-    paired = min(p_list.count, d_list.count) if known is None else known
+    paired = _paired_slots(shape, gi)
     if paired == 0:
         return PlanEstimate(steps=1, work=STEP_WORK)
     per_slot, steps = _factors(pair, ("state", gi), lambda: _state_factors(pair, gi))
@@ -906,9 +912,7 @@ def _packed_state(pair: EnginePair, shape: RequestShape, gi: int, staging: int, 
     """The same for one state group: per piece, per (P rank, D rank) and section, one pack and one
     unpack step per page size, listing the paired slots."""
     spec = pair.model.groups[gi]
-    p_list, d_list = shape.groups[gi]
-    known = shape.state_pairs[gi] if gi < len(shape.state_pairs) else None
-    paired = min(p_list.count, d_list.count) if known is None else known
+    paired = _paired_slots(shape, gi)
     if paired == 0:
         return PlanEstimate(steps=1, work=STEP_WORK)
     f = _packed_factors(pair, gi, False)
