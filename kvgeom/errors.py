@@ -7,7 +7,7 @@ itself raises :class:`InternalError`, which is deliberately *not* a ``ValueError
     Exception
       ValueError
         KvGeomError           GeometryError, RequestError, IncompatibleGeometry, SchemaError, PlanError,
-                              PlanBudgetExceeded
+                              StagingCapacityError, PlanBudgetExceeded
       InternalError           a kvgeom bug (never bad input)
 
 Each error carries ``path`` (where the bad value sits, e.g. ``decode.groups[1].window_tokens``),

@@ -25,7 +25,7 @@ import logging
 
 from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, Link
 from .errors import ExecutorError, HandshakeError, RegistrationError, TransferFailed
-from .handshake import HANDSHAKE_VERSION, RankInfo, decode_rank, encode_rank
+from .handshake import HANDSHAKE_VERSION, HandshakeLimits, RankInfo, decode_rank, encode_rank
 from .lowering import MODES
 from .memory import RankMemory, RegionMemory
 from .receive import apply_rearranges, apply_receive_steps, apply_zeros
@@ -37,6 +37,7 @@ __all__ = [
     "ExecutorError",
     "HANDSHAKE_VERSION",
     "HandshakeError",
+    "HandshakeLimits",
     "Link",
     "MODES",
     "RankInfo",

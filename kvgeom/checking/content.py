@@ -19,7 +19,7 @@ blocks, ``M`` computed tokens, ``S`` prefix-hit tokens; docs/design.md §3.4)::
 * **must be zero** (attention only): tokens ``[max(S, d0), d1)`` outside ``[lo, hi)``, all of D's
   heads, planes and layers (head-vector bytes only, not padding): docs/design.md §4.2 (invariant 4).
 * **keep**: everything else in D (the prefix ``[d0, S)``, padding, other blocks, unpaired state
-  slots) must keep the value ``fill_decode`` gave it (docs/design.md §4.2, invariant 1).
+  slots) must keep the value ``fill_decode`` gave it (docs/design.md §4.2, invariant 4).
 
 A difference is reported per run of bad bytes of one category; bad bytes at most ``_GAP`` bytes apart
 join one run, since a wrong byte equals the right one with probability 1/256. A run of needed
@@ -128,7 +128,7 @@ def content_checks(pair: EnginePair, request: Request, dmem: Memory, sink: Sink)
                 continue
             category = cat[rank][region][at]
             stale = _stale_stretches(at, got[at] == pattern_bytes(SALT_DECODE, rank, region, at))
-            # runs: bad bytes of one category less than _GAP apart (a wrong byte equals the expected one
+            # runs: bad bytes of one category at most _GAP apart (a wrong byte equals the expected one
             # by chance with probability 1/256; bridging such holes keeps one run per damaged range),
             # cut where stale bytes give way to written ones
             new = np.concatenate(([True], (np.diff(at) > _GAP) | (category[1:] != category[:-1])

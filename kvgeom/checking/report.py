@@ -10,12 +10,12 @@ million objects::
                                               items += make(i) for the first   notes (Note, NoteKind)
                                                        LIST_LIMIT of the kind
 
-The kinds map onto the invariants of docs/design.md §4.2: FOREIGN_WRITE, FOREIGN_READ and
-CLOBBERED break invariant 1 (confined), OVERLAPPING_WRITE invariant 2, MISSING and WRONG_DATA
-invariant 3, NOT_ZEROED (and WRONG_DATA on a must-be-zero byte) invariant 4, NOT_MINIMAL
+The kinds map onto the invariants of docs/design.md §4.2: OUT_OF_BOUNDS, FOREIGN_WRITE and
+FOREIGN_READ break invariant 1 (confined), OVERLAPPING_WRITE invariant 2, MISSING and WRONG_DATA
+invariant 3, NOT_ZEROED and CLOBBERED (and WRONG_DATA on a must-be-zero byte) invariant 4, NOT_MINIMAL
 invariant 5, NONDETERMINISTIC invariant 6, and the staging kinds of packed plans
-(STAGING_OUT_OF_SLOT, STAGING_OVERLAP, STALE_STAGING) invariant 7; OUT_OF_BOUNDS rows leave the
-engine altogether.
+(STAGING_OUT_OF_SLOT, STAGING_OVERLAP, STALE_STAGING) invariant 7 (an OUT_OF_BOUNDS row leaves the
+engines altogether and is not applied).
 
 Worked number: 32 copy rows that write outside the listed D pages give ``counts[FOREIGN_WRITE] ==
 32`` and ``bytes_bad`` their summed lengths, but ``LIST_LIMIT = 20`` listed violations of that kind.

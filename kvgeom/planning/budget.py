@@ -169,7 +169,7 @@ class PlanBudget:
                     what, f"the {what} would need about {have:,} {unit} (estimate: {estimate}), beyond the budget "
                           f"of {limit:,}", actual=estimate, expected=f"{name} <= {limit:,}",
                     fix=f"plan fewer tokens or layers, or raise the budget: budget=PlanBudget({name}="
-                        f"{_raise(have)}) (kvgeom plan --budget-mb / Link(..., budget=...))")
+                        f"{_raise(have)}) (kvgeom plan --budget-mb; Endpoint(..., budget=...) or a link call's budget=)")
 
 
 def _raise(n: int) -> int:
