@@ -384,8 +384,8 @@ class Link:
             plan = whole.for_decode_rank(rank) if self.local_is_decode else whole.packed_for_prefill_rank(rank)
         else:
             if mode == "prepped":
-                blocks = compiled.copy_blocks(request, strategy=strategy, **kw)  # type: ignore[arg-type]
-            plan = compiled.plan(request, strategy=strategy, **kw)  # type: ignore[arg-type]
+                blocks = compiled.copy_blocks(request, strategy=strategy, budget=None, **kw)  # type: ignore[arg-type]
+            plan = compiled.plan(request, strategy=strategy, budget=None, **kw)  # type: ignore[arg-type]
         return self._plan(request, plan, strategy, budget), blocks
 
     @property

@@ -43,6 +43,18 @@ class Memory:
     engine: EngineGeometry
     buffers: list[list[np.ndarray]]
 
+    @staticmethod
+    def check_size(engine: EngineGeometry, *, max_bytes: int = MAX_ALLOCATED_BYTES) -> None:
+        """Refuse (:class:`~kvgeom.errors.PlanBudgetExceeded`) an engine of more than ``max_bytes``
+        bytes over all ranks, in O(regions): :func:`~kvgeom.checking.simulate` asks first, before its
+        per-rank checks, so a hostile rank count is refused before any loop over the ranks."""
+        total = engine.total_bytes
+        if total > max_bytes:
+            raise PlanBudgetExceeded(f"Memory.allocate({engine.name})", f"the simulator would allocate {total:,} B "
+                                     f"for this engine, beyond {max_bytes:,} B", actual=total,
+                                     expected=f"<= {max_bytes}",
+                                     fix="simulate smaller engines (fewer blocks or layers), or pass max_bytes=")
+
     @classmethod
     def allocate(cls, engine: EngineGeometry, *, max_bytes: int = MAX_ALLOCATED_BYTES) -> Memory:
         """Zero-filled buffers of ``num_pages * page_bytes`` for every rank and every region its stage
@@ -52,12 +64,7 @@ class Memory:
         than ``max_bytes`` bytes over all ranks: the simulator touches every byte it allocates, so an
         engine describing terabytes would otherwise be allocated lazily and then fill the machine.
         """
-        total = engine.total_bytes
-        if total > max_bytes:
-            raise PlanBudgetExceeded(f"Memory.allocate({engine.name})", f"the simulator would allocate {total:,} B "
-                                     f"for this engine, beyond {max_bytes:,} B", actual=total,
-                                     expected=f"<= {max_bytes}",
-                                     fix="simulate smaller engines (fewer blocks or layers), or pass max_bytes=")
+        cls.check_size(engine, max_bytes=max_bytes)
         out = []
         for rank in range(engine.num_ranks):
             held = set(engine.rank_regions(rank))

@@ -66,6 +66,8 @@ def simulate(pair: EnginePair, request: Request, plan: TransferPlan, *, replan: 
     and compares every D byte.
     """
     check_request(pair, request)
+    Memory.check_size(pair.prefill)  # before any per-rank work: a hostile rank count is refused in O(regions)
+    Memory.check_size(pair.decode)
     sink = Sink(LIST_LIMIT)
     copy_bad, zero_bad, rearr_bad, packed_masks = run_plan_checks(pair, request, plan, replan, sink)
     skipped = int(copy_bad.sum() + zero_bad.sum() + rearr_bad.sum() + sum(int(m.sum()) for m in packed_masks))

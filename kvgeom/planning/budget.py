@@ -50,18 +50,20 @@ from ..arith.ints import ceil_div
 from ..arith.runs import Mode, fold_modes
 from ..arith.shard import local_count, sources
 from ..arith.tokens import SideTokens, window_start
-from ..errors import InternalError, KvGeomError, PlanBudgetExceeded, RequestError
+from ..errors import IncompatibleGeometry, InternalError, KvGeomError, PlanBudgetExceeded, RequestError
 from ..values.engine import EngineGeometry
-from ..values.fields import check_int
+from ..values.fields import check_instance, check_int
 from ..values.layout import PageLayout
 from ..values.model import AttentionSpec, StateSpec
+from ..values.notes import Note, NoteKind
 from ..values.pair import EnginePair
 from ..values.request import MAX_LISTED, ListingShape, RequestShape
+from .choose import check_strategy
 from .packed import DEFAULT_STAGING_BYTES, class_counts, cuts_of
 from .sides import SideView, stage_parts
 from .staged import arrival, is_identity, rearrange_modes
 
-__all__ = ["PlanBudget", "PlanEstimate", "DEFAULT_BUDGET", "estimate_plan", "estimate_compile", "quick_estimate",
+__all__ = ["PlanBudget", "PlanEstimate", "DEFAULT_BUDGET", "estimate_plan", "estimate_compile", "quick_estimate", "admit",
            "ROW_BYTES",
            "SEGMENT_BYTES", "PAGE_ENTRY_BYTES", "STAGING_ENTRY_BYTES", "STAGING_STEP_BYTES", "STEP_WORK"]
 
@@ -1008,6 +1010,7 @@ def estimate_compile(pair: EnginePair) -> PlanEstimate:
     ``2 x lcm(page spans) + 2 x D span`` tokens, so at most a plan of that many tokens (windows
     ignored) plus a few steps per class; a state group's one slot pair. Cached per pair; a
     compile beyond the budget leaves the pair on the reference path (the same plans)."""
+    check_instance("pair", pair, EnginePair, error=IncompatibleGeometry, fix="build the pair with kvgeom.Pair(P, D)")
     return _factors(pair, ("compile",), lambda: _estimate_compile(pair))
 
 
@@ -1053,11 +1056,18 @@ def quick_estimate(pair: EnginePair, shape: RequestShape, strategy: str = "direc
     tokens). The planner admits a request with it first and computes the exact estimate only when
     it is over the budget."""
     _check_shape(pair, shape, budget)
+    strategy = check_strategy(strategy)
     return _quick(pair, shape, strategy, check_int("staging_bytes", staging_bytes, minimum=0, error=KvGeomError))
 
 
 def _check_shape(pair: EnginePair, shape: RequestShape, budget: PlanBudget | None) -> None:
-    """The shape lists the model's groups, and the ranks alone are within the budget's steps."""
+    """The arguments are what they claim, the shape lists the model's groups, and the ranks alone
+    are within the budget's steps."""
+    check_instance("pair", pair, EnginePair, error=IncompatibleGeometry, fix="build the pair with kvgeom.Pair(P, D)")
+    check_instance("shape", shape, RequestShape, error=RequestError,
+                   fix="use RequestShape.of(request) or kvgeom.building.fresh_shape")
+    if budget is not None:
+        check_instance("budget", budget, PlanBudget, error=KvGeomError, fix="pass a kvgeom.PlanBudget(...) or None")
     if len(shape.groups) != len(pair.model.groups):
         raise RequestError("request.groups", f"the request lists {len(shape.groups)} groups, the model has "
                            f"{len(pair.model.groups)}", actual=len(shape.groups), expected=len(pair.model.groups),
@@ -1079,6 +1089,7 @@ def estimate_plan(pair: EnginePair, shape: RequestShape, strategy: str = "direct
     """
     staging_bytes = check_int("staging_bytes", staging_bytes, minimum=0, error=KvGeomError)
     _check_shape(pair, shape, budget)
+    strategy = check_strategy(strategy)
     if strategy == "packed":
         total = _packed(pair, shape, staging_bytes)
         return total + PlanEstimate(work=total.zero_rows)
@@ -1101,3 +1112,28 @@ def estimate_plan(pair: EnginePair, shape: RequestShape, strategy: str = "direct
         packed = _packed(pair, shape, staging_bytes)
         total = total + packed + PlanEstimate(steps=packed.chunks, work=packed.work // 4)
     return total
+
+
+def admit(pair: EnginePair, shape: RequestShape, strategy: str, staging_bytes: int,
+          budget: PlanBudget) -> tuple[str, int, tuple[Note, ...]]:
+    """Check the plan's estimate against ``budget`` (:class:`~kvgeom.errors.PlanBudgetExceeded` when
+    over it) and return the strategy and staging bytes to plan with, and the notes that say why
+    they changed (none when they did not). ``auto`` weighs only the candidates within the budget:
+    without packed when packed alone is too large, only packed when direct and staged are (an
+    ``AUTO_OVER_BUDGET`` note says which)."""
+    if budget.admits(quick_estimate(pair, shape, strategy, budget=budget, staging_bytes=staging_bytes)):
+        return strategy, staging_bytes, ()  # a looser bound admits it already (a small request)
+    estimate = estimate_plan(pair, shape, strategy, budget=budget, staging_bytes=staging_bytes)
+    if strategy != "auto" or not staging_bytes or budget.admits(estimate):
+        budget.check(estimate)
+        return strategy, staging_bytes, ()
+    without = estimate_plan(pair, shape, "auto", budget=budget, staging_bytes=0)
+    if budget.admits(without):
+        return "auto", 0, (Note(NoteKind.AUTO_OVER_BUDGET, f"auto: packed left out, its plan with {staging_bytes} B "
+                                f"per rank would exceed the budget (auto with it: {estimate})"),)
+    packed = estimate_plan(pair, shape, "packed", budget=budget, staging_bytes=staging_bytes)
+    if budget.admits(packed):
+        return "packed", staging_bytes, (Note(NoteKind.AUTO_OVER_BUDGET, f"auto: direct and staged left out, their "
+                                              f"plans would exceed the budget ({without}); packed"),)
+    budget.check(estimate)
+    raise InternalError("an estimate over the budget was admitted")

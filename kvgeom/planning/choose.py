@@ -30,7 +30,7 @@ from typing import Literal
 
 import attrs
 
-from ..errors import StagingCapacityError
+from ..errors import KvGeomError, StagingCapacityError, value_text
 from ..values.model import AttentionSpec
 from ..values.notes import Note, NoteKind
 from ..values.pair import EnginePair
@@ -42,13 +42,22 @@ from .packed import PackedCount, count_packed
 from .staged import plan_staged_group
 from .state import plan_state_group
 
-__all__ = ["Strategy", "STRATEGIES", "CostModel", "DEFAULT_COST_MODEL", "plan_group", "Posted", "posted", "weigh_packed",
+__all__ = ["Strategy", "STRATEGIES", "CostModel", "DEFAULT_COST_MODEL", "plan_group", "Posted", "posted", "weigh_packed", "check_strategy",
            "GroupChoice", "choose_group"]
 
 logger = logging.getLogger(__name__)
 
 Strategy = Literal["direct", "staged", "auto", "packed"]
 STRATEGIES: tuple[str, ...] = ("direct", "staged", "auto", "packed")
+
+
+def check_strategy(strategy: object) -> str:
+    """``strategy`` if it names one of :data:`STRATEGIES`; else a :class:`~kvgeom.errors.KvGeomError`
+    naming it (never a huge value in the message)."""
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise KvGeomError("strategy", f"unknown strategy {value_text(strategy, 60)}", actual=value_text(strategy, 60),
+                          expected=list(STRATEGIES), fix=f"use one of {', '.join(STRATEGIES)}")
+    return strategy
 
 
 @attrs.frozen

@@ -36,15 +36,17 @@ import attrs
 import numpy as np
 
 from ..arith.tokens import Segments, SideTokens, segments, window_start
-from ..errors import InternalError, KvGeomError
+from ..errors import InternalError, KvGeomError, RequestError
 from ..values.blocks import CopyBlock
+from ..values.fields import check_instance, check_int
 from ..values.model import AttentionSpec
 from ..values.notes import Note, NoteKind
 from ..values.pair import EnginePair
 from ..values.plan import Copies, Rearrange, TransferPlan, Zeros, planner_columns
-from ..values.request import BlockList, Request, StateSlots
+from ..values.request import BlockList, Request, RequestShape, StateSlots
 from .attention import copy_rows, nothing_note, segments_note, source_notes, zero_rows, zeroed_note
-from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy, weigh_packed
+from .budget import DEFAULT_BUDGET, PlanBudget, admit
+from .choose import DEFAULT_COST_MODEL, CostModel, Strategy, check_strategy, weigh_packed
 from .packed import DEFAULT_STAGING_BYTES, packed_transfer_plan
 from .pieces import (
     Family,
@@ -929,7 +931,7 @@ class CompiledPair:
                         for side, eng in (("prefill", P), ("decode", D))}
         self._shared = {side: self._sharing(eng) for side, eng in (("prefill", P), ("decode", D))}
         # one request's group work, kept for the other of plan() and copy_blocks() (an executor asks both)
-        self._last: tuple[Request, tuple[str, CostModel, int], Any, str] | None = None
+        self._last: tuple[Request, tuple[str, CostModel, int, PlanBudget | None], Any, str, tuple[Note, ...]] | None = None
         self._id_arrays: dict[int, tuple[BlockList, np.ndarray]] = {}
 
     def stats(self) -> dict[str, CompiledGroup]:
@@ -1044,7 +1046,7 @@ class CompiledPair:
     # ---- planning --------------------------------------------------------------------------------------
     def plan(self, request: Request, *, strategy: Strategy = "direct", cost_model: CostModel = DEFAULT_COST_MODEL,
              staging_bytes: int = DEFAULT_STAGING_BYTES, decode_rank: int | None = None,
-             prefill_rank: int | None = None) -> TransferPlan:
+             prefill_rank: int | None = None, budget: PlanBudget | None = DEFAULT_BUDGET) -> TransferPlan:
         """Plan ``request``: the same plan as :func:`kvgeom.planning.plan_reference`.
 
         ``decode_rank=d`` plans only what D rank ``d`` posts and applies (equal to
@@ -1055,8 +1057,13 @@ class CompiledPair:
         Packed plans (``strategy="packed"``, or ``"auto"`` when packed is cheapest) come from the
         reference planner (:mod:`kvgeom.planning.packed`) with a ``REFERENCE_PATH`` note saying so;
         everything else in them equals the reference plan.
+
+        Every argument is checked (typed errors), and before any row is built the whole plan's size
+        is checked against ``budget`` (docs/design.md §14) as :func:`~kvgeom.planning.plan_pair`
+        does; ``budget=None`` skips that (a caller that checked it already).
         """
-        got, select = self._decide(request, strategy, cost_model, staging_bytes, decode_rank, prefill_rank, "plan")
+        got, select, over = self._decide(request, strategy, cost_model, staging_bytes, decode_rank, prefill_rank,
+                                         budget, "plan")
         if isinstance(got, TransferPlan):
             if select is None:
                 return got
@@ -1070,7 +1077,7 @@ class CompiledPair:
         rearranges = [r for g in groups for r in g.rearranges
                       if prefill_rank is None and (decode_rank is None or r.d_rank == decode_rank)]
         with planner_columns():
-            plan = self._plan(strategy, groups, Copies(*copies), Zeros(*zeros), rearranges, last)
+            plan = self._plan(strategy, groups, Copies(*copies), Zeros(*zeros), rearranges, last, over)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("planned M=%d S=%d%s (%s, compiled%s): %d copies (%d before coalescing), %d B; %d zero rows, "
                          "%d B; %d rearranges", request.computed_tokens, request.prefix_hit_tokens,
@@ -1082,23 +1089,30 @@ class CompiledPair:
 
     def copy_blocks(self, request: Request, *, strategy: Strategy = "direct",
                     cost_model: CostModel = DEFAULT_COST_MODEL, staging_bytes: int = DEFAULT_STAGING_BYTES,
-                    decode_rank: int | None = None, prefill_rank: int | None = None) -> tuple[CopyBlock, ...]:
+                    decode_rank: int | None = None, prefill_rank: int | None = None,
+                    budget: PlanBudget | None = DEFAULT_BUDGET) -> tuple[CopyBlock, ...]:
         """The copies :meth:`plan` would give (for one rank, with ``decode_rank`` or ``prefill_rank``)
         as outer-sum blocks in the plan's row order, never written out as columns: what
         :func:`kvgeom.lowering.tile_index_blocks` turns into prepared-table indices. A packed plan
         has no copies (its wire rows are its plan's)."""
-        got, select = self._decide(request, strategy, cost_model, staging_bytes, decode_rank, prefill_rank, "blocks")
+        got, select, _ = self._decide(request, strategy, cost_model, staging_bytes, decode_rank, prefill_rank, budget,
+                                      "blocks")
         if isinstance(got, TransferPlan):
             return ()
         return tuple(self._blocks(got[0], True, select))
 
     def _decide(self, request: Request, strategy: str, cost_model: CostModel, staging_bytes: int,
-                decode_rank: int | None, prefill_rank: int | None, consumer: str
-                ) -> tuple[TransferPlan | tuple[list[_Group], tuple[Note, ...]], tuple[int, int] | None]:
-        """Every group's work for ``request`` (and auto's closing note), or a whole packed plan."""
-        if strategy not in STRATEGIES:
-            raise KvGeomError("strategy", f"unknown strategy {strategy!r}", actual=strategy,
-                              expected=list(STRATEGIES), fix=f"use one of {', '.join(STRATEGIES)}")
+                decode_rank: int | None, prefill_rank: int | None, budget: PlanBudget | None, consumer: str
+                ) -> tuple[TransferPlan | tuple[list[_Group], tuple[Note, ...]], tuple[int, int] | None,
+                           tuple[Note, ...]]:
+        """Every group's work for ``request`` (and auto's closing note), or a whole packed plan; and
+        the budget's notes (auto leaving a candidate out) that follow the topology notes."""
+        strategy = check_strategy(strategy)
+        check_instance("cost_model", cost_model, CostModel, error=KvGeomError, fix="pass a kvgeom.CostModel(...)")
+        staging_bytes = check_int("staging_bytes", staging_bytes, minimum=0, error=KvGeomError)
+        check_instance("request", request, Request, error=RequestError, fix="pass a kvgeom.Request")
+        if budget is not None:
+            check_instance("budget", budget, PlanBudget, error=KvGeomError, fix="pass a kvgeom.PlanBudget(...) or None")
         pair = self.pair
         select = None
         if decode_rank is not None and prefill_rank is not None:
@@ -1110,20 +1124,23 @@ class CompiledPair:
         elif prefill_rank is not None:
             pair.prefill.coords(prefill_rank)
             select = (1, int(prefill_rank))
-        memo = (strategy, cost_model, staging_bytes)
+        memo = (strategy, cost_model, staging_bytes, budget)
         last = self._last
         if (last is not None and last[0] is request and last[1] == memo
                 and last[3] != consumer):  # an executor's blocks, then its plan (or the other way round)
             self._last = None
-            return last[2], select
-        first = (Note(NoteKind.STRATEGY, f"strategy {strategy}"),) + self.topology
+            return last[2], select, last[4]
+        self._id_arrays = {}
+        if not self._valid(request):
+            pair.check_request(request)
+        over: tuple[Note, ...] = ()
+        if budget is not None:  # checked before the request's rows (the check reads only its shape)
+            strategy, staging_bytes, over = admit(pair, RequestShape.of(request), strategy, staging_bytes, budget)
+        first = (Note(NoteKind.STRATEGY, f"strategy {'auto' if over else strategy}"),) + self.topology + over
         got: TransferPlan | tuple[list[_Group], tuple[Note, ...]]
         if strategy == "packed":
             got = self._reference_packed(request, staging_bytes, first)
         else:
-            self._id_arrays = {}
-            if not self._valid(request):
-                pair.check_request(request)
             groups: list[_Group] = []
             for gi, spec in enumerate(pair.model.groups):
                 if isinstance(spec, AttentionSpec):
@@ -1133,8 +1150,8 @@ class CompiledPair:
             got = (groups, ())
             if strategy == "auto":
                 got = self._auto(request, groups, cost_model, staging_bytes, first)
-        self._last = (request, memo, got, consumer)
-        return got, select
+        self._last = (request, memo, got, consumer, over)
+        return got, select, over
 
     def _reference_packed(self, request: Request, staging_bytes: int, notes: tuple[Note, ...]) -> TransferPlan:
         plan = packed_transfer_plan(self.pair, request, staging_bytes, notes)
@@ -1167,7 +1184,7 @@ class CompiledPair:
         return sum(len(b) for b in self._blocks_of(works, variants, True, None)), True
 
     def _plan(self, strategy: str, groups: Sequence[_Group], copies: Copies, zeros: Zeros,
-              rearranges: Sequence[Rearrange], last: tuple[Note, ...]) -> TransferPlan:
+              rearranges: Sequence[Rearrange], last: tuple[Note, ...], over: tuple[Note, ...] = ()) -> TransferPlan:
         pair = self.pair
         return TransferPlan(
             prefill_tp=pair.prefill.tp,
@@ -1175,7 +1192,7 @@ class CompiledPair:
             copies=copies,
             zeros=zeros,
             rearranges=rearranges,
-            notes=(Note(NoteKind.STRATEGY, f"strategy {strategy}"),) + self.topology
+            notes=(Note(NoteKind.STRATEGY, f"strategy {strategy}"),) + self.topology + over
             + tuple(n for g in groups for n in g.notes) + last,
             copies_before_coalescing=sum(g.raw_copies for g in groups),
             zeros_before_coalescing=sum(g.raw_zeros for g in groups),

@@ -11,15 +11,20 @@ from ..values.model import StateSpec
 from ..values.notes import Note, NoteKind
 from ..values.pair import EnginePair
 
-__all__ = ["topology_notes"]
+__all__ = ["topology_notes", "NOTE_STAGES"]
+
+NOTE_STAGES = 8  # stages listed in the note; beyond that, the first seven, a count, and the last
 
 
 def _side_topology(e: EngineGeometry) -> str:
     t = e.topology
     text = f"{e.topology.describe(e.tp)} ({e.num_ranks} ranks)"
     if t.pp > 1:
-        layers = ", ".join(str(e.stage_global_layers(s)) for s in range(t.pp))
-        text += f", global layers per stage {layers}"
+        shown = range(t.pp) if t.pp <= NOTE_STAGES else (*range(NOTE_STAGES - 1), t.pp - 1)
+        layers = [str(e.stage_global_layers(s)) for s in shown]
+        if t.pp > NOTE_STAGES:
+            layers.insert(NOTE_STAGES - 1, f"... ({t.pp - NOTE_STAGES} more)")
+        text += f", global layers per stage {', '.join(layers)}"
     if t.dcp > 1:
         text += f", token t on DCP rank (t // {t.interleave}) % {t.dcp} of its head group"
     if t.replicas > 1:

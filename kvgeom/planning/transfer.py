@@ -29,15 +29,23 @@ import threading
 
 import attrs
 
-from ..errors import IncompatibleGeometry, InternalError, KvGeomError, value_text
+from ..errors import IncompatibleGeometry, KvGeomError
 from ..values.engine import EngineGeometry
 from ..values.fields import check_instance, check_int
 from ..values.notes import Note, NoteKind
 from ..values.pair import EnginePair
 from ..values.plan import Copies, TransferPlan, Zeros
 from ..values.request import Request, RequestShape
-from .budget import DEFAULT_BUDGET, PlanBudget, PlanEstimate, estimate_compile, estimate_plan, quick_estimate
-from .choose import DEFAULT_COST_MODEL, STRATEGIES, CostModel, Strategy, choose_group, plan_group, weigh_packed
+from .budget import DEFAULT_BUDGET, PlanBudget, PlanEstimate, admit, estimate_compile, estimate_plan
+from .choose import (
+    DEFAULT_COST_MODEL,
+    CostModel,
+    Strategy,
+    check_strategy,
+    choose_group,
+    plan_group,
+    weigh_packed,
+)
 from .coalesce import coalesce, coalesce_zeros
 from .compiled import COMPILED_STRATEGIES, CompiledPair
 from .group import GroupPlan
@@ -87,7 +95,7 @@ class Pair(EnginePair):
                  staging_bytes: int = DEFAULT_STAGING_BYTES) -> PlanEstimate:
         """Upper bounds of what planning ``request`` builds (:func:`~kvgeom.planning.budget.estimate_plan`)."""
         self.check_request(request)
-        return estimate_plan(self, RequestShape.of(request), _strategy(strategy),
+        return estimate_plan(self, RequestShape.of(request), check_strategy(strategy),
                              staging_bytes=_staging(staging_bytes))
 
     def compile(self, *, budget: PlanBudget | None = DEFAULT_BUDGET) -> CompiledPair:
@@ -136,13 +144,6 @@ def plan_transfer(
                      staging_bytes=staging_bytes, budget=budget)
 
 
-def _strategy(strategy: object) -> str:
-    if not isinstance(strategy, str) or strategy not in STRATEGIES:
-        raise KvGeomError("strategy", f"unknown strategy {value_text(strategy, 60)}", actual=value_text(strategy, 60),
-                          expected=list(STRATEGIES), fix=f"use one of {', '.join(STRATEGIES)}")
-    return strategy
-
-
 def _staging(staging_bytes: object) -> int:
     return check_int("staging_bytes", staging_bytes, minimum=0, error=KvGeomError)
 
@@ -163,13 +164,13 @@ def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direc
     chosen: str = strategy
     over: tuple[Note, ...] = ()
     if budget is not None:
-        chosen, staging_bytes, over = _within_budget(pair, RequestShape.of(request), strategy, staging_bytes, budget)
+        chosen, staging_bytes, over = admit(pair, RequestShape.of(request), strategy, staging_bytes, budget)
     if isinstance(pair, Pair) and chosen in COMPILED_STRATEGIES and not over:
         cache = pair._compiled
         cache.requests += 1
         if (cache.compiled is not None or cache.requests >= 2) and _compile_fits(pair, budget):
             return cache.get(pair).plan(request, strategy=chosen, cost_model=cost_model,  # type: ignore[arg-type]
-                                        staging_bytes=staging_bytes)
+                                        staging_bytes=staging_bytes, budget=None)  # admitted above
     return _reference(pair, request, chosen, cost_model, staging_bytes, over)
 
 
@@ -184,14 +185,14 @@ def plan_reference(pair: EnginePair, request: Request, *, strategy: Strategy = "
     chosen: str = strategy
     over: tuple[Note, ...] = ()
     if budget is not None:
-        chosen, staging_bytes, over = _within_budget(pair, RequestShape.of(request), strategy, staging_bytes, budget)
+        chosen, staging_bytes, over = admit(pair, RequestShape.of(request), strategy, staging_bytes, budget)
     return _reference(pair, request, chosen, cost_model, staging_bytes, over)
 
 
 def _arguments(pair: EnginePair, request: Request, strategy: object, cost_model: object, staging_bytes: object,
                budget: object) -> tuple[Strategy, int]:
     """Every argument checked (typed errors naming it) and the request checked against the pair."""
-    checked = _strategy(strategy)
+    checked = check_strategy(strategy)
     staging = _staging(staging_bytes)
     check_instance("cost_model", cost_model, CostModel, error=KvGeomError, fix="pass a kvgeom.CostModel(...)")
     if budget is not None:
@@ -231,30 +232,8 @@ def check_budget(pair: EnginePair, shape: RequestShape, strategy: str = "direct"
     """Raise :class:`~kvgeom.errors.PlanBudgetExceeded` when planning a request of ``shape`` would
     exceed ``budget`` (what :func:`plan_pair` checks first, ``auto``'s fallbacks included), without
     building the request."""
-    _within_budget(pair, shape, _strategy(strategy), _staging(staging_bytes), budget)
-
-
-def _within_budget(pair: EnginePair, shape: RequestShape, strategy: str, staging_bytes: int,
-                   budget: PlanBudget) -> tuple[str, int, tuple[Note, ...]]:
-    """Check the plan's estimate against ``budget`` (:class:`~kvgeom.errors.PlanBudgetExceeded` when
-    over it). ``auto`` weighs only the candidates within the budget: without packed when packed alone
-    is too large, only packed when direct and staged are (an ``AUTO_OVER_BUDGET`` note says which)."""
-    if budget.admits(quick_estimate(pair, shape, strategy, budget=budget, staging_bytes=staging_bytes)):
-        return strategy, staging_bytes, ()  # a looser bound admits it already (a small request)
-    estimate = estimate_plan(pair, shape, strategy, budget=budget, staging_bytes=staging_bytes)
-    if strategy != "auto" or not staging_bytes or budget.admits(estimate):
-        budget.check(estimate)
-        return strategy, staging_bytes, ()
-    without = estimate_plan(pair, shape, "auto", budget=budget, staging_bytes=0)
-    if budget.admits(without):
-        return "auto", 0, (Note(NoteKind.AUTO_OVER_BUDGET, f"auto: packed left out, its plan with {staging_bytes} B "
-                                f"per rank would exceed the budget (auto with it: {estimate})"),)
-    packed = estimate_plan(pair, shape, "packed", budget=budget, staging_bytes=staging_bytes)
-    if budget.admits(packed):
-        return "packed", staging_bytes, (Note(NoteKind.AUTO_OVER_BUDGET, f"auto: direct and staged left out, their "
-                                              f"plans would exceed the budget ({without}); packed"),)
-    budget.check(estimate)
-    raise InternalError("an estimate over the budget was admitted")
+    check_instance("budget", budget, PlanBudget, error=KvGeomError, fix="pass a kvgeom.PlanBudget(...)")
+    admit(pair, shape, check_strategy(strategy), _staging(staging_bytes), budget)
 
 
 def _auto_plan(pair: EnginePair, request: Request, cost_model: CostModel, staging_bytes: int,

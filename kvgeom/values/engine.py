@@ -192,7 +192,7 @@ class EngineGeometry:
         """The layers of ``group`` that stage ``stage`` holds (a contiguous slice, maybe empty)."""
         self._index("group", group, len(self.groups))
         self._index("stage", stage, self.topology.pp)
-        stages = np.asarray(self._layer_stages[group], np.int64)
+        stages = self._layer_stage_arrays[group]
         lo = int(np.searchsorted(stages, stage, side="left"))
         hi = int(np.searchsorted(stages, stage, side="right"))
         return Slice(lo, hi)
@@ -200,7 +200,17 @@ class EngineGeometry:
     def stage_global_layers(self, stage: int) -> Slice:
         """The global layers of stage ``stage``."""
         self._index("stage", stage, self.topology.pp)
-        return stage_slices(self.stage_counts)[stage]
+        return self._stage_slices[stage]
+
+    @functools.cached_property
+    def _stage_slices(self) -> tuple[Slice, ...]:
+        """Every stage's global layers, built once (a loop over the stages asks for each)."""
+        return stage_slices(self.stage_counts)
+
+    @functools.cached_property
+    def _layer_stage_arrays(self) -> tuple[np.ndarray, ...]:
+        """Per group the stage of each layer as a sorted int64 array, built once."""
+        return tuple(np.asarray(st, np.int64) for st in self._layer_stages)
 
     @functools.cached_property
     def _region_stages(self) -> tuple[int | None, ...]:

@@ -199,8 +199,42 @@ class ListingShape:
     """One side's listing of one group by size only: from ``first_token``, ``count`` blocks (attention)
     or slots (state). What the planner's work estimate needs (docs/design.md §14), without the ids."""
 
-    first_token: int
-    count: int
+    first_token: int = attrs.field(converter=as_int)
+    count: int = attrs.field(converter=as_int)
+
+    def __attrs_post_init__(self) -> None:
+        check_int("ListingShape.first_token", self.first_token, minimum=0, error=RequestError)
+        check_int("ListingShape.count", self.count, minimum=0, error=RequestError)
+
+
+def _shape_groups(value: Any) -> tuple[tuple[ListingShape, ListingShape], ...]:
+    """attrs converter: per group a (prefill, decode) pair of :class:`ListingShape`, checked here
+    (a shape may come from a caller, not only from :meth:`RequestShape.of`)."""
+    if not isinstance(value, (tuple, list)):
+        raise RequestError("RequestShape.groups", f"expected a tuple of (prefill, decode) ListingShape pairs, got "
+                           f"{type(value).__name__}", actual=value_text(value, 60), expected="tuple",
+                           fix="use RequestShape.of(request) or kvgeom.building.fresh_shape")
+    if len(value) > MAX_GROUPS:
+        raise RequestError("RequestShape.groups", f"{len(value)} groups, at most {MAX_GROUPS}", actual=len(value),
+                           expected=f"<= {MAX_GROUPS}", fix="list one pair per group of the model")
+    out = []
+    for i, g in enumerate(value):
+        if (not isinstance(g, (tuple, list)) or len(g) != 2
+                or not all(isinstance(x, ListingShape) for x in g)):
+            raise RequestError(f"RequestShape.groups[{i}]", "expected a (prefill, decode) pair of ListingShape",
+                               actual=value_text(g, 60), expected="(ListingShape, ListingShape)",
+                               fix="use RequestShape.of(request) or kvgeom.building.fresh_shape")
+        out.append((g[0], g[1]))
+    return tuple(out)
+
+
+def _state_pairs(value: Any) -> tuple[int | None, ...]:
+    """attrs converter: per group the paired state slots (an int >= 0) or None."""
+    if not isinstance(value, (tuple, list)) or len(value) > MAX_GROUPS:
+        raise RequestError("RequestShape.state_pairs", "expected a tuple of ints or None, one per group",
+                           actual=value_text(value, 60), expected="tuple", fix="leave it out, or use RequestShape.of")
+    return tuple(None if v is None else check_int(f"RequestShape.state_pairs[{i}]", v, minimum=0, error=RequestError)
+                 for i, v in enumerate(value))
 
 
 @attrs.frozen
@@ -214,10 +248,14 @@ class RequestShape:
     the estimate then assumes every D slot pairs).
     """
 
-    computed_tokens: int
-    prefix_hit_tokens: int
-    groups: tuple[tuple[ListingShape, ListingShape], ...]
-    state_pairs: tuple[int | None, ...] = ()
+    computed_tokens: int = attrs.field(converter=as_int)
+    prefix_hit_tokens: int = attrs.field(converter=as_int)
+    groups: tuple[tuple[ListingShape, ListingShape], ...] = attrs.field(converter=_shape_groups)
+    state_pairs: tuple[int | None, ...] = attrs.field(default=(), converter=_state_pairs)
+
+    def __attrs_post_init__(self) -> None:
+        check_int("RequestShape.computed_tokens", self.computed_tokens, minimum=0, error=RequestError)
+        check_int("RequestShape.prefix_hit_tokens", self.prefix_hit_tokens, minimum=0, error=RequestError)
 
     @classmethod
     def of(cls, request: Request) -> RequestShape:
