@@ -23,6 +23,12 @@ never imports torch)::
                    (views of one allocation whose bytes overlap form one region)
       --> Region(num_pages, page_bytes), PageLayout(kv, head, token strides), views (region, offset)
 
+Every fact is hostile input (docs/design.md §14): :class:`TensorFacts` and :class:`LayerTensors`
+check their fields when built (dimensions and byte strides within ``MAX_INT``, an address in
+``[0, 2**64)``), the element's bytes are a :func:`~kvgeom.arith.checked_product` (an int64 product
+of the element axes wrapped a 2**64 + 128 B element to 128 B), and a wrong argument is a
+``GeometryError`` naming it.
+
 Worked number: FlashAttention HND, 8 heads of 128 bf16 (256 B), 16-token pages, 64 blocks:
 shape (2, 64, 16, 8, 128) with element strides (131072, 2048, 128, 2048, 1): the kv axis
 (262144 B) lies beyond the 64 pages of 4096 B, so K and V are two regions of 64 x 32768 B with
@@ -38,10 +44,11 @@ from typing import Any
 import attrs
 import numpy as np
 
+from ..arith.ints import MAX_INT, checked_product
 from ..arith.shard import local_count
-from ..errors import GeometryError
-from .engine_checks import MAX_PAGE_VECTORS
-from .fields import check_int, is_int
+from ..errors import GeometryError, value_text
+from .engine_checks import MAX_PAGE_VECTORS, MAX_REGIONS
+from .fields import as_int, as_tuple, check_instance, check_int, check_str, is_int, pos_int
 from .layout import (
     AttentionGroupGeometry,
     AttentionView,
@@ -64,21 +71,73 @@ AXIS_NAMES = ("page", "token", "head", "kv", "layer", "channel", "row")
 _ALIASES = {"block": "page"}
 _TOKEN = re.compile(r"\(|\)|[A-Za-z_][A-Za-z0-9_]*|\S")
 
+ADDRESS_LIMIT = 1 << 64
+"""Addresses (``data_ptr()``, a registered buffer's start) are 64-bit: ``0 <= address < 2**64``."""
+MAX_DIMS = 64  # dimensions of one tensor (numpy allows 64)
+MAX_SIZES = 64  # entries of from_tensors' sizes=
+
+
+def check_address(path: str, value: Any) -> int:
+    """``value`` as a Python int if it is an address in ``[0, 2**64)``; else a ``GeometryError``."""
+    if not is_int(value) or not 0 <= value < ADDRESS_LIMIT:
+        raise GeometryError(path, f"an address is an integer in [0, 2**64), got {type(value).__name__} "
+                            f"{value_text(value, 60)}", actual=value_text(value, 60), expected="0 <= address < 2**64",
+                            fix="pass data_ptr() (torch) or __array_interface__['data'][0] (numpy)")
+    return int(value)
+
+
+def _ints(path: str, value: Any, minimum: int) -> tuple[int, ...]:
+    """A shape or strides: at most ``MAX_DIMS`` ints, each in ``[minimum, MAX_INT]``."""
+    items = as_tuple(value, path, max_len=MAX_DIMS)
+    return tuple(check_int(f"{path}[{i}]", v, minimum=minimum) for i, v in enumerate(items))
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return _ints("TensorFacts.shape", value, 0)
+
+
+def _strides(value: Any) -> tuple[int, ...]:  # negative: a flipped view, refused by name when read
+    return _ints("TensorFacts.strides", value, -MAX_INT)
+
+
+def _allocation(value: Any) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    items = as_tuple(value, "TensorFacts.allocation", max_len=2)
+    if len(items) != 2:
+        raise GeometryError("TensorFacts.allocation", f"{len(items)} entries", actual=value_text(value, 60),
+                            expected="(start address, nbytes) or None", fix="pass (start address, nbytes)")
+    return (check_address("TensorFacts.allocation[0]", items[0]),
+            check_int("TensorFacts.allocation[1]", items[1], minimum=0))
+
+
+def _address(instance: Any, attribute: Any, value: Any) -> None:
+    check_address(f"{type(instance).__name__}.{attribute.name}", value)
+
 
 @attrs.frozen(eq=False)
 class TensorFacts:
     """What kvgeom reads from a tensor: shape, byte strides, item size, the address of element 0
-    and the allocation it views (``(start address, nbytes)``, or ``None`` when unknown)."""
+    and the allocation it views (``(start address, nbytes)``, or ``None`` when unknown).
 
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    itemsize: int
-    address: int
-    allocation: tuple[int, int] | None = None
+    Dimensions are in ``[0, MAX_INT]``, strides in ``[-MAX_INT, MAX_INT]`` bytes, at most 64 of
+    each and as many strides as dimensions; addresses in ``[0, 2**64)``.
+    """
+
+    shape: tuple[int, ...] = attrs.field(converter=_shape)
+    strides: tuple[int, ...] = attrs.field(converter=_strides)
+    itemsize: int = attrs.field(converter=as_int, validator=pos_int)
+    address: int = attrs.field(converter=as_int, validator=_address)
+    allocation: tuple[int, int] | None = attrs.field(default=None, converter=_allocation)
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.strides) != len(self.shape):
+            raise GeometryError("TensorFacts.strides", f"{len(self.strides)} strides for {len(self.shape)} dimensions",
+                                actual=len(self.strides), expected=len(self.shape), fix="one byte stride per dimension")
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
+        return checked_product("TensorFacts.nbytes", *self.shape, self.itemsize, what="tensor's bytes")
 
     @property
     def contiguous(self) -> bool:
@@ -113,21 +172,22 @@ def tensor_facts(t: Any, path: str = "tensor") -> TensorFacts:
         raise GeometryError(path, f"expected a tensor or array, got {type(t).__name__}", actual=type(t).__name__,
                             expected="a torch tensor, numpy array or TensorFacts",
                             fix="pass the cache tensor itself")
-    shape_t = tuple(int(n) for n in shape)
+    shape_t = _ints(f"{path}.shape", shape, 0)
     stride = getattr(t, "stride", None)
     if callable(stride) and hasattr(t, "element_size") and hasattr(t, "data_ptr"):  # torch
-        itemsize = int(t.element_size())
-        strides = tuple(int(s) * itemsize for s in stride())
-        address = int(t.data_ptr())
+        itemsize = check_int(f"{path}.element_size()", t.element_size(), minimum=1)
+        strides = tuple(s * itemsize for s in _ints(f"{path}.stride()", stride(), -MAX_INT))
+        address = check_address(f"{path}.data_ptr()", t.data_ptr())
         allocation: tuple[int, int] | None = None
         storage = getattr(t, "untyped_storage", None)
         if callable(storage):
             st = storage()
-            allocation = (int(st.data_ptr()), int(st.nbytes()))
+            allocation = (check_address(f"{path}.untyped_storage().data_ptr()", st.data_ptr()),
+                          check_int(f"{path}.untyped_storage().nbytes()", st.nbytes()))
     elif hasattr(t, "strides") and hasattr(t, "__array_interface__"):  # numpy
-        itemsize = int(t.itemsize)
-        strides = tuple(int(s) for s in t.strides)
-        address = int(t.__array_interface__["data"][0])
+        itemsize = check_int(f"{path}.itemsize", t.itemsize, minimum=1)
+        strides = _ints(f"{path}.strides", t.strides, -MAX_INT)
+        address = check_address(f"{path}.data", t.__array_interface__["data"][0])
         allocation = _numpy_root(t)
     else:
         raise GeometryError(path, f"cannot read strides and address of a {type(t).__name__}",
@@ -150,10 +210,11 @@ class LayerTensors:
     ``name`` (e.g. vLLM's layer name) only labels errors.
     """
 
-    group: str
-    axes: Any
+    group: str = attrs.field(validator=lambda _i, _a, v: check_str("LayerTensors.group", v))
+    axes: Any = attrs.field(validator=lambda _i, _a, v: check_instance(
+        "LayerTensors.axes", v, (str, Mapping), fix='e.g. "page kv token head dim"'))
     tensors: Any
-    name: str = ""
+    name: str = attrs.field(default="", validator=lambda _i, _a, v: check_str("LayerTensors.name", v))
 
 
 def parse_axes(text: str, path: str = "axes") -> list[list[str]]:
@@ -171,18 +232,18 @@ def parse_axes(text: str, path: str = "axes") -> list[list[str]]:
     for tok in _TOKEN.findall(text):
         if tok == "(":
             if group is not None:
-                raise GeometryError(path, f"nested parentheses in {text!r}", actual=text, fix="one level only")
+                raise GeometryError(path, f"nested parentheses in {value_text(text, 80)}", actual=text, fix="one level only")
             group = []
         elif tok == ")":
             if not group:
-                raise GeometryError(path, f"unbalanced or empty parentheses in {text!r}", actual=text,
+                raise GeometryError(path, f"unbalanced or empty parentheses in {value_text(text, 80)}", actual=text,
                                     fix='write composite axes as "(page token)"')
             dims.append(group)
             group = None
         elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", tok):
             name = _ALIASES.get(tok, tok)
             if name in seen:
-                raise GeometryError(path, f"axis {name!r} appears twice in {text!r}", actual=text,
+                raise GeometryError(path, f"axis {name!r} appears twice in {value_text(text, 80)}", actual=text,
                                     fix="name every axis once")
             seen.add(name)
             if group is None:
@@ -190,10 +251,10 @@ def parse_axes(text: str, path: str = "axes") -> list[list[str]]:
             else:
                 group.append(name)
         else:
-            raise GeometryError(path, f"unexpected {tok!r} in {text!r}", actual=text,
+            raise GeometryError(path, f"unexpected {tok!r} in {value_text(text, 80)}", actual=text,
                                 expected="names and parentheses", fix='e.g. "page kv token head dim"')
     if group is not None:
-        raise GeometryError(path, f"unclosed parenthesis in {text!r}", actual=text, fix="close it")
+        raise GeometryError(path, f"unclosed parenthesis in {value_text(text, 80)}", actual=text, fix="close it")
     if not dims:
         raise GeometryError(path, "an empty axis description", actual=text, fix='e.g. "page kv token head dim"')
     return dims
@@ -216,7 +277,7 @@ def _read_axes(facts: TensorFacts, text: str, sizes: Mapping[str, int], path: st
                allowed: tuple[str, ...]) -> _Axes:
     dims = parse_axes(text, f"{path}.axes")
     if len(dims) != len(facts.shape):
-        raise GeometryError(f"{path}.axes", f"{text!r} names {len(dims)} dimensions, the tensor has "
+        raise GeometryError(f"{path}.axes", f"{value_text(text, 80)} names {len(dims)} dimensions, the tensor has "
                             f"{len(facts.shape)} (shape {facts.shape})", actual=facts.shape,
                             expected=f"{len(dims)} dimensions", fix="describe every dimension, outermost first")
     named: dict[str, tuple[int, int]] = {}
@@ -262,7 +323,9 @@ def _read_axes(facts: TensorFacts, text: str, sizes: Mapping[str, int], path: st
                                 "contiguous", actual=stride, expected=expect,
                                 fix="describe only the innermost contiguous axes as element axes")
         expect = stride * size if size > 1 else expect
-    elem_bytes = int(np.prod([e[1] for e in element], dtype=np.int64)) * facts.itemsize
+    elem_bytes = checked_product(f"{path}.{element[0][0] if element else 'element'}", *(e[1] for e in element),
+                                 facts.itemsize, what="element's bytes (element axes x item size)",
+                                 fix="describe only the head vector's (state unit's) axes as element axes")
     return _Axes(named, element, elem_bytes)
 
 
@@ -330,12 +393,19 @@ def tensor_fields(
     state page over the attention page where they share a region, else 1). ``state_layout``
     breaks the tie when both layouts place a group's sections identically.
     """
+    name = check_str("name", name)
+    check_instance(f"{name}.model", model, ModelSpec)
     tp = check_int(f"{name}.tp", tp, minimum=1)
-    sizes = dict(sizes or {})
+    sizes = _sizes(sizes, f"{name}.sizes")
     if kernel_block_tokens is not None:
-        sizes.setdefault("token", check_int(f"{name}.kernel_block_tokens", kernel_block_tokens, minimum=1))
+        kernel_block_tokens = check_int(f"{name}.kernel_block_tokens", kernel_block_tokens, minimum=1)
+        sizes.setdefault("token", kernel_block_tokens)
+    if regions is not None:
+        regions = as_tuple(regions, f"{name}.regions", max_len=MAX_REGIONS)
+    # a group given with a layer axis has one entry, so no model has more entries than layers
+    given = as_tuple(layers, f"{name}.layers", max_len=sum(g.num_layers for g in model.groups))
     by_group: dict[str, list[LayerTensors]] = {g.name: [] for g in model.groups}
-    for i, entry in enumerate(layers):
+    for i, entry in enumerate(given):
         if not isinstance(entry, LayerTensors):
             raise GeometryError(f"{name}.layers[{i}]", f"expected LayerTensors, got {type(entry).__name__}",
                                 actual=type(entry).__name__, fix="wrap each layer as LayerTensors(group, axes, tensors)")
@@ -368,6 +438,21 @@ def tensor_fields(
 
 
 # ---- attention -------------------------------------------------------------------------------------
+
+def _sizes(value: Any, path: str) -> dict[str, int]:
+    """``sizes=``: axis name -> size, at most ``MAX_SIZES`` entries, each size an int >= 1."""
+    if value is None:
+        return {}
+    check_instance(path, value, Mapping, fix='pass a dict such as {"token": 16}')
+    if len(value) > MAX_SIZES:
+        raise GeometryError(path, f"{len(value)} entries exceed the {MAX_SIZES} kvgeom accepts", actual=len(value),
+                            expected=f"<= {MAX_SIZES} entries", fix="give the sizes of composite axes only")
+    out: dict[str, int] = {}
+    for key, size in value.items():
+        check_str(f"{path} key", key)
+        out[key] = check_int(f"{path}[{value_text(key, 40)}]", size, minimum=1)
+    return out
+
 
 def _attention_group(gi: int, spec: AttentionSpec, entries: list[LayerTensors], tp: int, sizes: Mapping[str, int],
                      cands: list[_Candidate], name: str) -> list[_AttnLayer]:
@@ -544,21 +629,29 @@ def _state_group(gi: int, spec: StateSpec, entries: list[LayerTensors], tp: int,
             raise GeometryError(f"{path}.tensors", "a state layer's tensors map section names to tensors",
                                 actual=type(entry.tensors).__name__, expected='{"x B C": conv, "ssm": ssm}',
                                 fix="key each tensor by the sections it holds, in channel order")
+        if len(entry.tensors) > len(spec.sections):
+            raise GeometryError(f"{path}.tensors", f"{len(entry.tensors)} tensors for {len(spec.sections)} sections",
+                                actual=len(entry.tensors), expected=f"<= {len(spec.sections)}",
+                                fix="key each tensor by the sections it holds")
         covered: list[str] = []
         sections: dict[str, tuple[tuple[Any, ...], int, int, int, int]] = {}
         for key, tensor in entry.tensors.items():
-            names = str(key).split()
+            names = check_str(f"{path}.tensors key", key).split()
             for s in names:
                 if s not in by_name:
                     raise GeometryError(f"{path}.tensors[{key!r}]", f"no section {s!r} in group {spec.name!r}",
                                         actual=s, expected=list(by_name), fix="use the model's section names")
             covered += names
+            if isinstance(entry.axes, Mapping) and key not in entry.axes:
+                raise GeometryError(f"{path}.axes", f"no axis description for {value_text(key, 60)}",
+                                    actual=value_text(list(entry.axes), 120), expected=f"a key {value_text(key, 60)}",
+                                    fix="give axes the same keys as tensors, or one string")
             text = entry.axes[key] if isinstance(entry.axes, Mapping) else entry.axes
             tpath = f"{path}[{key}]"
             facts = tensor_facts(tensor, f"{tpath}.tensor")
             ax = _read_axes(facts, text, sizes, tpath, ("page", "channel", "row"))
             if "page" not in ax.named:
-                raise GeometryError(f"{tpath}.page", f"no page axis in {text!r}", actual=text,
+                raise GeometryError(f"{tpath}.page", f"no page axis in {value_text(text, 80)}", actual=text,
                                     fix="name the slot (logical block) axis page")
             ch_total = sum(local[s] for s in names)
             n_ch, ch_stride = ax.named.get("channel", (1, 0))
@@ -661,7 +754,7 @@ def _state_geometry(spec: StateSpec, layers: list[_StateLayer], placed: dict[tup
 
 def _buffer(value: Any, path: str) -> tuple[int, int]:
     if isinstance(value, tuple) and len(value) == 2 and all(is_int(v) for v in value):
-        return int(value[0]), check_int(f"{path}.nbytes", value[1], minimum=1)
+        return check_address(f"{path}.address", value[0]), check_int(f"{path}.nbytes", value[1], minimum=1)
     f = tensor_facts(value, path)
     if not f.contiguous:
         raise GeometryError(path, "a registered region must be one contiguous buffer", actual=f.strides,
