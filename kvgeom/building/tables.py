@@ -30,12 +30,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..arith.ints import ceil_div
-from ..errors import RequestError
-from ..values.fields import check_int
+import numpy as np
+
+from ..arith.ints import MAX_INT, ceil_div
+from ..errors import IncompatibleGeometry, RequestError, value_text
+from ..values.fields import check_instance, check_int, check_str
 from ..values.model import AttentionSpec
 from ..values.pair import EnginePair
-from ..values.request import BlockList, GroupRequest, Request, SideBlocks, StateSlots
+from ..values.request import MAX_LISTED, BlockList, GroupRequest, Request, SideBlocks, StateSlots
 
 __all__ = ["request_from_block_tables", "state_slot_tokens"]
 
@@ -60,20 +62,73 @@ def state_slot_tokens(count: int, block_tokens: int, computed_tokens: int) -> tu
     return tuple(min((j + 1) * block_tokens, computed_tokens) for j in blocks)
 
 
-def _ids(path: str, value: Any) -> list[int]:
-    if hasattr(value, "tolist"):
-        value = value.tolist()
+def _too_many(path: str, n: int, limit: int, pool: str) -> RequestError:
+    return RequestError(path, f"{value_text(n)} ids exceed {pool}", actual=n, expected=f"<= {limit} ids",
+                        fix="list each block of the request once (are these the request's block ids?)")
+
+
+def _ids(path: str, value: Any, limit: int, pool: str) -> list[int]:
+    """``value``'s ids as Python ints: its length is checked against ``limit`` before any id is read,
+    a numpy integer array is checked in one vectorised pass."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1:
+            raise RequestError(path, f"expected a list of block ids, got an array of shape {value.shape}",
+                               actual=value.shape, expected="a one-dimensional sequence of ints",
+                               fix="pass one list of block ids per group")
+        if value.size > limit:
+            raise _too_many(path, int(value.size), limit, pool)
+        if value.dtype.kind in "iu":
+            bad = np.flatnonzero((value < 0) | (value > MAX_INT))
+            if bad.size:
+                i = int(bad[0])
+                check_int(f"{path}[{i}]", value[i], minimum=0, error=RequestError)  # raises, naming the id
+            return [int(v) for v in value.tolist()]
+        value = value.tolist()  # floats, bools, objects: each id checked below (at most ``limit``)
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise RequestError(path, f"expected a list of block ids, got {type(value).__name__}", actual=value,
-                           expected="a sequence of ints", fix="pass one list of block ids per group")
-    return [check_int(f"{path}[{i}]", v, minimum=0, error=RequestError) for i, v in enumerate(value)]
+        raise RequestError(path, f"expected a list of block ids, got {type(value).__name__}",
+                           actual=value_text(value, 60), expected="a sequence of ints",
+                           fix="pass one list of block ids per group")
+    if len(value) > limit:
+        raise _too_many(path, len(value), limit, pool)
+    if isinstance(value, (list, tuple)) and all(type(v) is int for v in value) and (
+            not value or (min(value) >= 0 and max(value) <= MAX_INT)):
+        return list(value)  # plain ints in range: one pass each for type, min and max
+    out: list[int] = []
+    for i, v in enumerate(value):
+        if i >= limit:  # a sequence whose len() understated its items
+            raise _too_many(path, i + 1, limit, pool)
+        out.append(check_int(f"{path}[{i}]", v, minimum=0, error=RequestError))
+    return out
 
 
 def _pair_of(path: str, value: Any) -> tuple[Any, Any]:
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu":
+        value = value.tolist()
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 2:
-        raise RequestError(path, "expected a (prefill, decode) pair", actual=value, expected="(prefill, decode)",
-                           fix="give one value per side, prefill first")
+        raise RequestError(path, "expected a (prefill, decode) pair", actual=value_text(value, 60),
+                           expected="(prefill, decode)", fix="give one value per side, prefill first")
     return value[0], value[1]
+
+
+def _overrides(label: str, mapping: Any, names: list[str]) -> Mapping[str, Any]:
+    """``first_tokens`` / ``state_tokens``: a mapping from group names, checked before any value is read."""
+    if mapping is None:
+        return {}
+    if not isinstance(mapping, Mapping):
+        raise RequestError(label, f"expected a mapping of group name to (prefill, decode), got "
+                           f"{type(mapping).__name__} {value_text(mapping, 60)}", actual=value_text(mapping, 60),
+                           expected="{group name: (prefill, decode)}", fix=f"pass e.g. {{{names[0]!r}: (0, 0)}}"
+                           if names else "pass a dict keyed by group name")
+    if len(mapping) > len(names):
+        raise RequestError(label, f"{value_text(len(mapping))} overrides for a model of {len(names)} groups",
+                           actual=len(mapping), expected=f"<= {len(names)}", fix="key the overrides by group name")
+    for key in mapping:
+        check_str(f"{label} key", key, error=RequestError)
+    unknown = sorted(set(mapping) - set(names))
+    if unknown:
+        raise RequestError(label, f"no group named {unknown[0]!r}", actual=unknown, expected=names,
+                           fix="key the overrides by the model's group names")
+    return mapping
 
 
 def request_from_block_tables(
@@ -102,25 +157,40 @@ def request_from_block_tables(
     not cover its side's needed tokens (too short, too long, misplaced), naming the group, the
     side, the tokens listed and the tokens needed. ``partial=True`` accepts such lists on purpose.
     """
+    check_instance("pair", pair, EnginePair, error=IncompatibleGeometry, fix="build the pair with kvgeom.Pair(P, D)")
     M = check_int("computed_tokens", computed_tokens, minimum=0, error=RequestError)
     S = check_int("prefix_hit_tokens", prefix_hit_tokens, minimum=0, error=RequestError)
     N = M if decode_tokens is None else check_int("decode_tokens", decode_tokens, minimum=M, error=RequestError)
     if null_block is not None:
-        check_int("null_block", null_block, minimum=0, error=RequestError)
+        null_block = check_int("null_block", null_block, minimum=0, error=RequestError)
     groups = pair.model.groups
     names = [g.name for g in groups]
-    for label, mapping in (("first_tokens", first_tokens), ("state_tokens", state_tokens)):
-        unknown = sorted(set(mapping or {}) - set(names))
-        if unknown:
-            raise RequestError(label, f"no group named {unknown[0]!r}", actual=unknown, expected=names,
-                               fix="key the overrides by the model's group names")
+    firsts = _overrides("first_tokens", first_tokens, names)
+    states = _overrides("state_tokens", state_tokens, names)
     tables = {}
     for side, value in (("prefill", prefill_blocks), ("decode", decode_blocks)):
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != len(groups):
             got = len(value) if isinstance(value, Sequence) else type(value).__name__
             raise RequestError(f"{side}_blocks", f"{got} block lists for a model with {len(groups)} groups",
                                actual=got, expected=len(groups), fix="pass one list per group, in the model's order")
-        tables[side] = [_ids(f"{side}_blocks[{gi}]({names[gi]})", ids) for gi, ids in enumerate(value)]
+        eng = pair.side(side)
+        lists = []
+        for gi, ids in enumerate(value):
+            # ids are distinct and inside the group's pool, so no list is longer than the pool (plus the
+            # null blocks before a window, at most the side's blocks up to its last token)
+            regions = eng.group_regions(gi)
+            pool = min((eng.num_logical_blocks(r) for r in regions), default=MAX_LISTED)
+            limit, what = min(pool, MAX_LISTED), f"the {pool} logical blocks of {side}'s pool for this group"
+            spec = groups[gi]
+            if (null_block is not None and isinstance(spec, AttentionSpec) and spec.window_tokens is not None
+                    and spec.name not in firsts):
+                nulls = ceil_div(M if side == "prefill" else N, eng.logical_block_tokens)
+                limit = min(pool + nulls, MAX_LISTED)
+                what = f"the {pool} logical blocks of {side}'s pool plus {value_text(nulls)} null blocks"
+            if limit == MAX_LISTED:
+                what = f"the {MAX_LISTED} one listing may hold"
+            lists.append(_ids(f"{side}_blocks[{gi}]({names[gi]})", ids, limit, what))
+        tables[side] = lists
 
     out: list[GroupRequest] = []
     for gi, spec in enumerate(groups):
@@ -130,10 +200,11 @@ def request_from_block_tables(
             B = pair.side(side).logical_block_tokens
             path = f"{side}_blocks[{gi}]({spec.name})"
             if not isinstance(spec, AttentionSpec):
-                given = (state_tokens or {}).get(spec.name)
+                given = states.get(spec.name)
                 if given is not None:
-                    tokens = tuple(_ids(f"state_tokens[{spec.name!r}]", _pair_of(f"state_tokens[{spec.name!r}]",
-                                                                                 given)[si]))
+                    where = f"state_tokens[{spec.name!r}]"
+                    tokens = tuple(_ids(f"{where}[{si}]", _pair_of(where, given)[si], len(ids),
+                                        f"the {len(ids)} slots {side} lists"))
                 else:
                     try:
                         tokens = state_slot_tokens(len(ids), B, M)
@@ -141,7 +212,7 @@ def request_from_block_tables(
                         raise RequestError(path, e.message, actual=e.actual, expected=e.expected, fix=e.fix) from None
                 listings[side] = StateSlots(tuple(ids), tokens)
                 continue
-            given_first = (first_tokens or {}).get(spec.name)
+            given_first = firsts.get(spec.name)
             if given_first is not None:
                 first = check_int(f"first_tokens[{spec.name!r}]", _pair_of(f"first_tokens[{spec.name!r}]",
                                                                            given_first)[si], minimum=0,

@@ -16,6 +16,8 @@ from .check import (
     check_connector,
 )
 from .rows import (
+    MAX_CONNECTOR_ROWS,
+    MAX_DESCRIPTORS,
     ConnectorRows,
     DescriptorTable,
     Read,
@@ -32,4 +34,6 @@ __all__ = [
     "Read",
     "Unresolved",
     "rows_from_descriptors",
+    "MAX_CONNECTOR_ROWS",
+    "MAX_DESCRIPTORS",
 ]

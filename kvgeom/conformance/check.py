@@ -29,11 +29,13 @@ import numpy as np
 from ..checking.describe import locate_byte
 from ..checking.report import Report, Violation, ViolationKind
 from ..checking.simulator import simulate
+from ..errors import IncompatibleGeometry, PlanError, value_text
 from ..values.engine import EngineGeometry
+from ..values.fields import check_instance
 from ..values.pair import EnginePair
 from ..values.plan import TransferPlan
 from ..values.request import Request
-from .rows import ConnectorRows, Unresolved
+from .rows import MAX_CONNECTOR_ROWS, ConnectorRows, Unresolved, check_max_rows, over_budget
 
 __all__ = ["ConnectorViolation", "ConformanceReport", "check_connector"]
 
@@ -140,14 +142,34 @@ def _translate(pair: EnginePair, request: Request, rows: ConnectorRows, v: Viola
 
 
 def check_connector(pair: EnginePair, request: Request, rows: ConnectorRows, *,
-                    unresolved: Sequence[Unresolved] = (), require_minimal: bool = False) -> ConformanceReport:
+                    unresolved: Sequence[Unresolved] = (), require_minimal: bool = False,
+                    max_rows: int | None = MAX_CONNECTOR_ROWS) -> ConformanceReport:
     """Run the connector's rows through the reference simulator and report in its terms.
 
     ``rows``: :meth:`ConnectorRows.from_rows`, :meth:`ConnectorRows.from_plan` or
     :func:`~kvgeom.conformance.rows.rows_from_descriptors` (whose unresolved descriptors go in
     ``unresolved``). Raises :class:`~kvgeom.errors.RequestError` when the request does not fit the
-    pair (the request itself, not the connector, is wrong then).
+    pair (the request itself, not the connector, is wrong then), :class:`~kvgeom.errors.PlanError`
+    for arguments of the wrong kind, and :class:`~kvgeom.errors.PlanBudgetExceeded` before
+    simulating more than ``max_rows`` copy plus zero rows (plus unresolved descriptors;
+    ``max_rows=None`` checks any size; the simulator still refuses engines beyond 4 GiB).
     """
+    check_instance("pair", pair, EnginePair, error=IncompatibleGeometry, fix="build the pair with kvgeom.Pair(P, D)")
+    check_instance("rows", rows, ConnectorRows, error=PlanError,
+                   fix="build the rows with ConnectorRows.from_rows(...) or rows_from_descriptors(...)")
+    if not isinstance(require_minimal, bool):
+        raise PlanError("require_minimal", f"must be a bool, got {value_text(require_minimal, 60)}",
+                        actual=value_text(require_minimal, 60), expected="True or False")
+    limit = check_max_rows(max_rows)
+    if isinstance(unresolved, (str, bytes)) or not isinstance(unresolved, Sequence):
+        raise PlanError("unresolved", f"expected a sequence of Unresolved, got {type(unresolved).__name__}",
+                        actual=value_text(unresolved, 60), expected="a tuple of Unresolved",
+                        fix="pass the second value rows_from_descriptors returns")
+    over_budget("rows", len(rows.copies) + len(rows.zeros) + len(unresolved), limit,
+                "copy, zero and unresolved rows")
+    for i, u in enumerate(unresolved):
+        check_instance(f"unresolved[{i}]", u, Unresolved, error=PlanError,
+                       fix="pass the second value rows_from_descriptors returns")
     c, z = rows.copies, rows.zeros
     P, D = pair.prefill, pair.decode
     keep = (c.p_rank < P.num_ranks) & (c.d_rank < D.num_ranks)
