@@ -9,6 +9,9 @@ blocks of ``ppl`` kernel pages::
     interleaved  region per group, layers side by side        page = [layer 0 | layer 1 | ...]
     shared       region i = layer i of every group           page as large as the largest user
 
+``layout="CPU_ATTN"`` lays every attention page out as vLLM's CPU backend does (a
+:class:`~kvgeom.values.planes.PlanesLayout`: ``[head][K rows tiled by 32][V rows]``, docs/design.md §3.2).
+
 Worked number: 2 local heads of 256 B, K = 16, K/V packed, per_layer, 4 layers, 8 blocks of ppl 1:
 4 regions of 8 pages x (2 planes * 2 heads * 16 tokens * 256 B) = 8 x 16384 B.
 
@@ -42,6 +45,7 @@ from .layout import (
 )
 from .layout import state_layout as as_state_layout
 from .model import AttentionSpec, ModelSpec
+from .planes import PlanesLayout, cpu_attn_layout
 from .topology import Topology
 
 __all__ = ["engine_fields"]
@@ -54,7 +58,7 @@ def engine_fields(
     kernel_block_tokens: int,
     num_blocks: int,
     blocks_per_logical: int = 1,
-    layout: Literal["HND", "NHD"] = "HND",
+    layout: Literal["HND", "NHD", "CPU_ATTN"] = "HND",
     kv: Literal["packed", "split", "inner"] = "packed",
     regions: Literal["per_layer", "interleaved", "shared"] = "per_layer",
     state_layout: StateLayout | str = StateLayout.CHANNEL_MAJOR,
@@ -80,11 +84,14 @@ def engine_fields(
                     what="logical block (kernel_block_tokens x blocks_per_logical tokens)")
     checked_product(f"{name}.num_blocks", num_blocks, blocks_per_logical, what="pages per region (num_blocks x ppl)",
                     fix="use fewer or smaller blocks (a region is at most 2**48 B)")
-    for arg, value, options in (("layout", layout, ("HND", "NHD")), ("kv", kv, ("packed", "split", "inner")),
+    for arg, value, options in (("layout", layout, ("HND", "NHD", "CPU_ATTN")), ("kv", kv, ("packed", "split", "inner")),
                                 ("regions", regions, ("per_layer", "interleaved", "shared"))):
         if not isinstance(value, str) or value not in options:
             raise GeometryError(f"{name}.{arg}", f"unknown {arg} {value_text(value, 60)}", actual=value_text(value, 60),
                                 expected=list(options), fix=f"use one of {', '.join(repr(o) for o in options)}")
+    if layout == "CPU_ATTN" and kv != "packed":
+        raise GeometryError(f"{name}.kv", "CPU_ATTN keeps K and V rows of a head in one page", actual=kv,
+                            expected="packed", fix="use kv='packed' with layout='CPU_ATTN'")
     if regions == "shared" and kv == "split":
         raise GeometryError(f"{name}.kv", "shared regions need K/V in one page", actual=kv,
                             expected="packed or inner", fix="use kv='packed' with regions='shared'")
@@ -102,15 +109,23 @@ def engine_fields(
     # the stage of each layer of each group (one stage: all 0)
     bounds = np.cumsum(layer_partition(model.num_global_layers, topo.pp, topo.partition))
     stage_of = [[int(np.searchsorted(bounds, x, side="right")) for x in order] for order in model.layer_order()]
-    layouts: list[PageLayout | StateLayout] = []
+    layouts: list[PageLayout | PlanesLayout | StateLayout] = []
     layer_bytes: list[int] = []  # per rank, one layer: kernel page bytes (attn) or state bytes
     for spec in model.groups:
         if isinstance(spec, AttentionSpec):
             check_divisible(f"{name}.tp (group {spec.name!r} num_kv_heads)", spec.num_kv_heads,
                             head_tp, replicated=spec.replicated)
             h = local_count(spec.num_kv_heads, head_tp, replicated=spec.replicated)
-            maker = PageLayout.hnd if layout == "HND" else PageLayout.nhd
-            lay = maker(heads=h, tokens=K, head_bytes=spec.head_bytes, planes=spec.planes, kv=kv)
+            lay: PageLayout | PlanesLayout
+            if layout == "CPU_ATTN":
+                if spec.planes != 2:
+                    raise GeometryError(f"{name}.layout", f"CPU_ATTN pages hold K and V; group {spec.name!r} has "
+                                        f"{spec.planes} plane", actual=layout, expected="HND or NHD",
+                                        fix="use layout='HND' for MLA latents")
+                lay = cpu_attn_layout(heads=h, block_size=K, head_bytes=spec.head_bytes)
+            else:
+                maker = PageLayout.hnd if layout == "HND" else PageLayout.nhd
+                lay = maker(heads=h, tokens=K, head_bytes=spec.head_bytes, planes=spec.planes, kv=kv)
             layouts.append(lay)
             per_plane = h * K * spec.head_bytes
             layer_bytes.append(per_plane if kv == "split" else spec.planes * per_plane)
@@ -129,8 +144,8 @@ def engine_fields(
     def attn_views(gi: int, spec: AttentionSpec, per_layer_regions: list[tuple[int, ...]],
                    offsets: list[int]) -> AttentionGroupGeometry:
         lay = layouts[gi]
-        if not isinstance(lay, PageLayout):
-            raise InternalError("an attention group's layout is a PageLayout")
+        if not isinstance(lay, (PageLayout, PlanesLayout)):
+            raise InternalError("an attention group's layout is a PageLayout or a PlanesLayout")
         return AttentionGroupGeometry(lay, tuple(AttentionView(r, o) for r, o in
                                                  zip(per_layer_regions, offsets)))
 

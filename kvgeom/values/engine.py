@@ -48,6 +48,7 @@ from .layout import (
     section_placements,
 )
 from .model import AttentionSpec, ModelSpec, StateSpec
+from .planes import PlanesLayout, slot_offsets
 from .tensors import LayerTensors, tensor_fields
 from .text import MAX_RANK_ROWS, cut, format_ids, html_block, html_table, text_table
 from .topology import RankCoords, Topology
@@ -323,6 +324,15 @@ class EngineGeometry:
         self._index("plane", plane, len(view.regions))
         lay = geo.layout
         region = view.regions[plane]
+        if isinstance(lay, PlanesLayout):  # per plane; the token axis through its slot table (§3.2)
+            pl = lay.planes[plane]
+            return region, (
+                np.asarray(page, dtype=np.int64) * self.regions[region].page_bytes
+                + view.offset
+                + pl.offset
+                + np.asarray(local_head, dtype=np.int64) * pl.head_stride
+                + slot_offsets(pl.token_modes)[np.asarray(slot, dtype=np.int64)]
+            )
         off = (
             np.asarray(page, dtype=np.int64) * self.regions[region].page_bytes
             + view.offset
@@ -366,7 +376,7 @@ class EngineGeometry:
         kernel_block_tokens: int,
         num_blocks: int,
         blocks_per_logical: int = 1,
-        layout: Literal["HND", "NHD"] = "HND",
+        layout: Literal["HND", "NHD", "CPU_ATTN"] = "HND",
         kv: Literal["packed", "split", "inner"] = "packed",
         regions: Literal["per_layer", "interleaved", "shared"] = "per_layer",
         state_layout: StateLayout | str = StateLayout.CHANNEL_MAJOR,
@@ -375,7 +385,9 @@ class EngineGeometry:
     ) -> EngineGeometry:
         """Build the usual geometries: ``num_blocks`` logical blocks in every region
         (:func:`kvgeom.values.builder.engine_fields` says how each choice lays the pages out;
-        with ``topology``, regions are made per pipeline stage, docs/design.md §11.4)."""
+        with ``topology``, regions are made per pipeline stage, docs/design.md §11.4).
+        ``layout="CPU_ATTN"`` is vLLM's CPU attention page (:func:`~kvgeom.values.planes.cpu_attn_layout`,
+        K/V packed, docs/design.md §3.2)."""
         return cls(**engine_fields(model, tp=tp, kernel_block_tokens=kernel_block_tokens, num_blocks=num_blocks,
                                    blocks_per_logical=blocks_per_logical, layout=layout, kv=kv, regions=regions,
                                    state_layout=state_layout, name=name, topology=topology))
@@ -430,6 +442,8 @@ def _attention_layout(e: EngineGeometry, gi: int) -> str:
     if not (isinstance(g, AttentionGroupGeometry) and isinstance(spec, AttentionSpec)):
         raise InternalError("caller checks")
     lay = g.layout
+    if isinstance(lay, PlanesLayout):
+        return ("latent" if spec.planes == 1 else "per-plane") + (" tiled" if not lay.plain else "")
     if spec.planes == 1:
         return "latent"
     heads = e.local_heads(gi)
@@ -489,7 +503,8 @@ def _group_rows(e: EngineGeometry) -> list[list[Any]]:
         if isinstance(spec, AttentionSpec) and isinstance(g, AttentionGroupGeometry):
             lay = g.layout
             per_rank = f"{e.local_heads(gi)} of {spec.num_kv_heads} heads"
-            strides = f"{lay.kv_stride}/{lay.head_stride}/{lay.token_stride}"
+            strides = (lay.describe() if isinstance(lay, PlanesLayout)
+                       else f"{lay.kv_stride}/{lay.head_stride}/{lay.token_stride}")
             kind = spec.kind.value + (f" (window {spec.window_tokens})" if spec.window_tokens else "")
             if spec.replicated:
                 per_rank = "latent (replicated)"

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..arith.ints import checked_product
 from ..arith.shard import check_divisible, layer_partition, local_count
-from ..errors import GeometryError, KvGeomError
+from ..errors import GeometryError, InternalError, KvGeomError
 from .fields import check_int
 from .layout import (
     AttentionGroupGeometry,
@@ -45,6 +45,8 @@ from .layout import (
     section_placements,
 )
 from .model import AttentionSpec, ModelSpec, StateSpec
+from .planes import PlanesLayout
+from .planes_checks import validate_planes
 from .topology import Topology
 
 __all__ = ["MAX_PAGE_VECTORS", "MAX_REGIONS", "MAX_RANKS", "EngineFields", "validate_engine", "nested_extent"]
@@ -185,6 +187,10 @@ def _validate_attention(e: EngineFields, gi: int, spec: AttentionSpec, geo: Atte
     K = e.kernel_block_tokens
     hb = spec.head_bytes
     lay = geo.layout
+    if isinstance(lay, PlanesLayout):
+        validate_planes(e, spec, geo, lay, h, path, region_index=_region_index, max_vectors=MAX_PAGE_VECTORS,
+                        nested=nested_extent)
+        return
     # bounds first, by arithmetic: the last head vector of every view must end inside its page
     # (a remote's self-description is untrusted: nothing below is enumerated before this holds)
     span = (spec.planes - 1) * lay.kv_stride + (h - 1) * lay.head_stride + (K - 1) * lay.token_stride + hb
@@ -229,7 +235,9 @@ def nested_extent(modes: list[tuple[int, int]], unit: int) -> int | None:
 def _apart_by_arithmetic(geo: AttentionGroupGeometry, planes: int, heads: int, K: int, hb: int) -> bool:
     """True when no two head vectors of one page overlap, proven without enumerating them: the layout's
     modes nest and the layers' extents in each region are disjoint."""
-    lay: PageLayout = geo.layout
+    lay = geo.layout
+    if not isinstance(lay, PageLayout):
+        raise InternalError("plain layouts only (PlanesLayout: kvgeom.values.planes_checks)")
     spans: dict[int, list[tuple[int, int]]] = {}
     for v in geo.views:
         by_region: dict[int, list[int]] = {}
@@ -256,6 +264,8 @@ def _apart_by_enumeration(e: EngineFields, spec: AttentionSpec, geo: AttentionGr
     """Every head vector of a page, all layers of a region, sorted: starts at least ``hb`` apart
     (bounded: at most MAX_PAGE_VECTORS vectors, refused before enumerating beyond that)."""
     lay = geo.layout
+    if not isinstance(lay, PageLayout):
+        raise InternalError("plain layouts only (PlanesLayout: kvgeom.values.planes_checks)")
     vectors = spec.planes * h * K
     if vectors * len(geo.views) > MAX_PAGE_VECTORS:
         raise GeometryError(f"{path}", f"{len(geo.views)} layers x {vectors} head vectors per page exceed the "

@@ -30,6 +30,7 @@ from ..arith.shard import local_count
 from ..errors import GeometryError, value_text
 from .fields import as_int, as_tuple, check_instance, int_tuple, nonneg_int, pos_int
 from .model import MAX_LAYERS, StateSpec
+from .planes import PlanesLayout
 
 __all__ = [
     "Region",
@@ -168,14 +169,19 @@ def _state_views(value: Any) -> tuple[StateView, ...]:
 
 @attrs.frozen
 class AttentionGroupGeometry:
-    """An attention group on one engine: one page layout, one view per layer."""
+    """An attention group on one engine: one page layout, one view per layer.
 
-    layout: PageLayout
+    The layout is a plain :class:`PageLayout` (one stride per axis, shared by the planes) or a
+    :class:`~kvgeom.values.planes.PlanesLayout` (a layout per plane, token axes of several modes:
+    docs/design.md §3.2)."""
+
+    layout: PageLayout | PlanesLayout
     views: tuple[AttentionView, ...] = attrs.field(converter=_attention_views)
 
     def __attrs_post_init__(self) -> None:
-        check_instance("AttentionGroupGeometry.layout", self.layout, PageLayout,
-                       fix="describe the page with PageLayout(...) (or PageLayout.hnd / .nhd)")
+        check_instance("AttentionGroupGeometry.layout", self.layout, (PageLayout, PlanesLayout),
+                       fix="describe the page with PageLayout(...) (or PageLayout.hnd / .nhd), or per plane "
+                           "with PlanesLayout(...) (e.g. kvgeom.cpu_attn_layout)")
 
 
 @attrs.frozen
