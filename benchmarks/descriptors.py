@@ -35,6 +35,7 @@ from kvgeom import (
     AttentionGroupGeometry,
     AttentionSpec,
     BlockList,
+    PageLayout,
     Pair,
     Request,
     StateGroupGeometry,
@@ -55,6 +56,8 @@ POOL_FACTOR = 2.0
 def _streams(geo: AttentionGroupGeometry, planes: int) -> int:
     """2 for K/V packed as the page's outermost mode ([2, H, N, D] or [2, N, H, D]) in one region."""
     lay = geo.layout
+    if not isinstance(lay, PageLayout):  # per-plane layouts: one stream per page (vLLM's per-block rows)
+        return 1
     shared = all(len(set(v.regions)) == 1 for v in geo.views)
     outer = lay.kv_stride > 0 and lay.kv_stride >= max(lay.head_stride, lay.token_stride)
     return planes if planes > 1 and shared and outer else 1

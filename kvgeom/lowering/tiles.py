@@ -35,6 +35,7 @@ from ..values.blocks import CopyBlock
 from ..values.engine import EngineGeometry
 from ..values.layout import AttentionGroupGeometry, StateGroupGeometry, StateLayout
 from ..values.model import AttentionSpec, StateSpec
+from ..values.planes import PlanesLayout
 from ..values.pair import EnginePair
 from ..values.plan import Copies
 
@@ -64,9 +65,16 @@ def tile_quantities(pair: EnginePair) -> tuple[tuple[str, int], ...]:
                 if not isinstance(spec, AttentionSpec):
                     raise InternalError("the engine validated group kinds")
                 lay = geo.layout
-                out += [(f"{g}.head_bytes", spec.head_bytes), (f"{g}.layout.kv_stride", lay.kv_stride),
-                        (f"{g}.layout.head_stride", lay.head_stride),
-                        (f"{g}.layout.token_stride", lay.token_stride)]
+                out.append((f"{g}.head_bytes", spec.head_bytes))
+                if isinstance(lay, PlanesLayout):  # per plane: offset, head stride, every token mode's stride
+                    for p, pl in enumerate(lay.planes):
+                        out += [(f"{g}.layout.planes[{p}].offset", pl.offset),
+                                (f"{g}.layout.planes[{p}].head_stride", pl.head_stride)]
+                        out += [(f"{g}.layout.planes[{p}].token_modes[{m}].stride", st)
+                                for m, (_, st) in enumerate(pl.token_modes)]
+                else:
+                    out += [(f"{g}.layout.kv_stride", lay.kv_stride), (f"{g}.layout.head_stride", lay.head_stride),
+                            (f"{g}.layout.token_stride", lay.token_stride)]
             else:
                 if not (isinstance(spec, StateSpec) and isinstance(geo, StateGroupGeometry)):
                     raise InternalError("as above")
@@ -99,7 +107,8 @@ def tile_bytes(pair: EnginePair) -> int:
 
     * attention: a head vector of ``head_bytes`` (a latent for MLA) starts at
       ``page * page_bytes + view.offset + plane * kv_stride + head * head_stride + slot * token_stride``
-      and ends ``head_bytes`` later, whatever the two layouts are;
+      and ends ``head_bytes`` later, whatever the two layouts are (a per-plane layout, §3.2: the
+      plane's offset, head stride and token modes' strides in place of kv/head/token strides);
     * state, same layout on both sides: D rank's slice of a section intersects a P rank's slice
       on channel boundaries that are multiples of ``c = gcd(P slice, D slice)`` channels (slices
       start at multiples of their size, so local channel indices of a boundary are multiples of

@@ -82,11 +82,12 @@ def zero_intervals(request: Request, pair: EnginePair, group: int) -> list[tuple
 
 
 def _bases(segs: Segments, k: int, side: SideView, reg: np.ndarray, off: np.ndarray,
-           head0: int) -> tuple[np.ndarray, np.ndarray]:
+           head0: int, plane: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Base offsets and their regions for side ``k``, layer-major (layer outer, segment inner), so
-    that rows come out in long runs of the plan's sorted order (region, then offset)."""
+    that rows come out in long runs of the plan's sorted order (region, then offset). ``plane``
+    matters only for a per-plane layout (docs/design.md §3.2)."""
     start = segs.page[k][:, None] * side.page_bytes[reg][None, :] + off[None, :] \
-        + side.head_offset(head0) + side.slot_offset(segs.slot[k])[:, None]
+        + side.head_offset(head0, plane) + side.slot_offset(segs.slot[k], plane)[:, None]
     regions = np.broadcast_to(reg[None, :], start.shape)
     return start.T.ravel(), regions.T.ravel()
 
@@ -107,7 +108,7 @@ def _page_runs(sub: Segments, sides: Sequence[int], n: int) -> tuple[np.ndarray,
 
 
 def _emit(rows: Rows, sub: Segments, n: int, views: Sequence[tuple[int, SideView, np.ndarray, np.ndarray, int]],
-          modes: list[Mode], unit: int, ranks: tuple[int, int], materialize: bool = True) -> int:
+          modes: list[Mode], unit: int, ranks: tuple[int, int], materialize: bool = True, plane: int = 0) -> int:
     """Rows for segments ``sub`` (all of length ``n``) x layers x the unfolded modes.
 
     ``views`` holds, per side, (segment side index, view, layer regions, layer offsets, first
@@ -131,7 +132,7 @@ def _emit(rows: Rows, sub: Segments, n: int, views: Sequence[tuple[int, SideView
         return total
     bases, regions = [], []
     for k, side, reg, off, head0 in views:
-        b, r = _bases(sub, k, side, reg, off, head0)
+        b, r = _bases(sub, k, side, reg, off, head0, plane)
         bases.append(b)
         regions.append(r)
     offsets, run, per = strided_rows(unit, modes, bases)
@@ -277,7 +278,8 @@ def copy_rows(pair: EnginePair, group: int, segs: Segments, p_tok: SideTokens, d
     materialize = rows is not None
     out = rows if rows is not None else Rows()
     n_copies = 0
-    planes_inner = spec.planes > 1 and ps.planes_share_region() and ds.planes_share_region()
+    planes_inner = (spec.planes > 1 and ps.planes_share_region() and ds.planes_share_region()
+                    and not ps.per_plane and not ds.per_plane)
     plane_sets: Sequence[tuple[int, ...]] = [(0,)] if spec.planes == 1 or planes_inner else [(0,), (1,)]
     p_owner, d_owner = p_tok.owner(segs.start), d_tok.owner(segs.start)
     pieces: dict[tuple[int, int], list[tuple[int, Segments]]] = {}
@@ -314,14 +316,15 @@ def copy_rows(pair: EnginePair, group: int, segs: Segments, p_tok: SideTokens, d
                     for planes in plane_sets:
                         preg, poff = layer_arrays[("p", planes[0])]
                         dreg, doff = layer_arrays[("d", planes[0])]
+                        pl = planes[0]
                         for n, sub in by_len:
-                            cmodes: list[Mode] = [(n, (ps.layout.token_stride, ds.layout.token_stride)),
-                                                  (nh, (ps.layout.head_stride, ds.layout.head_stride))]
+                            cmodes: list[Mode] = [(n, (ps.token_stride(pl), ds.token_stride(pl))),
+                                                  (nh, (ps.head_stride(pl), ds.head_stride(pl)))]
                             if planes_inner:
-                                cmodes.append((spec.planes, (ps.layout.kv_stride, ds.layout.kv_stride)))
+                                cmodes.append((spec.planes, (ps.plain().kv_stride, ds.plain().kv_stride)))
                             n_copies += _emit(out, sub, n, [(0, ps, preg[lsel], poff[lsel], hp0),
                                                             (1, ds, dreg[lsel], doff[lsel], hd0)],
-                                              cmodes, hb, (p_rank, d), materialize)
+                                              cmodes, hb, (p_rank, d), materialize, pl)
     return n_copies
 
 
@@ -335,7 +338,7 @@ def zero_rows(pair: EnginePair, group: int, zsegs: Segments, z_tok: SideTokens, 
         raise InternalError("dispatched on kind")
     D = pair.decode
     hb = spec.head_bytes
-    d_planes_inner = spec.planes > 1 and ds.planes_share_region()
+    d_planes_inner = spec.planes > 1 and ds.planes_share_region() and not ds.per_plane
     d_plane_sets: Sequence[tuple[int, ...]] = [(0,)] if spec.planes == 1 or d_planes_inner else [(0,), (1,)]
     h_local = D.local_heads(group)
     z_owner = z_tok.owner(zsegs.start)
@@ -353,13 +356,14 @@ def zero_rows(pair: EnginePair, group: int, zsegs: Segments, z_tok: SideTokens, 
         mine = zsegs if D.topology.dcp == 1 else zsegs.take(np.flatnonzero(z_owner == dr))
         for planes in d_plane_sets:
             dreg, doff = ds.layer_arrays(planes[0])
+            pl = planes[0]
             for n, sub in _by_length(mine):
-                modes: list[Mode] = [(n, (ds.layout.token_stride,)), (h_local, (ds.layout.head_stride,))]
+                modes: list[Mode] = [(n, (ds.token_stride(pl),)), (h_local, (ds.head_stride(pl),))]
                 if d_planes_inner:
-                    modes.append((spec.planes, (ds.layout.kv_stride,)))
+                    modes.append((spec.planes, (ds.plain().kv_stride,)))
                 one = Rows()
                 count += len(members) * _emit(one, sub, n, [(0, ds, dreg[lsel], doff[lsel], 0)], modes, hb, (0, 0),
-                                              rows is not None)
+                                              rows is not None, pl)
                 if one.count and rows is not None:
                     z = one.zeros()
                     for d in members:

@@ -81,10 +81,13 @@ def arrival(P: EngineGeometry, D: EngineGeometry, group: int) -> Arrival | str:
     if max(Kp, Kd) % min(Kp, Kd):
         return f"kernel pages {Kp} and {Kd} tokens do not nest"
     ds, ps = SideView(D, group), SideView(P, group)
+    if ds.per_plane or ps.per_plane:  # docs/design.md §3.2
+        return (f"{'P' if ps.per_plane else 'D'}'s page layout is per plane (a PlanesLayout), which the staged "
+                "strategy's in-place permutation does not express")
     hd, hb = D.local_heads(group), spec.head_bytes
     packed = spec.planes == 2 and ds.planes_share_region()
     planes_in_page = 2 if packed else 1
-    dl, pl = ds.layout, ps.layout
+    dl, pl = ds.plain(), ps.plain()
     d_modes = [(hd, dl.head_stride), (Kd, dl.token_stride)] + ([(2, dl.kv_stride)] if packed else [])
     if not _dense(d_modes, hb):
         return "D's page layout is not dense, so arrived bytes could not be permuted in place"
@@ -116,11 +119,11 @@ class ArrivedView(SideView):
         super().__init__(engine, group, arr.layout)
         self.arr = arr
 
-    def slot_offset(self, slot: np.ndarray) -> np.ndarray:
+    def slot_offset(self, slot: np.ndarray, plane: int = 0) -> np.ndarray:
         a = self.arr
         return (slot // a.sub_tokens) * a.sub_bytes + (slot % a.sub_tokens) * a.layout.token_stride
 
-    def head_offset(self, head: int) -> int:
+    def head_offset(self, head: int, plane: int = 0) -> int:
         a = self.arr
         return (head // a.group_heads) * a.group_bytes + (head % a.group_heads) * a.layout.head_stride
 
@@ -137,7 +140,7 @@ class ArrivedView(SideView):
 def rearrange_modes(D: EngineGeometry, group: int, arr: Arrival) -> tuple[list[int], list[int], list[int]]:
     """One rearrange's (shape, src strides, dst strides) for every page of ``group``:
     (sub-page, head group, [plane,] head, token), arrived layout -> D's layout."""
-    fl = SideView(D, group).layout
+    fl = SideView(D, group).plain()
     a = arr.layout
     hd = D.local_heads(group)
     shape = [arr.sub_pages, hd // arr.group_heads]

@@ -56,6 +56,13 @@ from .layout import (
     section_placements,
     state_layout,
 )
+from .planes import (
+    CPU_ATTN_TILE,
+    PlaneLayout,
+    PlanesLayout,
+    cpu_attn_layout,
+    slot_offsets,
+)
 from .model import (
     MAX_GROUPS,
     MAX_LAYERS,
@@ -160,6 +167,11 @@ __all__ = [
     "int_tuple",
     "Region",
     "PageLayout",
+    "PlaneLayout",
+    "PlanesLayout",
+    "CPU_ATTN_TILE",
+    "cpu_attn_layout",
+    "slot_offsets",
     "AttentionView",
     "StateLayout",
     "StateView",
