@@ -19,6 +19,10 @@ do (a model group is an ``AttentionSpec`` or a ``StateSpec``).
 Worked number: ``Region(num_pages=4, page_bytes=8192)`` encodes as
 ``{"num_pages":4,"page_bytes":8192,"schema":1,"type":"Region"}`` (keys sorted, 60 bytes).
 
+A per-plane page layout (docs/design.md §3.2) is a ``PlanesLayout`` of ``PlaneLayout`` objects,
+``{"planes": [{"offset": 0, "head_stride": 65536, "token_modes": [[32, 1024], [2, 512]]}, ...]}``;
+a plain ``PageLayout`` is written exactly as before, and a layout without ``"type"`` reads as one.
+
 An engine's ``topology`` (docs/design.md §11) and a model's ``global_layers`` are written only when
 they differ from the defaults, so the documents of one-stage engines are what they always were;
 both are optional when reading.
@@ -40,6 +44,7 @@ from ..values.engine import EngineGeometry
 from ..values.fields import check_int, is_int
 from ..values.layout import AttentionGroupGeometry, AttentionView, PageLayout, Region, StateGroupGeometry, StateView
 from ..values.model import AttentionSpec, ModelSpec, StateSection, StateSpec
+from ..values.planes import MAX_TOKEN_MODES, PlaneLayout, PlanesLayout
 from ..values.request import BlockList, GroupRequest, Request, StateSlots
 from ..values.topology import Topology
 
@@ -75,6 +80,9 @@ _ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {
     Region: lambda r: {"num_pages": int(r.num_pages), "page_bytes": int(r.page_bytes)},
     PageLayout: lambda lay: {"kv_stride": int(lay.kv_stride), "head_stride": int(lay.head_stride),
                              "token_stride": int(lay.token_stride), "byte_stride": int(lay.byte_stride)},
+    PlaneLayout: lambda pl: {"offset": int(pl.offset), "head_stride": int(pl.head_stride),
+                             "token_modes": [[int(e), int(st)] for e, st in pl.token_modes]},
+    PlanesLayout: lambda lay: {"planes": _enc_list(lay.planes)},
     AttentionView: lambda v: {"regions": [int(r) for r in v.regions], "offset": int(v.offset)},
     StateView: lambda v: {"region": int(v.region), "offset": int(v.offset)},
     AttentionGroupGeometry: lambda g: {"layout": _encode(g.layout), "views": _enc_list(g.views)},
@@ -259,6 +267,32 @@ def _dec_layout(o: _Obj) -> PageLayout:
     return o.build(lambda: PageLayout(kv, head, tok, byte))
 
 
+def _dec_plane(o: _Obj) -> PlaneLayout:
+    offset, head = o.f_int("offset"), o.f_int("head_stride")
+    raw = o.f_list("token_modes")
+    if len(raw) > MAX_TOKEN_MODES:
+        raise SchemaError(f"{o.path}.token_modes", f"{len(raw)} token modes exceed {MAX_TOKEN_MODES}",
+                          actual=len(raw), expected=f"<= {MAX_TOKEN_MODES}", fix="describe the axis in fewer modes")
+    modes = []
+    for i, m in enumerate(raw):
+        pair = _list(f"{o.path}.token_modes[{i}]", m)
+        if len(pair) != 2:
+            raise SchemaError(f"{o.path}.token_modes[{i}]", f"a mode is [extent, stride], got {len(pair)} numbers",
+                              actual=_short(pair), expected="[extent, stride]", fix="write each mode as two integers")
+        modes.append((_int(f"{o.path}.token_modes[{i}][0]", pair[0], 1),
+                      _int(f"{o.path}.token_modes[{i}][1]", pair[1], 0)))
+    return o.build(lambda: PlaneLayout(offset, head, tuple(modes)))
+
+
+def _dec_planes(o: _Obj) -> PlanesLayout:
+    raw = o.f_list("planes")
+    if len(raw) > 2:
+        raise SchemaError(f"{o.path}.planes", f"{len(raw)} planes; a page has 1 or 2", actual=len(raw),
+                          expected="1 or 2 PlaneLayouts", fix="give one PlaneLayout per plane")
+    planes = o.f_objs("planes", PlaneLayout)
+    return o.build(lambda: PlanesLayout(planes))
+
+
 def _dec_attention_view(o: _Obj) -> AttentionView:
     regions, offset = o.f_ints("regions"), o.f_int("offset", default=0)
     return o.build(lambda: AttentionView(regions, offset))
@@ -270,7 +304,10 @@ def _dec_state_view(o: _Obj) -> StateView:
 
 
 def _dec_attention_group(o: _Obj) -> AttentionGroupGeometry:
-    layout, views = o.f_obj("layout", PageLayout), o.f_objs("views", AttentionView)
+    raw = o.d.get("layout")  # a layout without "type" is a PageLayout (the documents before PlanesLayout)
+    classes: tuple[type, ...] = (PageLayout,) if isinstance(raw, dict) and "type" not in raw else (PageLayout,
+                                                                                                   PlanesLayout)
+    layout, views = o.f_obj("layout", *classes), o.f_objs("views", AttentionView)
     return o.build(lambda: AttentionGroupGeometry(layout, views))
 
 
@@ -363,6 +400,8 @@ def _dec_pair(o: _Obj) -> Pair:
 _DECODERS: dict[type, Callable[[_Obj], Any]] = {
     Region: _dec_region,
     PageLayout: _dec_layout,
+    PlaneLayout: _dec_plane,
+    PlanesLayout: _dec_planes,
     AttentionView: _dec_attention_view,
     StateView: _dec_state_view,
     AttentionGroupGeometry: _dec_attention_group,
