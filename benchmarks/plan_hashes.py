@@ -1,6 +1,6 @@
 """Hash every preset's plans, pair files and reprs: ``python -m benchmarks.plan_hashes > hashes.txt``
 on two trees, then ``diff``: an identical output proves a change left every existing plan as it was
-(docs/design.md §3.2: plain layouts plan exactly as before per-plane layouts existed).
+(docs/design.md §3.5: plain layouts plan exactly as before per-plane layouts existed).
 
 One line per (preset, strategy, path): the sha256 of the plan's copy and zero columns, rearranges,
 staging steps, wire rows, chunks and note texts; reference path and compiled path (second request)

@@ -107,7 +107,7 @@ def tile_bytes(pair: EnginePair) -> int:
 
     * attention: a head vector of ``head_bytes`` (a latent for MLA) starts at
       ``page * page_bytes + view.offset + plane * kv_stride + head * head_stride + slot * token_stride``
-      and ends ``head_bytes`` later, whatever the two layouts are (a per-plane layout, §3.2: the
+      and ends ``head_bytes`` later, whatever the two layouts are (a per-plane layout, §3.5: the
       plane's offset, head stride and token modes' strides in place of kv/head/token strides);
     * state, same layout on both sides: D rank's slice of a section intersects a P rank's slice
       on channel boundaries that are multiples of ``c = gcd(P slice, D slice)`` channels (slices

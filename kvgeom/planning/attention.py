@@ -85,7 +85,7 @@ def _bases(segs: Segments, k: int, side: SideView, reg: np.ndarray, off: np.ndar
            head0: int, plane: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Base offsets and their regions for side ``k``, layer-major (layer outer, segment inner), so
     that rows come out in long runs of the plan's sorted order (region, then offset). ``plane``
-    matters only for a per-plane layout (docs/design.md §3.2)."""
+    matters only for a per-plane layout (docs/design.md §3.5)."""
     start = segs.page[k][:, None] * side.page_bytes[reg][None, :] + off[None, :] \
         + side.head_offset(head0, plane) + side.slot_offset(segs.slot[k], plane)[:, None]
     regions = np.broadcast_to(reg[None, :], start.shape)

@@ -8,7 +8,7 @@ builder never knows which strategy it serves::
     SideView(engine, group)                slot_offset(s) = s * token_stride, head_offset(h) = h * head_stride
     staged ArrivedView(engine, group, a)   sub-page of K_s tokens: (s // K_s) * sub_bytes + (s % K_s) * ts
 
-    per-plane layout (§3.2)                slot_offset(s, plane): the plane's token modes; cut every
+    per-plane layout (§3.5)                slot_offset(s, plane): the plane's token modes; cut every
                                            affine_tokens (CPU_ATTN K at block 64: every 32 tokens)
 
 Worked number: D HND, 2 heads of 256 B, K = 16: slot 5 sits at ``5 * 256 = 1280`` and head 1 at
@@ -45,7 +45,7 @@ class SideView:
     """One engine's attention group as the planner addresses it: per-layer regions and offsets,
     the page layout's strides, and where a token slot sits inside a page.
 
-    With a per-plane layout (:class:`~kvgeom.values.planes.PlanesLayout`, docs/design.md §3.2) the
+    With a per-plane layout (:class:`~kvgeom.values.planes.PlanesLayout`, docs/design.md §3.5) the
     strides and the slot offset depend on the plane, and the listing is cut every
     ``affine_tokens`` tokens so that inside a segment every plane's address is affine (the slot
     offset is the modes' digits times strides; within a segment the inner stride)."""

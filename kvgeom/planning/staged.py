@@ -81,7 +81,7 @@ def arrival(P: EngineGeometry, D: EngineGeometry, group: int) -> Arrival | str:
     if max(Kp, Kd) % min(Kp, Kd):
         return f"kernel pages {Kp} and {Kd} tokens do not nest"
     ds, ps = SideView(D, group), SideView(P, group)
-    if ds.per_plane or ps.per_plane:  # docs/design.md §3.2
+    if ds.per_plane or ps.per_plane:  # docs/design.md §3.5
         return (f"{'P' if ps.per_plane else 'D'}'s page layout is per plane (a PlanesLayout), which the staged "
                 "strategy's in-place permutation does not express")
     hd, hb = D.local_heads(group), spec.head_bytes

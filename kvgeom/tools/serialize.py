@@ -19,7 +19,7 @@ do (a model group is an ``AttentionSpec`` or a ``StateSpec``).
 Worked number: ``Region(num_pages=4, page_bytes=8192)`` encodes as
 ``{"num_pages":4,"page_bytes":8192,"schema":1,"type":"Region"}`` (keys sorted, 60 bytes).
 
-A per-plane page layout (docs/design.md §3.2) is a ``PlanesLayout`` of ``PlaneLayout`` objects,
+A per-plane page layout (docs/design.md §3.5) is a ``PlanesLayout`` of ``PlaneLayout`` objects,
 ``{"planes": [{"offset": 0, "head_stride": 65536, "token_modes": [[32, 1024], [2, 512]]}, ...]}``;
 a plain ``PageLayout`` is written exactly as before, and a layout without ``"type"`` reads as one.
 

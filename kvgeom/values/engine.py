@@ -324,7 +324,7 @@ class EngineGeometry:
         self._index("plane", plane, len(view.regions))
         lay = geo.layout
         region = view.regions[plane]
-        if isinstance(lay, PlanesLayout):  # per plane; the token axis through its slot table (§3.2)
+        if isinstance(lay, PlanesLayout):  # per plane; the token axis through its slot table (§3.5)
             pl = lay.planes[plane]
             return region, (
                 np.asarray(page, dtype=np.int64) * self.regions[region].page_bytes
@@ -387,7 +387,7 @@ class EngineGeometry:
         (:func:`kvgeom.values.builder.engine_fields` says how each choice lays the pages out;
         with ``topology``, regions are made per pipeline stage, docs/design.md §11.4).
         ``layout="CPU_ATTN"`` is vLLM's CPU attention page (:func:`~kvgeom.values.planes.cpu_attn_layout`,
-        K/V packed, docs/design.md §3.2)."""
+        K/V packed, docs/design.md §3.5)."""
         return cls(**engine_fields(model, tp=tp, kernel_block_tokens=kernel_block_tokens, num_blocks=num_blocks,
                                    blocks_per_logical=blocks_per_logical, layout=layout, kv=kv, regions=regions,
                                    state_layout=state_layout, name=name, topology=topology))

@@ -173,7 +173,7 @@ class AttentionGroupGeometry:
 
     The layout is a plain :class:`PageLayout` (one stride per axis, shared by the planes) or a
     :class:`~kvgeom.values.planes.PlanesLayout` (a layout per plane, token axes of several modes:
-    docs/design.md §3.2)."""
+    docs/design.md §3.5)."""
 
     layout: PageLayout | PlanesLayout
     views: tuple[AttentionView, ...] = attrs.field(converter=_attention_views)

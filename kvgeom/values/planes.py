@@ -20,7 +20,7 @@ order, K rows tiled by 32 tokens (``t = block_size / 32``: token ``32 j + i`` in
     K: token -> (32, t) : (t * row, row)      V: token -> (bs) : (row)      offset_V = bs * row
     head stride 2 * bs * row                  row = head_bytes
 
-Worked number (docs/design.md §3.2): CPU_ATTN, block 64, head_dim 128 float32 (row 512 B):
+Worked number (docs/design.md §3.5): CPU_ATTN, block 64, head_dim 128 float32 (row 512 B):
 token 37 = 5 + 32 * 1 sits in K row ``5 * 2 + 1 = 11``; head 1 starts at ``2 * 64 * 512 = 65536``,
 so its K head vector is at byte ``65536 + 5 * 1024 + 1 * 512 = 71168`` of the page.
 """
@@ -132,7 +132,7 @@ def _planes(value: Any) -> tuple[PlaneLayout, ...]:
 class PlanesLayout:
     """A page layout with one :class:`PlaneLayout` per plane (K and V, or the MLA latent plane).
 
-    Checked against the engine (docs/design.md §3.2): one plane per model plane, each token axis
+    Checked against the engine (docs/design.md §3.5): one plane per model plane, each token axis
     covering the kernel page's K tokens, every head vector inside its page and none overlapping.
     """
 

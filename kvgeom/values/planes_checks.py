@@ -1,5 +1,5 @@
 """The structural rules of a per-plane page layout (:class:`~kvgeom.values.planes.PlanesLayout`),
-checked when an ``EngineGeometry`` is built (docs/design.md §3.2). Every rule raises
+checked when an ``EngineGeometry`` is built (docs/design.md §3.5). Every rule raises
 :class:`~kvgeom.errors.GeometryError` naming the plane and the axis::
 
     one PlaneLayout per model plane; each token axis covers K slots (product of extents == K)
