@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Mode", "fold_modes", "strided_rows", "run_bases", "run_offsets", "element_offsets", "dense_strides",
+__all__ = ["Mode", "common_modes", "fold_modes", "strided_rows", "run_bases", "run_offsets", "element_offsets", "dense_strides",
            "affine_runs"]
 
 Mode = tuple[int, Sequence[int]]  # (size, stride on each side)
@@ -46,6 +46,51 @@ def fold_modes(unit_bytes: int, modes: Sequence[Mode]) -> tuple[int, list[Mode]]
                 run *= size
                 changed = True
     return run, [m for m, f in zip(modes, folded) if not f and m[0] != 1]
+
+
+def common_modes(sides: Sequence[Sequence[tuple[int, int]]], total: int) -> list[Mode] | None:
+    """One axis of ``total`` indices said as modes on several sides at once: the common refinement of
+    each side's ``(extent, stride)`` modes (innermost first; none: ``(total, 1)``), as
+    ``[(extent, (stride on each side))]`` innermost first; ``None`` when they have none (the
+    sides' partial products do not divide one another).
+
+    Used for a head vector's bytes (docs/design.md §3.5): P's contiguous 512 bytes and D's
+    ``(4, 1), (128, 256)`` refine to ``(4, (1, 1)), (128, (4, 256))``.
+
+    >>> common_modes([[], [(4, 1), (128, 256)]], 512)
+    [(4, (1, 1)), (128, (4, 256))]
+    >>> common_modes([[(2, 1), (3, 10)], [(3, 1), (2, 10)]], 6) is None
+    True
+    """
+    norm = [[(e, s) for e, s in (m or [(total, 1)]) if e > 1] for m in sides]
+    cuts = {total}
+    for modes in norm:
+        acc = 1
+        for e, _ in modes:
+            acc *= e
+            cuts.add(acc)
+        if acc != total:
+            return None
+    chain = sorted(cuts)
+    prev = 1
+    for c in chain:
+        if c % prev:
+            return None
+        prev = c
+    refined: list[list[int]] = []
+    for modes in norm:
+        strides: list[int] = []
+        acc, k = 1, 0
+        for e, s in modes:  # mode (e, s) covers products [acc, acc * e); split it at the chain's cuts inside
+            end = acc * e
+            while k < len(chain) and chain[k] <= end:
+                lo = chain[k - 1] if k else 1
+                strides.append(s * (lo // acc))
+                k += 1
+            acc = end
+        refined.append(strides)
+    extents = [c // (chain[k - 1] if k else 1) for k, c in enumerate(chain)]
+    return [(n, tuple(r[k] for r in refined)) for k, n in enumerate(extents)]
 
 
 def strided_rows(

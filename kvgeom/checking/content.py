@@ -78,7 +78,7 @@ def _expected_decode(pair: EnginePair, request: Request) -> tuple[Memory, list[l
                 spans += [(start, min(lo, d1), _ZERO), (max(hi, start), d1, _ZERO)] if lo < hi else [(start, d1, _ZERO)]
                 for a, b, what in spans:
                     for layer, plane, region, starts, tokens, heads in attention_vectors(D, g, rank, dl, a, b):
-                        idx = vector_index(starts, spec.head_bytes)
+                        idx = vector_index(starts, D.attention_vector_bytes(g, plane))
                         cat[rank][region][idx] = what
                         exp.buffers[rank][region][idx] = 0 if what == _ZERO else attention_hash(
                             g, layer, plane, tokens[:, None], heads[None, :], spec.head_bytes)

@@ -105,10 +105,12 @@ def locate_byte(engine: EngineGeometry, request: Request | None, side: str, rank
                         continue
                     _, starts = engine.attention_address(g, layer, plane, 0, slots, heads)
                     rel = within - starts
-                    hit = np.argwhere((rel >= 0) & (rel < spec.head_bytes))
+                    table = engine.attention_vector_bytes(g, plane)  # a split head vector's bytes (§3.5)
+                    hit = np.argwhere(np.isin(rel, table))
                     if not hit.size:
                         continue
                     h, sl = (int(x) for x in hit[0])
+                    rel[h, sl] = int(np.flatnonzero(table == rel[h, sl])[0])  # the byte's index in the vector
                     listed = isinstance(listing, BlockList) and block in listing.block_ids
                     token = None
                     if isinstance(listing, BlockList) and listed:

@@ -56,8 +56,8 @@ def fill_prefill(pair: EnginePair, request: Request, mem: Memory) -> None:
                 p0, p1 = lst.token_range(engine.logical_block_tokens)
                 for layer, plane, region, starts, tokens, heads in attention_vectors(engine, g, rank, lst,
                                                                                      p0, min(p1, M)):
-                    mem.buffers[rank][region][vector_index(starts, spec.head_bytes)] = attention_hash(
-                        g, layer, plane, tokens[:, None], heads[None, :], spec.head_bytes)
+                    mem.buffers[rank][region][vector_index(starts, engine.attention_vector_bytes(g, plane))] = \
+                        attention_hash(g, layer, plane, tokens[:, None], heads[None, :], spec.head_bytes)
             else:
                 for slot_id, t in zip(lst.slot_ids, lst.tokens, strict=True):
                     for layer, si, region, starts, chans, rows, unit in state_units(engine, g, rank, slot_id):
@@ -79,5 +79,5 @@ def fill_decode(pair: EnginePair, request: Request, mem: Memory) -> None:
         for rank in range(engine.num_ranks):
             for layer, plane, region, starts, tokens, heads in attention_vectors(engine, g, rank, lst,
                                                                                  d0, min(S, d1)):
-                mem.buffers[rank][region][vector_index(starts, spec.head_bytes)] = attention_hash(
-                    g, layer, plane, tokens[:, None], heads[None, :], spec.head_bytes)
+                mem.buffers[rank][region][vector_index(starts, engine.attention_vector_bytes(g, plane))] = \
+                    attention_hash(g, layer, plane, tokens[:, None], heads[None, :], spec.head_bytes)

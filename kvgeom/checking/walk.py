@@ -111,8 +111,12 @@ def state_units(engine: EngineGeometry, group: int, rank: int,
                 yield layer, si, region, starts, local + held.start, rows, sec.unit_bytes
 
 
-def vector_index(starts: np.ndarray, nbytes: int) -> np.ndarray:
-    """Byte index of every byte of every vector: ``starts[..., None] + arange(nbytes)``."""
+def vector_index(starts: np.ndarray, nbytes: int | np.ndarray) -> np.ndarray:
+    """Byte index of every byte of every vector: ``starts[..., None] + arange(nbytes)``, or, given
+    a table of each byte's offset from the vector's start (a head vector a per-plane layout splits,
+    ``EngineGeometry.attention_vector_bytes``), ``starts[..., None] + table``."""
+    if isinstance(nbytes, np.ndarray):
+        return starts[..., None] + nbytes
     return starts[..., None] + np.arange(nbytes, dtype=np.int64)
 
 

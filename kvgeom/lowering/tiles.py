@@ -35,9 +35,9 @@ from ..values.blocks import CopyBlock
 from ..values.engine import EngineGeometry
 from ..values.layout import AttentionGroupGeometry, StateGroupGeometry, StateLayout
 from ..values.model import AttentionSpec, StateSpec
-from ..values.planes import PlanesLayout
 from ..values.pair import EnginePair
 from ..values.plan import Copies
+from ..values.planes import PlanesLayout
 
 __all__ = ["tile_rows", "tile_bytes", "tile_quantities", "TileTable", "tile_table", "tile_index_pairs",
            "tile_index_blocks", "check_in_regions", "rank_region_bytes"]

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..arith.runs import Mode, fold_modes, strided_rows
+from ..arith.runs import Mode, common_modes, fold_modes, strided_rows
 from ..arith.shard import owned_slice, sources
 from ..arith.tokens import Segments, SideTokens, segments, window_start
 from ..errors import InternalError
@@ -90,6 +90,21 @@ def _bases(segs: Segments, k: int, side: SideView, reg: np.ndarray, off: np.ndar
         + side.head_offset(head0, plane) + side.slot_offset(segs.slot[k], plane)[:, None]
     regions = np.broadcast_to(reg[None, :], start.shape)
     return start.T.ravel(), regions.T.ravel()
+
+
+def vector_unit(spec: AttentionSpec, sides: Sequence[SideView], plane: int) -> tuple[int, list[Mode]]:
+    """The unit and extra modes a head vector of ``plane`` moves in: ``(head_bytes, [])`` when every
+    side keeps it contiguous (plain layouts: exactly the rows kvgeom always built), else unit 1 and
+    the common refinement of the sides' byte modes (docs/design.md §3.5), innermost last."""
+    hb = spec.head_bytes
+    if not any(s.per_plane for s in sides):
+        return hb, []
+    modes = common_modes([s.vector_modes(plane) for s in sides], hb)
+    if modes is None:
+        raise InternalError("the pair checks that the head vectors' byte modes refine each other")
+    if len(modes) == 1:
+        return hb, []
+    return 1, list(reversed(modes))
 
 
 def _by_length(segs: Segments) -> list[tuple[int, Segments]]:
@@ -273,7 +288,7 @@ def copy_rows(pair: EnginePair, group: int, segs: Segments, p_tok: SideTokens, d
     if not isinstance(spec, AttentionSpec):
         raise InternalError("dispatched on kind")
     P, D = pair.prefill, pair.decode
-    H, hb = spec.num_kv_heads, spec.head_bytes
+    H = spec.num_kv_heads
     p_dcp, d_dcp, p_reps = P.topology.dcp, D.topology.dcp, P.topology.replicas
     materialize = rows is not None
     out = rows if rows is not None else Rows()
@@ -293,6 +308,7 @@ def copy_rows(pair: EnginePair, group: int, segs: Segments, p_tok: SideTokens, d
 
     layer_arrays = {(side, plane): view.layer_arrays(plane) for side, view in (("p", ps), ("d", ds))
                     for plane in range(spec.planes)}
+    vector = [vector_unit(spec, [ps, ds], plane) for plane in range(spec.planes)]
     for d in range(D.num_ranks):
         c = D.coords(d)
         d_layers = D.stage_layers(group, c.stage)
@@ -317,6 +333,7 @@ def copy_rows(pair: EnginePair, group: int, segs: Segments, p_tok: SideTokens, d
                         preg, poff = layer_arrays[("p", planes[0])]
                         dreg, doff = layer_arrays[("d", planes[0])]
                         pl = planes[0]
+                        unit, vmodes = vector[pl]
                         for n, sub in by_len:
                             cmodes: list[Mode] = [(n, (ps.token_stride(pl), ds.token_stride(pl))),
                                                   (nh, (ps.head_stride(pl), ds.head_stride(pl)))]
@@ -324,7 +341,7 @@ def copy_rows(pair: EnginePair, group: int, segs: Segments, p_tok: SideTokens, d
                                 cmodes.append((spec.planes, (ps.plain().kv_stride, ds.plain().kv_stride)))
                             n_copies += _emit(out, sub, n, [(0, ps, preg[lsel], poff[lsel], hp0),
                                                             (1, ds, dreg[lsel], doff[lsel], hd0)],
-                                              cmodes, hb, (p_rank, d), materialize, pl)
+                                              cmodes + vmodes, unit, (p_rank, d), materialize, pl)
     return n_copies
 
 
@@ -337,7 +354,6 @@ def zero_rows(pair: EnginePair, group: int, zsegs: Segments, z_tok: SideTokens, 
     if not isinstance(spec, AttentionSpec):
         raise InternalError("dispatched on kind")
     D = pair.decode
-    hb = spec.head_bytes
     d_planes_inner = spec.planes > 1 and ds.planes_share_region() and not ds.per_plane
     d_plane_sets: Sequence[tuple[int, ...]] = [(0,)] if spec.planes == 1 or d_planes_inner else [(0,), (1,)]
     h_local = D.local_heads(group)
@@ -357,13 +373,14 @@ def zero_rows(pair: EnginePair, group: int, zsegs: Segments, z_tok: SideTokens, 
         for planes in d_plane_sets:
             dreg, doff = ds.layer_arrays(planes[0])
             pl = planes[0]
+            unit, vmodes = vector_unit(spec, [ds], pl)
             for n, sub in _by_length(mine):
                 modes: list[Mode] = [(n, (ds.token_stride(pl),)), (h_local, (ds.head_stride(pl),))]
                 if d_planes_inner:
                     modes.append((spec.planes, (ds.plain().kv_stride,)))
                 one = Rows()
-                count += len(members) * _emit(one, sub, n, [(0, ds, dreg[lsel], doff[lsel], 0)], modes, hb, (0, 0),
-                                              rows is not None, pl)
+                count += len(members) * _emit(one, sub, n, [(0, ds, dreg[lsel], doff[lsel], 0)], modes + vmodes, unit,
+                                              (0, 0), rows is not None, pl)
                 if one.count and rows is not None:
                     z = one.zeros()
                     for d in members:

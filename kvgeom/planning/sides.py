@@ -86,6 +86,12 @@ class SideView:
             return self.layout.planes[plane].token_stride
         return self.layout.token_stride
 
+    def vector_modes(self, plane: int = 0) -> tuple[tuple[int, int], ...]:
+        """The head vector's byte modes on ``plane`` (empty: contiguous)."""
+        if isinstance(self.layout, PlanesLayout):
+            return self.layout.planes[plane].vector_modes
+        return ()
+
     def head_stride(self, plane: int = 0) -> int:
         if isinstance(self.layout, PlanesLayout):
             return self.layout.planes[plane].head_stride

@@ -20,7 +20,8 @@ Worked number: ``Region(num_pages=4, page_bytes=8192)`` encodes as
 ``{"num_pages":4,"page_bytes":8192,"schema":1,"type":"Region"}`` (keys sorted, 60 bytes).
 
 A per-plane page layout (docs/design.md §3.5) is a ``PlanesLayout`` of ``PlaneLayout`` objects,
-``{"planes": [{"offset": 0, "head_stride": 65536, "token_modes": [[32, 1024], [2, 512]]}, ...]}``;
+``{"planes": [{"offset": 0, "head_stride": 65536, "token_modes": [[64, 4]], "vector_modes": [[4, 1],
+[128, 256]]}, ...]}`` (``vector_modes`` may be omitted: a contiguous head vector);
 a plain ``PageLayout`` is written exactly as before, and a layout without ``"type"`` reads as one.
 
 An engine's ``topology`` (docs/design.md §11) and a model's ``global_layers`` are written only when
@@ -44,7 +45,7 @@ from ..values.engine import EngineGeometry
 from ..values.fields import check_int, is_int
 from ..values.layout import AttentionGroupGeometry, AttentionView, PageLayout, Region, StateGroupGeometry, StateView
 from ..values.model import AttentionSpec, ModelSpec, StateSection, StateSpec
-from ..values.planes import MAX_TOKEN_MODES, PlaneLayout, PlanesLayout
+from ..values.planes import MAX_MODES, PlaneLayout, PlanesLayout
 from ..values.request import BlockList, GroupRequest, Request, StateSlots
 from ..values.topology import Topology
 
@@ -81,7 +82,8 @@ _ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {
     PageLayout: lambda lay: {"kv_stride": int(lay.kv_stride), "head_stride": int(lay.head_stride),
                              "token_stride": int(lay.token_stride), "byte_stride": int(lay.byte_stride)},
     PlaneLayout: lambda pl: {"offset": int(pl.offset), "head_stride": int(pl.head_stride),
-                             "token_modes": [[int(e), int(st)] for e, st in pl.token_modes]},
+                             "token_modes": [[int(e), int(st)] for e, st in pl.token_modes],
+                             "vector_modes": [[int(e), int(st)] for e, st in pl.vector_modes]},
     PlanesLayout: lambda lay: {"planes": _enc_list(lay.planes)},
     AttentionView: lambda v: {"regions": [int(r) for r in v.regions], "offset": int(v.offset)},
     StateView: lambda v: {"region": int(v.region), "offset": int(v.offset)},
@@ -267,21 +269,26 @@ def _dec_layout(o: _Obj) -> PageLayout:
     return o.build(lambda: PageLayout(kv, head, tok, byte))
 
 
-def _dec_plane(o: _Obj) -> PlaneLayout:
-    offset, head = o.f_int("offset"), o.f_int("head_stride")
-    raw = o.f_list("token_modes")
-    if len(raw) > MAX_TOKEN_MODES:
-        raise SchemaError(f"{o.path}.token_modes", f"{len(raw)} token modes exceed {MAX_TOKEN_MODES}",
-                          actual=len(raw), expected=f"<= {MAX_TOKEN_MODES}", fix="describe the axis in fewer modes")
+def _dec_modes(o: _Obj, key: str, raw: list[Any]) -> tuple[tuple[int, int], ...]:
+    if len(raw) > MAX_MODES:
+        raise SchemaError(f"{o.path}.{key}", f"{len(raw)} modes exceed {MAX_MODES}", actual=len(raw),
+                          expected=f"<= {MAX_MODES}", fix="describe the axis in fewer modes")
     modes = []
     for i, m in enumerate(raw):
-        pair = _list(f"{o.path}.token_modes[{i}]", m)
+        pair = _list(f"{o.path}.{key}[{i}]", m)
         if len(pair) != 2:
-            raise SchemaError(f"{o.path}.token_modes[{i}]", f"a mode is [extent, stride], got {len(pair)} numbers",
+            raise SchemaError(f"{o.path}.{key}[{i}]", f"a mode is [extent, stride], got {len(pair)} numbers",
                               actual=_short(pair), expected="[extent, stride]", fix="write each mode as two integers")
-        modes.append((_int(f"{o.path}.token_modes[{i}][0]", pair[0], 1),
-                      _int(f"{o.path}.token_modes[{i}][1]", pair[1], 0)))
-    return o.build(lambda: PlaneLayout(offset, head, tuple(modes)))
+        modes.append((_int(f"{o.path}.{key}[{i}][0]", pair[0], 1), _int(f"{o.path}.{key}[{i}][1]", pair[1], 0)))
+    return tuple(modes)
+
+
+def _dec_plane(o: _Obj) -> PlaneLayout:
+    offset, head = o.f_int("offset"), o.f_int("head_stride")
+    tokens = _dec_modes(o, "token_modes", o.f_list("token_modes"))
+    vector = _dec_modes(o, "vector_modes", o.f_list("vector_modes")) if "vector_modes" in o.d else ()
+    o.used.add("vector_modes")
+    return o.build(lambda: PlaneLayout(offset, head, tokens, vector))
 
 
 def _dec_planes(o: _Obj) -> PlanesLayout:

@@ -56,13 +56,6 @@ from .layout import (
     section_placements,
     state_layout,
 )
-from .planes import (
-    CPU_ATTN_TILE,
-    PlaneLayout,
-    PlanesLayout,
-    cpu_attn_layout,
-    slot_offsets,
-)
 from .model import (
     MAX_GROUPS,
     MAX_LAYERS,
@@ -97,6 +90,14 @@ from .plan import (
     plan_pair_bytes,
     plan_rank_rows,
     plan_repr,
+)
+from .planes import (
+    CPU_ATTN_ISAS,
+    PlaneLayout,
+    PlanesLayout,
+    contiguous_bytes,
+    cpu_attn_layout,
+    mode_offsets,
 )
 from .request import (
     MAX_LISTED,
@@ -169,9 +170,10 @@ __all__ = [
     "PageLayout",
     "PlaneLayout",
     "PlanesLayout",
-    "CPU_ATTN_TILE",
+    "CPU_ATTN_ISAS",
+    "contiguous_bytes",
     "cpu_attn_layout",
-    "slot_offsets",
+    "mode_offsets",
     "AttentionView",
     "StateLayout",
     "StateView",

@@ -45,7 +45,7 @@ from .layout import (
 )
 from .layout import state_layout as as_state_layout
 from .model import AttentionSpec, ModelSpec
-from .planes import PlanesLayout, cpu_attn_layout
+from .planes import PlanesLayout, cpu_attn_layout, element_bytes_of
 from .topology import Topology
 
 __all__ = ["engine_fields"]
@@ -64,6 +64,8 @@ def engine_fields(
     state_layout: StateLayout | str = StateLayout.CHANNEL_MAJOR,
     name: str = "engine",
     topology: Topology | None = None,
+    cpu_isa: str = "vec",
+    element_bytes: int | None = None,
 ) -> dict[str, Any]:
     """The keyword arguments of ``EngineGeometry(...)`` for the described engine (see the module).
 
@@ -72,6 +74,9 @@ def engine_fields(
       * ``interleaved`` one region per group, its layers side by side inside each page;
       * ``shared``     region i holds layer i of every group (vLLM's hybrid overlay);
         K/V must be packed, and the page is as large as the largest layer page that uses it.
+
+    ``layout="CPU_ATTN"``: vLLM's CPU attention page for kernel ``cpu_isa`` ("vec", "vec16",
+    "amx"), elements of ``element_bytes`` (default: the model dtype's size).
     """
     check_instance("EngineGeometry.build.model", model, ModelSpec, fix="describe the model with ModelSpec(...)")
     check_str(f"{name}.name" if isinstance(name, str) else "EngineGeometry.name", name)
@@ -122,7 +127,9 @@ def engine_fields(
                     raise GeometryError(f"{name}.layout", f"CPU_ATTN pages hold K and V; group {spec.name!r} has "
                                         f"{spec.planes} plane", actual=layout, expected="HND or NHD",
                                         fix="use layout='HND' for MLA latents")
-                lay = cpu_attn_layout(heads=h, block_size=K, head_bytes=spec.head_bytes)
+                eb = element_bytes_of(model.dtype, f"{name}.model.dtype") if element_bytes is None else element_bytes
+                lay = cpu_attn_layout(heads=h, block_size=K, head_bytes=spec.head_bytes, element_bytes=eb,
+                                      isa=cpu_isa)
             else:
                 maker = PageLayout.hnd if layout == "HND" else PageLayout.nhd
                 lay = maker(heads=h, tokens=K, head_bytes=spec.head_bytes, planes=spec.planes, kv=kv)

@@ -48,7 +48,7 @@ from .layout import (
     section_placements,
 )
 from .model import AttentionSpec, ModelSpec, StateSpec
-from .planes import PlanesLayout, slot_offsets
+from .planes import PlanesLayout, mode_offsets
 from .tensors import LayerTensors, tensor_fields
 from .text import MAX_RANK_ROWS, cut, format_ids, html_block, html_table, text_table
 from .topology import RankCoords, Topology
@@ -331,7 +331,7 @@ class EngineGeometry:
                 + view.offset
                 + pl.offset
                 + np.asarray(local_head, dtype=np.int64) * pl.head_stride
-                + slot_offsets(pl.token_modes)[np.asarray(slot, dtype=np.int64)]
+                + mode_offsets(pl.token_modes)[np.asarray(slot, dtype=np.int64)]
             )
         off = (
             np.asarray(page, dtype=np.int64) * self.regions[region].page_bytes
@@ -341,6 +341,19 @@ class EngineGeometry:
             + np.asarray(slot, dtype=np.int64) * lay.token_stride
         )
         return region, off
+
+    def attention_vector_bytes(self, group: int, plane: int) -> np.ndarray:
+        """Offset of each byte of a head vector of ``plane`` from the vector's start (what
+        :meth:`attention_address` returns): ``arange(head_bytes)`` unless a per-plane layout splits
+        the vector (docs/design.md §3.5). Read-only."""
+        self._index("group", group, len(self.groups))
+        geo, spec = self.groups[group], self.model.groups[group]
+        if not (isinstance(geo, AttentionGroupGeometry) and isinstance(spec, AttentionSpec)):
+            raise GeometryError(f"{self.name}.groups[{group}]", "attention_vector_bytes needs an attention group",
+                                actual=type(geo).__name__, expected="AttentionGroupGeometry")
+        self._index("plane", plane, spec.planes)
+        modes = geo.layout.planes[plane].vector_modes if isinstance(geo.layout, PlanesLayout) else ()
+        return mode_offsets(modes, spec.head_bytes)
 
     def state_address(
         self, group: int, layer: int, section: int, slot_id: Any, local_channel: Any, row: Any
@@ -382,15 +395,19 @@ class EngineGeometry:
         state_layout: StateLayout | str = StateLayout.CHANNEL_MAJOR,
         name: str = "engine",
         topology: Topology | None = None,
+        cpu_isa: str = "vec",
+        element_bytes: int | None = None,
     ) -> EngineGeometry:
         """Build the usual geometries: ``num_blocks`` logical blocks in every region
         (:func:`kvgeom.values.builder.engine_fields` says how each choice lays the pages out;
         with ``topology``, regions are made per pipeline stage, docs/design.md §11.4).
         ``layout="CPU_ATTN"`` is vLLM's CPU attention page (:func:`~kvgeom.values.planes.cpu_attn_layout`,
-        K/V packed, docs/design.md §3.5)."""
+        K/V packed, docs/design.md §3.5) for kernel ``cpu_isa``, elements of ``element_bytes`` (default:
+        the model dtype's size)."""
         return cls(**engine_fields(model, tp=tp, kernel_block_tokens=kernel_block_tokens, num_blocks=num_blocks,
                                    blocks_per_logical=blocks_per_logical, layout=layout, kv=kv, regions=regions,
-                                   state_layout=state_layout, name=name, topology=topology))
+                                   state_layout=state_layout, name=name, topology=topology, cpu_isa=cpu_isa,
+                                   element_bytes=element_bytes))
 
     @classmethod
     def from_tensors(

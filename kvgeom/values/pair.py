@@ -20,11 +20,13 @@ from typing import Any
 import attrs
 import numpy as np
 
+from ..arith.runs import common_modes
 from ..errors import IncompatibleGeometry, RequestError, value_text
 from .coverage import coverage_problems
 from .engine import EngineGeometry
 from .fields import check_instance
 from .model import AttentionSpec, ModelSpec, StateSpec
+from .planes import PlanesLayout
 from .request import BlockList, Request, StateSlots
 
 __all__ = ["EnginePair", "Compatibility", "incompatibilities", "pairable"]
@@ -73,6 +75,8 @@ def incompatibilities(prefill: EngineGeometry, decode: EngineGeometry) -> tuple[
             differ(f"{base}.head_bytes", pg.head_bytes, dg.head_bytes,
                    "use the same head size and cache dtype on both sides")
             differ(f"{base}.window_tokens", pg.window_tokens, dg.window_tokens, "use the same sliding window")
+            if pg.head_bytes == dg.head_bytes:
+                out.extend(_vector_mismatches(prefill, decode, gi, base, pg))
         elif isinstance(pg, StateSpec) and isinstance(dg, StateSpec):
             differ(f"{base}.num_layers", pg.num_layers, dg.num_layers, "both engines must serve every layer")
             differ(f"{base}.sections", pg.sections, dg.sections,
@@ -81,6 +85,25 @@ def incompatibilities(prefill: EngineGeometry, decode: EngineGeometry) -> tuple[
         differ("global_layers", pm.layer_order(), dm.layer_order(),
                "describe the model's global layer order identically on both sides (ModelSpec.global_layers)")
     return tuple(out)
+
+
+def _vector_mismatches(prefill: EngineGeometry, decode: EngineGeometry, gi: int, base: str,
+                       spec: AttentionSpec) -> list[IncompatibleGeometry]:
+    """Head vectors split differently on the two sides must refine each other (docs/design.md §3.5):
+    every copy moves pieces both sides keep contiguous."""
+    lays = [e.groups[gi].layout for e in (prefill, decode)]  # type: ignore[union-attr]
+    if not any(isinstance(x, PlanesLayout) for x in lays):
+        return []
+    out = []
+    for p in range(spec.planes):
+        modes = [x.planes[p].vector_modes if isinstance(x, PlanesLayout) and p < len(x.planes) else () for x in lays]
+        if common_modes(modes, spec.head_bytes) is None:
+            out.append(IncompatibleGeometry(f"decode.groups[{gi}].layout.planes[{p}].vector_modes",
+                                            f"{base}: plane {p}'s head vector bytes are split as {modes[1]} on decode "
+                                            f"and {modes[0]} on prefill, which do not refine each other",
+                                            actual=modes[1], expected=f"modes whose partial products divide those of "
+                                            f"{modes[0]}", fix="describe the head vector's bytes in compatible modes"))
+    return out
 
 
 def _not_an_engine(side: str, value: Any) -> IncompatibleGeometry:

@@ -2,19 +2,22 @@
 checked when an ``EngineGeometry`` is built (docs/design.md §3.5). Every rule raises
 :class:`~kvgeom.errors.GeometryError` naming the plane and the axis::
 
-    one PlaneLayout per model plane; each token axis covers K slots (product of extents == K)
+    one PlaneLayout per model plane; each token axis covers K slots (product of extents == K),
+    each vector axis head_bytes (or none: contiguous)
     K <= 2**20 (a slot table per axis), no DCP token shards (a shard's slots are not a mode)
     bounds, per plane p, by arithmetic before anything is enumerated:
-        view.offset + offset_p + (heads-1)*head_stride_p + sum((e-1)*s) + head_bytes <= page_bytes
+        view.offset + offset_p + (heads-1)*head_stride_p + sum((e-1)*s) + vector span <= page_bytes
+        (vector span: 1 + sum((f-1)*v) over the vector modes, head_bytes when contiguous)
     no two head vectors overlap:
       every plane's token modes nest (extent T_p), the planes sharing a region have one head
       stride hs, their cells [offset_p, offset_p + T_p) are disjoint and span at most hs, and the
       layers' extents are disjoint  -> proven by arithmetic, O(layers)
       otherwise every head vector of a region's pages enumerated (at most 2**20, else refused)
 
-Worked number: CPU_ATTN, 2 heads, block 64, rows of 512 B: K cell [0, 32768) (modes
-(32, 1024), (2, 512) nest: 512 -> 1024 -> 32768), V cell [32768, 65536), head stride 65536 =
-their span, layer extent [0, 65536 + 65536) = the 131072-byte page: nothing enumerated.
+Worked number: CPU_ATTN ``vec``, 2 heads, block 64, head_dim 128 float32: K cell [0, 32768)
+(byte modes (4, 1), tokens (64, 4), elements (128, 256) nest: 4 -> 256 -> 32768), V cell
+[32768, 65536), head stride 65536 = their span, layer extent [0, 131072) = the page: nothing
+enumerated.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import numpy as np
 from ..errors import GeometryError
 from .layout import AttentionGroupGeometry
 from .model import AttentionSpec
-from .planes import PlanesLayout, slot_offsets
+from .planes import PlaneLayout, PlanesLayout, contiguous_bytes, mode_offsets
 
 __all__ = ["MAX_MODE_TOKENS", "validate_planes", "planes_apart"]
 
@@ -53,6 +56,11 @@ def validate_planes(e: Any, spec: AttentionSpec, geo: AttentionGroupGeometry, la
                             f"exceed {MAX_MODE_TOKENS}", actual=K, expected=f"<= {MAX_MODE_TOKENS}",
                             fix="use smaller kernel pages")
     for p, pl in enumerate(lay.planes):
+        if pl.vector_bytes(hb) != hb:
+            raise GeometryError(f"{lp}.planes[{p}].vector_modes", f"the vector modes of plane {p} cover "
+                                f"{pl.vector_bytes(hb)} bytes, a head vector has {hb}", actual=pl.vector_modes,
+                                expected=f"extents multiplying to head_bytes={hb}",
+                                fix="give byte modes whose extents multiply to head_bytes (or none: contiguous)")
         if pl.tokens != K:
             raise GeometryError(f"{lp}.planes[{p}].token_modes", f"the token modes of plane {p} cover {pl.tokens} "
                                 f"slots, the kernel page has {K}", actual=pl.token_modes,
@@ -65,7 +73,7 @@ def validate_planes(e: Any, spec: AttentionSpec, geo: AttentionGroupGeometry, la
                                 fix="name the region of each plane (the same index twice when packed)")
     # bounds by arithmetic: the last byte of every plane of every view inside its page
     for p, pl in enumerate(lay.planes):
-        span = pl.offset + (heads - 1) * pl.head_stride + pl.token_span() + hb
+        span = pl.offset + (heads - 1) * pl.head_stride + pl.token_span() + pl.vector_span(hb)
         for li, v in enumerate(geo.views):
             ri = region_index(e, f"{path}.views[{li}].regions[{p}]", v.regions[p])
             end = v.offset + span
@@ -84,7 +92,8 @@ def planes_apart(geo: AttentionGroupGeometry, lay: PlanesLayout, heads: int, hb:
     """True when no two head vectors of one page overlap, proven by arithmetic (see the module)."""
     cells = []
     for pl in lay.planes:
-        t = nested(list(pl.token_modes), hb)
+        t = nested(list(pl.token_modes) + list(pl.vector_modes), 1) if pl.vector_modes else \
+            nested(list(pl.token_modes), hb)
         if t is None:
             return False
         cells.append((pl.offset, pl.offset + t, pl.head_stride))
@@ -116,28 +125,35 @@ def _apart_by_enumeration(e: Any, spec: AttentionSpec, geo: AttentionGroupGeomet
                           heads: int, hb: int, path: str, region_index: Callable[[Any, str, Any], int],
                           max_vectors: int) -> None:
     K = e.kernel_block_tokens
-    vectors = spec.planes * heads * K
-    if vectors * len(geo.views) > max_vectors:
-        raise GeometryError(path, f"{len(geo.views)} layers x {vectors} head vectors per page exceed the "
+    unit = min(contiguous_bytes(pl.vector_modes, hb) for pl in lay.planes)  # bytes every piece below keeps whole
+    pieces = spec.planes * heads * K * (hb // unit)
+    if pieces * len(geo.views) > max_vectors:
+        raise GeometryError(path, f"{len(geo.views)} layers x {pieces} contiguous pieces per page exceed the "
                             f"{max_vectors} kvgeom checks for overlap (the plane layouts do not nest)",
-                            actual=vectors * len(geo.views), expected=f"<= {max_vectors}",
+                            actual=pieces * len(geo.views), expected=f"<= {max_vectors}",
                             fix="use plane layouts whose modes nest and whose planes' cells are disjoint")
     per_region: dict[int, list[tuple[np.ndarray, int]]] = {}
     for li, v in enumerate(geo.views):
         for p, pl in enumerate(lay.planes):
             ri = region_index(e, f"{path}.views[{li}].regions[{p}]", v.regions[p])
-            starts = (v.offset + pl.offset + np.arange(heads, dtype=np.int64)[:, None] * pl.head_stride
-                      + slot_offsets(pl.token_modes)[None, :]).ravel()
+            starts = (v.offset + pl.offset + np.arange(heads, dtype=np.int64)[:, None, None] * pl.head_stride
+                      + mode_offsets(pl.token_modes)[None, :, None]
+                      + _pieces(pl, hb, unit)[None, None, :]).ravel()
             per_region.setdefault(ri, []).append((starts, p))
     for ri, chunks in per_region.items():
         starts = np.concatenate([c for c, _ in chunks])
         plane = np.concatenate([np.full(c.size, p) for c, p in chunks])
         order = np.argsort(starts, kind="stable")
         s = starts[order]
-        if s.size > 1 and np.any(np.diff(s) < hb):
-            i = int(np.argmax(np.diff(s) < hb))
+        if s.size > 1 and np.any(np.diff(s) < unit):
+            i = int(np.argmax(np.diff(s) < unit))
             pa, pb = int(plane[order][i]), int(plane[order][i + 1])
             raise GeometryError(f"{path}.layout.planes[{pb}]", f"two head vectors overlap in region {ri} at page bytes "
-                                f"{int(s[i])} (plane {pa}) and {int(s[i + 1])} (plane {pb}); head vectors are {hb} B",
+                                f"{int(s[i])} (plane {pa}) and {int(s[i + 1])} (plane {pb}); pieces are {unit} B",
                                 actual=lay.describe(), expected="plane layouts that keep every head vector apart",
                                 fix="give the planes disjoint offsets and token strides of at least head_bytes")
+
+
+def _pieces(pl: PlaneLayout, hb: int, unit: int) -> np.ndarray:
+    """Start of every ``unit``-byte piece of a head vector, from the vector's start."""
+    return mode_offsets(pl.vector_modes, hb)[::unit]
