@@ -62,7 +62,7 @@ def common_modes(sides: Sequence[Sequence[tuple[int, int]]], total: int) -> list
     >>> common_modes([[(2, 1), (3, 10)], [(3, 1), (2, 10)]], 6) is None
     True
     """
-    norm = [[(e, s) for e, s in (m or [(total, 1)]) if e > 1] for m in sides]
+    norm = [_coalesce([(e, s) for e, s in (m or [(total, 1)]) if e > 1]) for m in sides]
     cuts = {total}
     for modes in norm:
         acc = 1
@@ -91,6 +91,17 @@ def common_modes(sides: Sequence[Sequence[tuple[int, int]]], total: int) -> list
         refined.append(strides)
     extents = [c // (chain[k - 1] if k else 1) for k, c in enumerate(chain)]
     return [(n, tuple(r[k] for r in refined)) for k, n in enumerate(extents)]
+
+
+def _coalesce(modes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Merge each mode into the one before it when it continues it (stride = extent x stride before)."""
+    out: list[tuple[int, int]] = []
+    for e, s in modes:
+        if out and s == out[-1][0] * out[-1][1]:
+            out[-1] = (out[-1][0] * e, out[-1][1])
+        else:
+            out.append((e, s))
+    return out
 
 
 def strided_rows(

@@ -37,7 +37,7 @@ from ..values.layout import AttentionGroupGeometry, StateGroupGeometry, StateLay
 from ..values.model import AttentionSpec, StateSpec
 from ..values.pair import EnginePair
 from ..values.plan import Copies
-from ..values.planes import PlanesLayout
+from ..values.planes import PlanesLayout, contiguous_bytes
 
 __all__ = ["tile_rows", "tile_bytes", "tile_quantities", "TileTable", "tile_table", "tile_index_pairs",
            "tile_index_blocks", "check_in_regions", "rank_region_bytes"]
@@ -66,12 +66,17 @@ def tile_quantities(pair: EnginePair) -> tuple[tuple[str, int], ...]:
                     raise InternalError("the engine validated group kinds")
                 lay = geo.layout
                 out.append((f"{g}.head_bytes", spec.head_bytes))
-                if isinstance(lay, PlanesLayout):  # per plane: offset, head stride, every token mode's stride
-                    for p, pl in enumerate(lay.planes):
+                if isinstance(lay, PlanesLayout):  # per plane: offset, head stride, every token mode's stride,
+                    for p, pl in enumerate(lay.planes):  # a split vector's contiguous piece and outer byte strides
                         out += [(f"{g}.layout.planes[{p}].offset", pl.offset),
                                 (f"{g}.layout.planes[{p}].head_stride", pl.head_stride)]
                         out += [(f"{g}.layout.planes[{p}].token_modes[{m}].stride", st)
                                 for m, (_, st) in enumerate(pl.token_modes)]
+                        if pl.vector_modes:
+                            piece = contiguous_bytes(pl.vector_modes, spec.head_bytes)
+                            out.append((f"{g}.layout.planes[{p}].contiguous_bytes", piece))
+                            out += [(f"{g}.layout.planes[{p}].vector_modes[{m}].stride", st)
+                                    for m, (_, st) in enumerate(pl.vector_modes) if st >= piece]
                 else:
                     out += [(f"{g}.layout.kv_stride", lay.kv_stride), (f"{g}.layout.head_stride", lay.head_stride),
                             (f"{g}.layout.token_stride", lay.token_stride)]
@@ -108,7 +113,9 @@ def tile_bytes(pair: EnginePair) -> int:
     * attention: a head vector of ``head_bytes`` (a latent for MLA) starts at
       ``page * page_bytes + view.offset + plane * kv_stride + head * head_stride + slot * token_stride``
       and ends ``head_bytes`` later, whatever the two layouts are (a per-plane layout, §3.5: the
-      plane's offset, head stride and token modes' strides in place of kv/head/token strides);
+      plane's offset, head stride and token modes' strides in place of kv/head/token strides; a
+      head vector split in byte modes moves in pieces, so its contiguous piece and the strides of
+      its outer byte modes count too);
     * state, same layout on both sides: D rank's slice of a section intersects a P rank's slice
       on channel boundaries that are multiples of ``c = gcd(P slice, D slice)`` channels (slices
       start at multiples of their size, so local channel indices of a boundary are multiples of

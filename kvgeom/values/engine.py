@@ -460,7 +460,8 @@ def _attention_layout(e: EngineGeometry, gi: int) -> str:
         raise InternalError("caller checks")
     lay = g.layout
     if isinstance(lay, PlanesLayout):
-        return ("latent" if spec.planes == 1 else "per-plane") + (" tiled" if not lay.plain else "")
+        split = any(pl.vector_modes for pl in lay.planes)
+        return ("latent" if spec.planes == 1 else "per-plane") + (" split vectors" if split else "")
     if spec.planes == 1:
         return "latent"
     heads = e.local_heads(gi)

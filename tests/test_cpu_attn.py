@@ -1,0 +1,197 @@
+"""Per-plane page layouts (docs/design.md §3.5) on vLLM's CPU attention pages, block 32, 64 and 96.
+
+* vLLM's own kernel: tests/cpu_attn_pages.py runs under the vLLM venv, fills P's caches with
+  ``cpu_attn_reshape_and_cache``, applies kvgeom's plan to the raw bytes and compares D's listed
+  blocks with what the same kernel writes at D's slots, for every pair of block sizes (and D TP2);
+  two wrong beliefs about K (rows in token order; 32-token tiles of rows) are the controls that
+  must differ.
+* The simulator: the same pairs planned and simulated in this process (its address arithmetic
+  is a slot table, the planner's a digit by digit division), with a planner broken on purpose as
+  the control.
+* Hand-checked numbers: design §3.5's worked offsets, and the engine rules' typed refusals.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from vllm_env import ROOT, run_in_vllm
+
+from kvgeom import (
+    AttentionSpec,
+    EngineGeometry,
+    GeometryError,
+    IncompatibleGeometry,
+    ModelSpec,
+    Pair,
+    PlaneLayout,
+    PlanesLayout,
+    cpu_attn_layout,
+    fresh_request,
+    simulate,
+)
+from kvgeom.planning.transfer import plan_reference
+from kvgeom.tools.serialize import dumps, loads
+from kvgeom.values.layout import AttentionGroupGeometry, AttentionView, Region
+
+SIZES = (32, 64, 96)
+
+
+def _model(hd: int = 64, eb: int = 4, heads: int = 4, layers: int = 2) -> ModelSpec:
+    return ModelSpec("tiny", (AttentionSpec("attn", "full", layers, heads, hd * eb),),
+                     dtype="float32" if eb == 4 else "bfloat16")
+
+
+def _engine(bs: int, tp: int = 1, isa: str = "vec", **kw: object) -> EngineGeometry:
+    eb = 2 if isa == "amx" else 4
+    return EngineGeometry.build(_model(eb=eb), tp=tp, kernel_block_tokens=bs, num_blocks=12, layout="CPU_ATTN",
+                                cpu_isa=isa, name=f"e{bs}", **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def vllm_cells() -> list[dict[str, object]]:
+    return run_in_vllm(str(ROOT / "tests" / "cpu_attn_pages.py"), timeout_s=1200)["cells"]  # type: ignore[no-any-return]
+
+
+def test_vllm_kernel_pages_move_exactly(vllm_cells: list[dict[str, object]]) -> None:
+    """kvgeom's plan puts every K and V byte where vLLM's own kernel puts it on D (all 9 block pairs,
+    D TP1 and TP2, head_dim 64 and 32, and the amx kernel's bf16 pages)."""
+    vec = {(c["p"], c["d"], c["d_tp"]) for c in vllm_cells if c["isa"] == "vec" and c["hd"] == 64}
+    assert vec == set(itertools.product(SIZES, SIZES, (1, 2)))
+    assert {(c["p"], c["d"]) for c in vllm_cells if c["isa"] == "amx"} == {
+        (a, b) for a in SIZES for b in SIZES if a != b}
+    bad = [c for c in vllm_cells if not c["equal"]]
+    assert bad == []
+
+
+def test_vllm_wrong_beliefs_fail(vllm_cells: list[dict[str, object]]) -> None:
+    """The controls: believing K rows are in token order, or tiled by 32 tokens, gives D bytes that
+    differ from vLLM's in every cell (also at equal block sizes: D's tail zeros land on wrong bytes)."""
+    assert all(not c["rows_equal"] and not c["tiled32_equal"] for c in vllm_cells)
+
+
+def test_vllm_k_order_is_transposed(vllm_cells: list[dict[str, object]]) -> None:
+    """Where vLLM's vec kernel put K of token 37, head 1 (elements 0, 1, 2), inside the head's K half:
+    element d at d * bs + s (s = 37 % bs), by hand; amx: (s // 16) * 16 * hd + (d // 2) * 32 + (s % 16) * 2 + d % 2."""
+    for c in vllm_cells:
+        for side in ("p", "d"):
+            bs, s = int(c[side]), 37 % int(c[side])  # type: ignore[call-overload]
+            if c["isa"] == "vec":
+                want = [d * bs + s for d in range(3)]
+            else:
+                hd = int(c["hd"])  # type: ignore[call-overload]
+                want = [(s // 16) * 16 * hd + (d // 2) * 32 + (s % 16) * 2 + d % 2 for d in range(3)]
+            assert c[f"k37_{side}"] == want, (c, side)
+
+
+@pytest.mark.parametrize("bp,bd,d_tp", [(a, b, t) for a in SIZES for b in SIZES for t in (1, 2)])
+def test_simulator_passes_cpu_attn_pairs(bp: int, bd: int, d_tp: int) -> None:
+    pair = Pair(_engine(bp), _engine(bd, tp=d_tp))
+    req = fresh_request(pair, 150, prefix_hit_tokens=0, prefill_first_block=1, decode_first_block=2)
+    for strategy in ("direct", "staged", "auto"):
+        plan = plan_reference(pair, req, strategy=strategy)  # type: ignore[arg-type]
+        rep = simulate(pair, req, plan)
+        assert rep.ok, (strategy, str(rep)[:2000])
+
+
+def test_simulator_passes_amx_and_prefix() -> None:
+    pair = Pair(_engine(32, isa="amx"), _engine(96, isa="amx"))
+    req = fresh_request(pair, 200, prefix_hit_tokens=96, prefill_first_block=3, decode_first_block=1)
+    assert simulate(pair, req, plan_reference(pair, req)).ok
+
+
+def test_simulator_catches_a_planner_that_ignores_byte_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control: a planner that treats every head vector as contiguous (what it did before §3.5)
+    is caught by the simulator, whose own byte tables say otherwise."""
+    from kvgeom.planning import attention
+
+    monkeypatch.setattr(attention, "vector_unit", lambda spec, sides, plane: (spec.head_bytes, []))
+    pair = Pair(_engine(32), _engine(64))
+    req = fresh_request(pair, 100)
+    rep = simulate(pair, req, plan_reference(pair, req, budget=None))
+    assert not rep.ok
+
+
+def test_simulator_catches_a_planner_that_ignores_token_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Control: the amx K axis (16-token tiles) read as one stride is caught."""
+    monkeypatch.setattr(PlaneLayout, "slot_offset", lambda self, slot: np.asarray(slot) * self.token_stride)
+    pair = Pair(_engine(32, isa="amx"), _engine(64, isa="amx"))
+    req = fresh_request(pair, 100)
+    assert not simulate(pair, req, plan_reference(pair, req, budget=None)).ok
+
+
+def test_design_worked_number() -> None:
+    """docs/design.md §3.5: vec, block 64, head_dim 128 float32, 2 heads: K of token 37, head 1 at
+    65536 + 37 * 4 = 65684, its element 1 at 65940; V of it at 65536 + 32768 + 37 * 512 = 117248."""
+    model = ModelSpec("m", (AttentionSpec("attn", "full", 1, 2, 512),), dtype="float32")
+    e = EngineGeometry.build(model, tp=1, kernel_block_tokens=64, num_blocks=2, layout="CPU_ATTN")
+    assert e.regions[0].page_bytes == 2 * 2 * 64 * 512
+    _, k = e.attention_address(0, 0, 0, 0, 37, 1)
+    _, v = e.attention_address(0, 0, 1, 0, 37, 1)
+    assert (int(k), int(v)) == (65684, 117248)
+    assert int(e.attention_vector_bytes(0, 0)[4]) == 256  # element 1 of the K vector
+    assert int(k) + 256 == 65940
+    assert e.attention_vector_bytes(0, 1).tolist() == list(range(512))  # V: contiguous
+
+
+def test_plain_layouts_stay_page_layouts() -> None:
+    """HND/NHD engines keep PageLayout (their documents do not mention planes)."""
+    m = _model()
+    e = EngineGeometry.build(m, tp=1, kernel_block_tokens=32, num_blocks=4)
+    assert "planes" not in dumps(e) and "PageLayout" in dumps(e)
+
+
+def test_pair_file_round_trip() -> None:
+    pair = Pair(_engine(64), _engine(32, isa="vec", tp=2))
+    assert loads(dumps(pair)) == pair
+
+
+def _group(layout: PlanesLayout, page: int, layers: int = 1, hb: int = 8) -> dict[str, object]:
+    return dict(model=ModelSpec("m", (AttentionSpec("a", "full", layers, 1, hb),), dtype="int8"), tp=1,
+                kernel_block_tokens=4, blocks_per_logical=1, regions=(Region(2, page),),
+                groups=(AttentionGroupGeometry(layout, tuple(AttentionView((0, 0), 0) for _ in range(layers))),))
+
+
+def test_rules_name_plane_and_axis() -> None:
+    ok = PlanesLayout((PlaneLayout(0, 64, ((4, 8),)), PlaneLayout(32, 64, ((4, 8),))))
+    EngineGeometry(**_group(ok, 64))  # type: ignore[arg-type]
+    bad_tokens = PlanesLayout((PlaneLayout(0, 64, ((2, 8),)), PlaneLayout(32, 64, ((4, 8),))))
+    with pytest.raises(GeometryError, match=r"planes\[0\]\.token_modes"):
+        EngineGeometry(**_group(bad_tokens, 64))  # type: ignore[arg-type]
+    bad_bytes = PlanesLayout((PlaneLayout(0, 64, ((4, 8),), ((2, 1), (2, 4))), PlaneLayout(32, 64, ((4, 8),))))
+    with pytest.raises(GeometryError, match=r"planes\[0\]\.vector_modes"):
+        EngineGeometry(**_group(bad_bytes, 64))  # type: ignore[arg-type]
+    overflow = PlanesLayout((PlaneLayout(0, 64, ((4, 8),)), PlaneLayout(40, 64, ((4, 8),))))
+    with pytest.raises(GeometryError, match=r"planes\[1\]"):
+        EngineGeometry(**_group(overflow, 64))  # type: ignore[arg-type]
+    overlap = PlanesLayout((PlaneLayout(0, 64, ((4, 8),)), PlaneLayout(28, 64, ((4, 8),))))  # V token 0 in K's
+    with pytest.raises(GeometryError, match="overlap"):
+        EngineGeometry(**_group(overlap, 64))  # type: ignore[arg-type]
+    # interleaved planes (K and V of a token side by side) do not nest as cells, but are apart: enumerated
+    inner = PlanesLayout((PlaneLayout(0, 64, ((4, 16),)), PlaneLayout(8, 64, ((4, 16),))))
+    EngineGeometry(**_group(inner, 64))  # type: ignore[arg-type]
+
+
+def test_cpu_attn_refusals() -> None:
+    with pytest.raises(GeometryError, match="multiples of 32"):
+        cpu_attn_layout(heads=1, block_size=16, head_bytes=256, element_bytes=2)
+    with pytest.raises(GeometryError, match="isa"):
+        cpu_attn_layout(heads=1, block_size=32, head_bytes=256, element_bytes=2, isa="neon")
+    with pytest.raises(GeometryError, match="amx"):
+        cpu_attn_layout(heads=1, block_size=32, head_bytes=160, element_bytes=2, isa="amx")
+
+
+def test_pair_refuses_byte_modes_that_do_not_refine() -> None:
+    """6-byte head vectors split 2 x 3 on one side and 3 x 2 on the other share no piece size."""
+    v = PlaneLayout(48, 72, ((4, 6),))
+    a = PlanesLayout((PlaneLayout(0, 72, ((4, 2),), ((2, 1), (3, 16))), v))
+    b = PlanesLayout((PlaneLayout(0, 72, ((4, 3),), ((3, 1), (2, 16))), v))
+    c = PlanesLayout((PlaneLayout(0, 72, ((4, 6),), ((2, 1), (3, 2))), v))  # contiguous, said in two modes
+    ea, eb, ec = (EngineGeometry(**_group(x, 72, hb=6), name=n) for x, n in ((a, "P"), (b, "D"), (c, "C")))  # type: ignore[arg-type]
+    Pair(ea, ea)
+    Pair(eb, ec)
+    Pair(ea, ec)
+    with pytest.raises(IncompatibleGeometry, match="vector_modes"):
+        Pair(ea, eb)
