@@ -39,6 +39,7 @@ from .attention import plan_attention_group
 from .coalesce import coalesce
 from .group import GroupPlan
 from .packed import PackedCount, count_packed
+from .sides import packed_refusal
 from .staged import plan_staged_group
 from .state import plan_state_group
 
@@ -208,6 +209,9 @@ def weigh_packed(pair: EnginePair, request: Request, staging_bytes: int, unpacke
     built (:func:`~kvgeom.planning.packed.count_packed`), costs less than ``unpacked`` (the chosen
     direct/staged plans' posted copies), and the sentence that says why. A capacity packed cannot
     plan with is no candidate."""
+    refusal = packed_refusal(pair)
+    if refusal is not None:  # docs/design.md §3.5
+        return False, f"auto: packed does not apply ({refusal})"
     try:
         count = count_packed(pair, request, staging_bytes)
     except StagingCapacityError:

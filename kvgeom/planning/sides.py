@@ -24,10 +24,11 @@ from ..arith.tokens import SideTokens
 from ..errors import InternalError
 from ..values.engine import EngineGeometry
 from ..values.layout import AttentionGroupGeometry, PageLayout
+from ..values.pair import EnginePair
 from ..values.planes import PlanesLayout
 from ..values.request import BlockList
 
-__all__ = ["SideView", "stage_parts"]
+__all__ = ["SideView", "stage_parts", "per_plane_groups", "packed_refusal"]
 
 
 def stage_parts(P: EngineGeometry, group: int, d_layers: Slice) -> list[tuple[int, Slice]]:
@@ -39,6 +40,26 @@ def stage_parts(P: EngineGeometry, group: int, d_layers: Slice) -> list[tuple[in
         if got is not None:
             out.append((stage, got))
     return out
+
+
+def per_plane_groups(pair: EnginePair) -> tuple[str, ...]:
+    """Names of the attention groups with a per-plane layout (docs/design.md §3.5) on either side."""
+    out = []
+    for gi, spec in enumerate(pair.model.groups):
+        geos = (pair.prefill.groups[gi], pair.decode.groups[gi])
+        if any(isinstance(g, AttentionGroupGeometry) and isinstance(g.layout, PlanesLayout) for g in geos):
+            out.append(spec.name)
+    return tuple(out)
+
+
+def packed_refusal(pair: EnginePair) -> str | None:
+    """Why the packed strategy does not apply to ``pair`` (None when it does): its pack and unpack
+    steps are one strided shape per group, which a per-plane layout is not (docs/design.md §12)."""
+    groups = per_plane_groups(pair)
+    if not groups:
+        return None
+    return (f"group(s) {', '.join(groups)} have a per-plane page layout (PlanesLayout), which packed's "
+            "strided pack and unpack steps do not express")
 
 
 class SideView:
