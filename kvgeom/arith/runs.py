@@ -62,6 +62,8 @@ def common_modes(sides: Sequence[Sequence[tuple[int, int]]], total: int) -> list
     >>> common_modes([[(2, 1), (3, 10)], [(3, 1), (2, 10)]], 6) is None
     True
     """
+    if total == 1:
+        return [(1, tuple(1 for _ in sides))]
     norm = [_coalesce([(e, s) for e, s in (m or [(total, 1)]) if e > 1]) for m in sides]
     cuts = {total}
     for modes in norm:

@@ -102,7 +102,7 @@ def vector_unit(spec: AttentionSpec, sides: Sequence[SideView], plane: int) -> t
     modes = common_modes([s.vector_modes(plane) for s in sides], hb)
     if modes is None:
         raise InternalError("the pair checks that the head vectors' byte modes refine each other")
-    if len(modes) == 1:
+    if len(modes) == 1 and all(st == 1 for st in modes[0][1]):  # contiguous on every side
         return hb, []
     return 1, list(reversed(modes))
 

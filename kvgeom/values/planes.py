@@ -39,6 +39,7 @@ and its element 1 is ``64 * 4 = 256`` bytes further (65940); V of token 37 start
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import attrs
@@ -212,8 +213,9 @@ class PlanesLayout:
                    for p in self.planes)
 
     def affine_tokens(self) -> int:
-        """The smallest inner extent of any plane: a token run inside one such chunk is affine on every plane."""
-        return min(p.affine_tokens for p in self.planes)
+        """The gcd of the planes' inner extents: a token run inside one chunk of it (from a multiple of
+        it) is inside one run of every plane, so affine on every plane."""
+        return math.gcd(*(p.affine_tokens for p in self.planes))
 
     @classmethod
     def of_page_layout(cls, layout: Any, *, tokens: int, planes: int = 2) -> PlanesLayout:
