@@ -428,9 +428,6 @@ def _padded(engine: EngineGeometry, pad_bytes: int, lead_bytes: int) -> EngineGe
         return engine
 
 
-# ---- pairs ---------------------------------------------------------------------------------------------
-
-
 def _engine_options(
     max_tp: int, kernel_tokens: Sequence[int], max_blocks_per_logical: int, layouts: Sequence[str],
     kv: Sequence[str], regions: Sequence[str], hybrid_regions: Sequence[str], state_layouts: Sequence[str],

@@ -67,6 +67,9 @@ class PackedTransfer(NamedTuple):
     staging_bytes: int
 
 
+# ---- pairs ---------------------------------------------------------------------------------------------
+
+
 def pairs(
     *,
     models: st.SearchStrategy[ModelSpec] | None = None,
