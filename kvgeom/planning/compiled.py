@@ -53,10 +53,12 @@ from .choose import DEFAULT_COST_MODEL, CostModel, Strategy, check_strategy, wei
 from .compile_step import _Source
 from .compiled_request import FAMILY_LIMIT as FAMILY_LIMIT
 from .compiled_request import FLAT_ROWS as FLAT_ROWS
-from .compiled_request import _Group, _RequestEngine, logger
+from .compiled_request import _Group, _RequestEngine
 from .packed import DEFAULT_STAGING_BYTES, packed_transfer_plan
 
 __all__ = ["CompiledPair", "CompiledGroup", "compile_pair", "COMPILED_STRATEGIES"]
+
+logger = logging.getLogger(__name__)
 
 COMPILED_STRATEGIES: tuple[str, ...] = ("direct", "staged", "auto")  # packed: the reference path, noted
 

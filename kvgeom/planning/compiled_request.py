@@ -34,7 +34,7 @@ from .staged import ArrivedView, arrival, staged_rearrange_shape
 from .state import paired_slots, state_notes
 from .topology import topology_notes
 
-logger = logging.getLogger("kvgeom.planning.compiled")
+logger = logging.getLogger(__name__)
 FAMILY_LIMIT = 4  # a group with more families, or one unit, is planned stream by stream in one pass (flat)
 FLAT_ROWS = 65536  # ... unless it gives more rows than this: families then write in place (no temporaries)
 
