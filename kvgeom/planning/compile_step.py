@@ -45,8 +45,8 @@ def _tokens(view: SideView, linear: bool, ids: np.ndarray, first: int) -> SideTo
     if isinstance(view, ArrivedView):
         return SideTokens(ids, first, e.kernel_block_tokens, e.blocks_per_logical, False,
                           cut_tokens=view.arr.sub_tokens, cp=e.topology.dcp, interleave=e.topology.interleave)
-    return SideTokens(ids, first, e.kernel_block_tokens, e.blocks_per_logical, linear, cp=e.topology.dcp,
-                      interleave=e.topology.interleave)
+    return SideTokens(ids, first, e.kernel_block_tokens, e.blocks_per_logical, linear, cut_tokens=view.cut_tokens(),
+                      cp=e.topology.dcp, interleave=e.topology.interleave)
 
 
 def _segment(starts: Sequence[int], lengths: Sequence[int], pages: Sequence[Sequence[int]]) -> Segments:
@@ -66,8 +66,8 @@ def _cuts_inside(engine: Any, view: SideView, linear: bool, first: int, lo: int,
         step = engine.logical_block_tokens
     elif isinstance(view, ArrivedView):
         step = view.arr.sub_tokens
-    else:
-        step = engine.kernel_block_tokens
+    else:  # a per-plane layout's runs (docs/design.md §3.5), or every kernel page
+        step = view.cut_tokens() or engine.kernel_block_tokens
     return first + ((lo - first) // step + 1) * step < hi
 
 

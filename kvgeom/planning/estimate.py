@@ -23,6 +23,7 @@ from ..arith.tokens import window_start
 from ..values.engine import EngineGeometry
 from ..values.model import AttentionSpec
 from ..values.pair import CheckedEngines
+from ..values.planes import PlanesLayout
 from ..values.request import ListingShape, RequestShape
 from .sides import SideView, stage_parts
 
@@ -132,6 +133,8 @@ def _side_step(engine: EngineGeometry, view: SideView, cut_tokens: int = 0) -> t
         return engine.topology.interleave, True
     if cut_tokens:
         return cut_tokens, True
+    if isinstance(view.layout, PlanesLayout):  # cut every gcd of the planes' inner extents (§3.5)
+        return min(view.layout.affine_tokens(), engine.kernel_block_tokens), True
     if view.linear() and not _COMPILING.get():
         return engine.logical_block_tokens, False
     return engine.kernel_block_tokens, True

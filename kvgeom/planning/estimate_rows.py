@@ -20,6 +20,7 @@ from ..values.layout import PageLayout
 from ..values.model import AttentionSpec, StateSpec
 from ..values.pair import CheckedEngines
 from ..values.request import RequestShape
+from .attention import vector_unit
 from .estimate import (
     STEP_WORK,
     PlanEstimate,
@@ -56,6 +57,7 @@ class _AttentionFactors:
     zero_groups: int  # (D stage, DCP rank) groups the zero rows are built for
     zero_members: int  # D ranks sharing one group's zero rows
     owner_pairs: int  # (D DCP rank, P DCP rank) pairs the segments are split into
+    zeros_more: tuple[tuple[_Modes, int], ...] = ()  # a per-plane D's other planes' zero blocks (§3.5)
 
 
 def _attention_factors(pair: CheckedEngines, gi: int, staged: bool) -> _AttentionFactors:
@@ -72,7 +74,9 @@ def _attention_factors(pair: CheckedEngines, gi: int, staged: bool) -> _Attentio
     if not isinstance(spec, AttentionSpec):
         raise InternalError("an attention group's factors")
     ps, ds = SideView(P, gi), SideView(D, gi)
-    d_layout: PageLayout = ds.layout
+    if ps.per_plane or ds.per_plane:
+        return _per_plane_factors(pair, gi, spec, ps, ds)
+    d_layout: PageLayout = ds.plain()
     d_cut = rearranges = 0
     applies = False
     arr = arrival(P, D, gi) if staged else "direct"
@@ -85,7 +89,7 @@ def _attention_factors(pair: CheckedEngines, gi: int, staged: bool) -> _Attentio
     d_planes_share = ds.planes_share_region()
     planes_inner = spec.planes > 1 and ps.planes_share_region() and d_planes_share
     plane_sets = 1 if spec.planes == 1 or planes_inner else 2
-    pl, dl = ps.layout, d_layout
+    pl, dl = ps.plain(), d_layout
     reps, d_dcp, p_dcp = D.topology.replicas, D.topology.dcp, P.topology.dcp
     blocks: dict[_Modes, int] = {}
     n_sources = 0
@@ -102,7 +106,7 @@ def _attention_factors(pair: CheckedEngines, gi: int, staged: bool) -> _Attentio
     # Python iterations per segment length: per D rank (replicas x dcp per head group and stage), per
     # (D stage, P stage) piece, per P DCP owner, per source, per plane set
     iterations = n_sources * reps * d_dcp * p_dcp * _stage_overlaps(pair, gi)
-    fz = SideView(D, gi).layout
+    fz = SideView(D, gi).plain()
     others_z: list[Mode] = [(D.local_heads(gi), (fz.head_stride,))]
     if spec.planes > 1 and d_planes_share:
         others_z.append((spec.planes, (fz.kv_stride,)))
@@ -112,6 +116,37 @@ def _attention_factors(pair: CheckedEngines, gi: int, staged: bool) -> _Attentio
                              _Modes(spec.head_bytes, (fz.token_stride,), tuple(others_z)),
                              reps * D.head_tp * zero_planes * spec.num_layers, zero_planes,
                              D.topology.pp * d_dcp, reps * D.head_tp, d_dcp * p_dcp)
+
+
+def _per_plane_factors(pair: CheckedEngines, gi: int, spec: AttentionSpec, ps: SideView,
+                       ds: SideView) -> _AttentionFactors:
+    """:func:`_attention_factors` when a side's layout is per plane (docs/design.md §3.5): staged
+    does not apply, every plane is its own plane set with its own strides, unit and byte modes
+    (:func:`~kvgeom.planning.attention.vector_unit`), for copies and for zeros."""
+    P, D = pair.prefill, pair.decode
+    reps, d_dcp, p_dcp = D.topology.replicas, D.topology.dcp, P.topology.dcp
+    vec = [vector_unit(spec, [ps, ds], p) for p in range(spec.planes)]
+    blocks: dict[_Modes, int] = {}
+    n_sources = 0
+    for hg in range(D.head_tp):
+        srcs = sources(spec.num_kv_heads, p_tp=P.head_tp, p_replicated=spec.replicated, d_tp=D.head_tp, d_rank=hg,
+                       d_replicated=spec.replicated)
+        for src in srcs:
+            for p, (unit, vmodes) in enumerate(vec):
+                m = _Modes(unit, (ps.token_stride(p), ds.token_stride(p)),
+                           tuple([(src.items.size, (ps.head_stride(p), ds.head_stride(p))), *vmodes]))
+                blocks[m] = blocks.get(m, 0) + spec.num_layers * reps
+        n_sources += len(srcs) * spec.planes
+    iterations = n_sources * reps * d_dcp * p_dcp * _stage_overlaps(pair, gi)
+    zeros = []
+    for p in range(spec.planes):
+        unit, vmodes = vector_unit(spec, [ds], p)
+        zeros.append((_Modes(unit, (ds.token_stride(p),), tuple([(D.local_heads(gi), (ds.head_stride(p),)), *vmodes])),
+                      reps * D.head_tp * spec.num_layers))
+    step_d = _side_step(D, ds)
+    return _AttentionFactors(False, 0, _side_step(P, ps), step_d, step_d, tuple(blocks.items()), iterations,
+                             zeros[0][0], zeros[0][1], spec.planes, D.topology.pp * d_dcp, reps * D.head_tp,
+                             d_dcp * p_dcp, tuple(zeros[1:]))
 
 
 def _rows(modes: _Modes, counts: dict[int, int] | None, segs: int, tokens: int) -> int:
@@ -151,7 +186,8 @@ def _attention(pair: CheckedEngines, shape: RequestShape, gi: int, staged: bool)
 def _per_token(f: _AttentionFactors) -> tuple[int, int]:
     """(copy rows, zero rows) one token can make at most: a segment's rows are at most ``rest`` when
     its token mode folds (and a segment has at least one token), else ``rest`` per token."""
-    return (sum(times * m.bound()[1] for m, times in f.copies), f.zero_times * f.zeros.bound()[1])
+    return (sum(times * m.bound()[1] for m, times in f.copies),
+            f.zero_times * f.zeros.bound()[1] + sum(t * m.bound()[1] for m, t in f.zeros_more))
 
 
 def _attention_factors_of(pair: CheckedEngines, gi: int, staged: bool) -> _AttentionFactors:
@@ -197,7 +233,8 @@ def _zeros(pair: CheckedEngines, shape: RequestShape, gi: int, f: _AttentionFact
         zsegs += k
         z_counts = _length_counts(z0, z1, [(d0, step_z)]) if every_z else None
         z_lengths = len(z_counts) if z_counts is not None else _distinct_lengths(k, z1 - z0, [(d0, step_z, every_z)])
-        zero_rows += f.zero_times * _rows(f.zeros, z_counts, k, z1 - z0)
+        zero_rows += f.zero_times * _rows(f.zeros, z_counts, k, z1 - z0) + sum(
+            t * _rows(m, z_counts, k, z1 - z0) for m, t in f.zeros_more)
         steps += f.zero_groups * f.zero_planes * z_lengths * (1 + f.zero_members)
         scans += k * (z_lengths + f.zero_groups)
     return PlanEstimate(zero_rows=zero_rows, segments=zsegs, steps=steps,

@@ -84,7 +84,7 @@ class _Builder:
             return
         ps, ds = self.pl.sides(g.index)
         hb, planes = spec.head_bytes, spec.planes
-        dl, pl = ds.layout, ps.layout
+        dl, pl = ds.plain(), ps.plain()  # packed refuses per-plane layouts (docs/design.md §3.5)
         dpk, ppk = self._planes_in_page(g.index)
         e_plane = s.n * tm.tokens * hb  # one plane of one layer of the piece
         e_layer = planes * e_plane

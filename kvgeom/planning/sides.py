@@ -21,14 +21,14 @@ import numpy as np
 
 from ..arith.shard import Slice
 from ..arith.tokens import SideTokens
-from ..errors import InternalError
+from ..errors import InternalError, PlanError
 from ..values.engine import EngineGeometry
 from ..values.layout import AttentionGroupGeometry, PageLayout
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 from ..values.planes import PlanesLayout
 from ..values.request import BlockList
 
-__all__ = ["SideView", "stage_parts", "per_plane_groups", "packed_refusal"]
+__all__ = ["SideView", "stage_parts", "per_plane_groups", "packed_refusal", "per_plane_staging"]
 
 
 def stage_parts(P: EngineGeometry, group: int, d_layers: Slice) -> list[tuple[int, Slice]]:
@@ -42,7 +42,7 @@ def stage_parts(P: EngineGeometry, group: int, d_layers: Slice) -> list[tuple[in
     return out
 
 
-def per_plane_groups(pair: EnginePair) -> tuple[str, ...]:
+def per_plane_groups(pair: CheckedEngines) -> tuple[str, ...]:
     """Names of the attention groups with a per-plane layout (docs/design.md §3.5) on either side."""
     out = []
     for gi, spec in enumerate(pair.model.groups):
@@ -52,7 +52,7 @@ def per_plane_groups(pair: EnginePair) -> tuple[str, ...]:
     return tuple(out)
 
 
-def packed_refusal(pair: EnginePair) -> str | None:
+def packed_refusal(pair: CheckedEngines) -> str | None:
     """Why the packed strategy does not apply to ``pair`` (None when it does): its pack and unpack
     steps are one strided shape per group, which a per-plane layout is not (docs/design.md §12)."""
     groups = per_plane_groups(pair)
@@ -60,6 +60,20 @@ def packed_refusal(pair: EnginePair) -> str | None:
         return None
     return (f"group(s) {', '.join(groups)} have a per-plane page layout (PlanesLayout), which packed's "
             "strided pack and unpack steps do not express")
+
+
+def per_plane_staging(pair: CheckedEngines, strategy: str, staging_bytes: int) -> int:
+    """The staging bytes to plan ``strategy`` with: unchanged, except that for a pair with per-plane
+    layouts ``packed`` raises :class:`~kvgeom.errors.PlanError` and ``auto`` gets 0 (packed is no
+    candidate). Every entry point asks this before estimating (docs/design.md §3.5)."""
+    refusal = packed_refusal(pair)
+    if refusal is None:
+        return staging_bytes
+    if strategy == "packed":
+        raise PlanError("strategy", f"packed does not apply: {refusal}", actual=strategy,
+                        expected=["direct", "staged", "auto"],
+                        fix="plan it with strategy='direct' or 'auto' (docs/design.md §3.5)")
+    return 0 if strategy == "auto" else staging_bytes
 
 
 class SideView:
@@ -138,12 +152,17 @@ class SideView:
         off = np.array([v.offset + base for v in self.views], np.int64)
         return reg, off
 
+    def cut_tokens(self) -> int:
+        """Tokens between two cuts when a per-plane layout's planes are affine over fewer than a
+        kernel page (the gcd of their inner extents); 0 otherwise (cut at every kernel page)."""
+        K = self.engine.kernel_block_tokens
+        if isinstance(self.layout, PlanesLayout) and self.layout.affine_tokens() < K:
+            return self.layout.affine_tokens()
+        return 0
+
     def tokens(self, listing: BlockList) -> SideTokens:
         """The listing in kernel terms; a DCP engine's tokens are sharded (docs/design.md §11.2)."""
         e = self.engine
-        cut = 0
-        if isinstance(self.layout, PlanesLayout) and self.layout.affine_tokens() < e.kernel_block_tokens:
-            cut = self.layout.affine_tokens()
         return SideTokens(np.asarray(listing.block_ids, np.int64), listing.first_token,
-                          e.kernel_block_tokens, e.blocks_per_logical, self.linear(), cut_tokens=cut,
+                          e.kernel_block_tokens, e.blocks_per_logical, self.linear(), cut_tokens=self.cut_tokens(),
                           cp=e.topology.dcp, interleave=e.topology.interleave)

@@ -29,7 +29,7 @@ import threading
 
 import attrs
 
-from ..errors import IncompatibleGeometry, KvGeomError, PlanError
+from ..errors import IncompatibleGeometry, KvGeomError
 from ..values.engine import EngineGeometry
 from ..values.fields import check_instance, check_int
 from ..values.notes import Note, NoteKind
@@ -39,7 +39,6 @@ from ..values.request import Request, RequestShape
 from .budget import DEFAULT_BUDGET, PlanBudget, PlanEstimate, admit, estimate_compile, estimate_plan
 from .choose import (
     DEFAULT_COST_MODEL,
-    STRATEGIES,
     CostModel,
     Strategy,
     check_strategy,
@@ -51,7 +50,7 @@ from .coalesce import coalesce, coalesce_zeros
 from .compiled import COMPILED_STRATEGIES, CompiledPair
 from .group import GroupPlan
 from .packed import DEFAULT_STAGING_BYTES, packed_transfer_plan
-from .sides import packed_refusal
+from .sides import per_plane_staging
 from .topology import topology_notes
 
 __all__ = ["Pair", "plan_transfer", "plan_pair", "plan_reference", "check_budget"]
@@ -201,13 +200,7 @@ def _arguments(pair: CheckedEngines, request: Request, strategy: object, cost_mo
         check_instance("budget", budget, PlanBudget, error=KvGeomError, fix="pass a kvgeom.PlanBudget(...) or None")
     check_instance("pair", pair, CheckedEngines, error=IncompatibleGeometry, fix="build the pair with kvgeom.Pair(P, D)")
     pair.check_request(request)
-    refusal = packed_refusal(pair)
-    if refusal is not None and checked == "packed":
-        raise PlanError("strategy", f"packed does not apply: {refusal}", actual=checked,
-                        expected=[s for s in STRATEGIES if s != "packed"],
-                        fix="plan it with strategy='direct' or 'auto' (docs/design.md §3.5)")
-    if refusal is not None and checked == "auto":
-        staging = 0  # packed is no candidate (docs/design.md §3.5): auto weighs direct (and staged) only
+    staging = per_plane_staging(pair, checked, staging)  # per-plane layouts: no packed (docs/design.md §3.5)
     return checked, staging  # type: ignore[return-value]
 
 
