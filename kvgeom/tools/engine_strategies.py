@@ -24,6 +24,7 @@ from ..values.fields import check_int
 from ..values.layout import AttentionView, Region, StateView
 from ..values.model import AttentionSpec, ModelSpec, StateSection, StateSpec
 from ..values.topology import Topology
+from .plane_strategies import per_plane_engine
 
 KINDS = ("full", "sliding", "mla", "state")
 LAYOUTS = ("HND", "NHD")
@@ -253,6 +254,7 @@ def engines(
     max_pp: int = 3,
     max_dcp: int = 8,
     max_replicas: int = 2,
+    per_plane_probability: float = 0.2,
 ) -> st.SearchStrategy[EngineGeometry]:
     """Valid engine geometries for ``model`` (a :class:`ModelSpec` or a strategy of them).
 
@@ -274,6 +276,10 @@ def engines(
       stages (at most the model's layers; vLLM's default partition or a drawn explicit one), a
       DCP size up to ``max_dcp`` dividing TP whose head groups still divide every attention
       group's heads, an interleave dividing K, and 1..``max_replicas`` replicas.
+    * Per-plane page layouts (docs/design.md §3.5) with about ``per_plane_probability``, when no DCP
+      shards the tokens: every attention group's pages redrawn as a ``PlanesLayout``
+      (:func:`kvgeom.tools.plane_strategies.per_plane_engine`: token axes and head vectors of
+      several strides, K and V drawn apart, or the same bytes said per plane).
 
     Shrinks towards TP 1, ``kernel_tokens[0]``, ppl 1 (or the hybrid rule), ``layouts[0]``,
     ``kv[0]``, ``regions[0]``, no padding, one spare block, one stage, no DCP, one replica.
@@ -311,9 +317,10 @@ def engines(
     _int("max_pp", max_pp, 1)
     _int("max_dcp", max_dcp, 1)
     _int("max_replicas", max_replicas, 1)
+    per_plane_probability = _probability("per_plane_probability", per_plane_probability)
     opts = _EngineOptions(max_tp, kernel_tokens, max_blocks_per_logical, layouts, kv, regions, hybrid_regions,
                           state_layouts, hybrid_rule, padding, max_tokens, num_blocks, name, topology_probability,
-                          max_pp, max_dcp, max_replicas)
+                          max_pp, max_dcp, max_replicas, per_plane_probability)
     if isinstance(model, ModelSpec):
         return _engines(st.just(model), opts)
     return _engines(model, opts)
@@ -338,6 +345,7 @@ class _EngineOptions:
     max_pp: int = 3
     max_dcp: int = 8
     max_replicas: int = 2
+    per_plane_probability: float = 0.2
 
 
 @st.composite
@@ -371,6 +379,8 @@ def _draw_engine(draw: Any, model: ModelSpec, o: _EngineOptions, name: str) -> E
     engine = EngineGeometry.build(model, tp=tp, kernel_block_tokens=K, num_blocks=blocks, blocks_per_logical=ppl,
                                   layout=layout, kv=kv, regions=region_choice, state_layout=state_layout, name=name,
                                   topology=topology)
+    if o.per_plane_probability and _maybe(draw, o.per_plane_probability):
+        engine = per_plane_engine(draw, engine)
     if o.padding and _maybe(draw, 0.25):
         pad = draw(st.integers(1, 64))
         lead = draw(st.integers(0, pad))
