@@ -195,3 +195,74 @@ def test_pair_refuses_byte_modes_that_do_not_refine() -> None:
     Pair(ea, ec)
     with pytest.raises(IncompatibleGeometry, match="vector_modes"):
         Pair(ea, eb)
+
+
+@pytest.mark.parametrize("bs", SIZES)
+def test_from_tensors_reads_cpu_attn_views(bs: int) -> None:
+    """CPU_ATTN's caches read through views of vLLM's registered tensor (K: the transposed
+    [head_dim][bs] half, V: the chunk vLLM's kernel reads) give the builder's geometry."""
+    torch = pytest.importorskip("torch")
+    from kvgeom.values.tensors import LayerTensors
+
+    hd, h, nb = 64, 4, 6
+    model = _model(hd=hd, heads=h)
+    layers = []
+    for _ in range(2):
+        c = torch.zeros(nb, h, bs, 2 * hd)  # [num_blocks, heads, block_size, 2 * head_dim], as vLLM registers it
+        k = c.view(nb, h, 2, hd, bs)[:, :, 0].transpose(-1, -2)
+        v = c.view(nb, h, 2 * bs, hd).chunk(2, dim=2)[1]
+        layers.append(LayerTensors("attn", "page head token dim", (k, v)))
+    got = EngineGeometry.from_tensors(model, tp=1, layers=layers)
+    want = EngineGeometry.build(model, tp=1, kernel_block_tokens=bs, num_blocks=nb, layout="CPU_ATTN")
+    assert got.groups == want.groups and got.regions == want.regions
+
+
+def test_from_tensors_reads_the_legacy_x_split_k_cache() -> None:
+    """vLLM's legacy K cache [blocks, heads, head_dim/x, bs, x] (x = 16 bytes) beside a plain V cache
+    reads as a per-plane layout with split K vectors (byte modes (16, 1), (16, 256) for 64 float32
+    elements at block 16), and plans against CPU_ATTN pages byte-exactly (the simulator)."""
+    torch = pytest.importorskip("torch")
+    from kvgeom.values.tensors import LayerTensors
+
+    hd, h, nb, bs, x = 64, 4, 8, 16, 4
+    model = _model(hd=hd, heads=h)
+
+    def layer() -> LayerTensors:
+        k = torch.zeros(nb, h, hd // x, bs, x)
+        v = torch.zeros(nb, h, bs, hd).view(nb, h, bs, hd // x, x).permute(0, 1, 3, 2, 4)
+        return LayerTensors("attn", "page head d1 token d0", (k, v))
+
+    e = EngineGeometry.from_tensors(model, tp=1, layers=[layer(), layer()])
+    lay = e.groups[0].layout
+    assert isinstance(lay, PlanesLayout)
+    assert lay.planes[0].vector_modes == ((16, 1), (16, 256)) and lay.planes[0].token_modes == ((16, 16),)
+    assert lay.planes[1].vector_modes == () and lay.planes[1].token_modes == ((16, 256),)
+    pair = Pair(_engine(32), e)
+    req = fresh_request(pair, 70)
+    assert simulate(pair, req, pair.plan(req)).ok
+
+
+def test_packed_refuses_per_plane_and_auto_leaves_it_out() -> None:
+    from kvgeom import PlanError
+    from kvgeom.values.notes import NoteKind
+
+    pair = Pair(_engine(32), _engine(64))
+    req = fresh_request(pair, 100)
+    with pytest.raises(PlanError, match="packed does not apply"):
+        plan_reference(pair, req, strategy="packed")
+    with pytest.raises(PlanError, match="packed does not apply"):
+        pair.compile().plan(req, strategy="packed")
+    auto = plan_reference(pair, req, strategy="auto", staging_bytes=1 << 20)
+    assert not auto.packed and not any(n.kind is NoteKind.AUTO_PACKED for n in auto.notes)
+    assert simulate(pair, req, auto).ok
+
+
+def test_compiled_pair_plans_cpu_attn_like_the_reference() -> None:
+    pair = Pair(_engine(32), _engine(96, tp=2))
+    compiled = pair.compile()
+    for M, S in ((150, 0), (200, 96), (33, 0), (300, 192)):
+        req = fresh_request(pair, M, prefix_hit_tokens=S, prefill_first_block=2, decode_first_block=1)
+        for strategy in ("direct", "auto"):
+            want = plan_reference(pair, req, strategy=strategy)  # type: ignore[arg-type]
+            got = compiled.plan(req, strategy=strategy)  # type: ignore[arg-type]
+            assert got.copies == want.copies and got.zeros == want.zeros and got.notes == want.notes

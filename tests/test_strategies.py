@@ -23,6 +23,7 @@ from kvgeom import (  # noqa: E402
     IncompatibleGeometry,
     ModelSpec,
     Pair,
+    PlanError,
     StateGroupGeometry,
     StateSlots,
     StateSpec,
@@ -31,6 +32,7 @@ from kvgeom import (  # noqa: E402
     simulate,
 )
 from kvgeom.checking import listed_pages  # noqa: E402
+from kvgeom.planning.sides import packed_refusal  # noqa: E402
 from kvgeom.tools import strategies as kst  # noqa: E402
 
 FAST = settings(max_examples=60, derandomize=True, deadline=None, database=None,
@@ -56,6 +58,9 @@ def test_every_pair_is_rejected_consistently_or_planned_correctly(strategy: str)
         except IncompatibleGeometry as e:
             assert not compat.ok, f"pairable() says ok, the planner refused: {e}"
             assert e.path == compat.reasons[0].path, (e.path, compat.reasons[0].path)
+            return
+        except PlanError as e:  # packed's documented refusal of per-plane layouts (docs/design.md §3.5)
+            assert strategy == "packed" and packed_refusal(Pair(p, d)) is not None, str(e)
             return
         assert compat.ok, f"pairable() says {compat}, but the planner returned a plan"
         replan = plan_transfer(p, d, t.request, strategy=strategy)  # type: ignore[arg-type]

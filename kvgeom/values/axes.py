@@ -96,6 +96,7 @@ class _Axes:
     named: dict[str, tuple[int, int]]
     element: list[tuple[str, int, int]]  # (name, size, byte stride), element axes
     element_bytes: int
+    vector_modes: tuple[tuple[int, int], ...] = ()  # a head vector's byte modes when its axes are split (§3.5)
 
     @property
     def element_name(self) -> str:
@@ -103,7 +104,11 @@ class _Axes:
 
 
 def _read_axes(facts: TensorFacts, text: str, sizes: Mapping[str, int], path: str,
-               allowed: tuple[str, ...]) -> _Axes:
+               allowed: tuple[str, ...], split_vectors: bool = False) -> _Axes:
+    """Sizes and byte strides per axis name. With ``split_vectors`` (attention), element axes that
+    are not contiguous describe a head vector split in byte modes (docs/design.md §3.5: the element
+    axes in the description's order, outermost first, e.g. vLLM's legacy ``[.., dim/x, token, x]``
+    K cache as ``"page head d1 token d0"``); otherwise the element must be contiguous."""
     dims = parse_axes(text, f"{path}.axes")
     if len(dims) != len(facts.shape):
         raise GeometryError(f"{path}.axes", f"{value_text(text, 80)} names {len(dims)} dimensions, the tensor has "
@@ -145,7 +150,11 @@ def _read_axes(facts: TensorFacts, text: str, sizes: Mapping[str, int], path: st
             inner *= size
     # the element (head vector or state unit) is contiguous: innermost stride = item size, and dense
     expect = facts.itemsize
+    contiguous = True
     for name, size, stride in sorted(element, key=lambda e: e[2]):
+        if size > 1 and stride != expect and split_vectors:
+            contiguous = False
+            break
         if size > 1 and stride != expect:
             raise GeometryError(f"{path}.{name}", f"element axis {name!r} has a stride of {stride} B where a "
                                 f"contiguous vector needs {expect} B: the head vectors (state units) are not "
@@ -155,5 +164,17 @@ def _read_axes(facts: TensorFacts, text: str, sizes: Mapping[str, int], path: st
     elem_bytes = checked_product(f"{path}.{element[0][0] if element else 'element'}", *(e[1] for e in element),
                                  facts.itemsize, what="element's bytes (element axes x item size)",
                                  fix="describe only the head vector's (state unit's) axes as element axes")
-    return _Axes(named, element, elem_bytes)
+    vector: tuple[tuple[int, int], ...] = ()
+    if not contiguous:  # byte modes innermost first: the item's bytes, then the element axes innermost first
+        order = [x for names in dims for x in names if x not in AXIS_NAMES]
+        by_name = {x: (size, stride) for x, size, stride in element}
+        modes = [(facts.itemsize, 1)] + [by_name[x] for x in reversed(order) if by_name[x][0] > 1]
+        merged: list[tuple[int, int]] = []
+        for e, st in modes:
+            if merged and st == merged[-1][0] * merged[-1][1]:
+                merged[-1] = (merged[-1][0] * e, merged[-1][1])
+            else:
+                merged.append((e, st))
+        vector = tuple(merged)
+    return _Axes(named, element, elem_bytes, vector)
 

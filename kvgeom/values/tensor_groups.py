@@ -30,6 +30,7 @@ from .layout import (
     state_layout,
 )
 from .model import AttentionSpec, ModelSpec, StateSpec
+from .planes import PlaneLayout, PlanesLayout, contiguous_bytes, mode_offsets
 from .strided import tensor_facts
 from .tensor_regions import _Candidate
 
@@ -51,6 +52,9 @@ class _AttnLayer:
     token_stride: int
     kv_in_page: int | None  # kv stride when K and V sit in one page of one tensor
     kv_axis: int | None  # the kv axis' stride when the description names one
+    # per plane (head stride, token stride, byte modes) when the planes differ or a head vector is split
+    # in byte modes (docs/design.md §3.5); None: one PageLayout says it
+    per_plane: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] | None = None
 
 
 @attrs.frozen
@@ -95,8 +99,8 @@ def _attention_group(gi: int, spec: AttentionSpec, entries: list[LayerTensors], 
         given = list(tensors) if pair else [tensors]
         facts = [tensor_facts(t, f"{name}.{_label(entry, spec.name, layer)}.tensors[{i}]") for i, t in
                  enumerate(given)]
-        axes = [_read_axes(f, entry.axes, sizes, f"{name}.{_label(entry, spec.name, layer)}", allowed)
-                for f in facts]
+        axes = [_read_axes(f, entry.axes, sizes, f"{name}.{_label(entry, spec.name, layer)}", allowed,
+                           split_vectors=True) for f in facts]
         first = axes[0]
         n_layers = first.named.get("layer", (1, 0))[0]
         if "layer" in first.named and (len(entries) != 1 or n_layers != spec.num_layers):
@@ -130,10 +134,17 @@ def _attention_group(gi: int, spec: AttentionSpec, entries: list[LayerTensors], 
                 raise GeometryError(f"{path}.{first.element_name}", f"head vectors of {first.element_bytes} B, the "
                                     f"model says {spec.head_bytes} B", actual=first.element_bytes,
                                     expected=spec.head_bytes, fix="check the head size and the cache dtype")
-            for ax in axes[1:]:
-                if ax.named != first.named or ax.element_bytes != first.element_bytes:
-                    raise GeometryError(f"{path}.tensors[1]", "K and V tensors differ in shape or strides",
+            for ax in axes[1:]:  # K and V may differ in their token, head and byte strides (a per-plane layout)
+                same_sizes = {k: v[0] for k, v in ax.named.items()} == {k: v[0] for k, v in first.named.items()}
+                if not same_sizes or ax.named["page"] != first.named["page"] or ax.element_bytes != first.element_bytes:
+                    raise GeometryError(f"{path}.tensors[1]", "K and V tensors differ in shape or page stride",
                                         actual=ax.named, expected=first.named, fix="pass the two planes of one layer")
+            plane_axes = axes if pair else axes * planes_here
+            per_plane: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] | None = tuple(
+                (ax.named["head"][1] if "head" in ax.named else 0, ax.named["token"][1], ax.vector_modes)
+                for ax in plane_axes)
+            if per_plane is not None and len(set(per_plane)) == 1 and not per_plane[0][2]:
+                per_plane = None  # one stride per axis, contiguous vectors: a PageLayout (as before §3.5)
             ps = first.named["page"][1]
             P = first.named["page"][0]
             hs = first.named["head"][1] if "head" in first.named else 0
@@ -141,6 +152,9 @@ def _attention_group(gi: int, spec: AttentionSpec, entries: list[LayerTensors], 
             kvs = first.named["kv"][1] if "kv" in first.named else 0
             layer_off = sub * first.named["layer"][1] if "layer" in first.named else 0
             in_page = (h - 1) * hs + (K - 1) * ts + spec.head_bytes
+            if per_plane is not None:
+                in_page = max((h - 1) * p_hs + (K - 1) * p_ts + _vector_span(vm, spec.head_bytes)
+                              for p_hs, p_ts, vm in per_plane)
             kv_in_page = None
             if "kv" in first.named and planes_here > 1 and kvs < ps:
                 kv_in_page = kvs
@@ -154,19 +168,27 @@ def _attention_group(gi: int, spec: AttentionSpec, entries: list[LayerTensors], 
                 f = facts[plane] if pair else facts[0]
                 addr = f.address + layer_off + (plane * kvs if not pair else 0)
                 span = (h - 1) * hs + (K - 1) * ts + spec.head_bytes
+                if per_plane is not None:
+                    p_hs, p_ts, vm = per_plane[plane]
+                    span = (h - 1) * p_hs + (K - 1) * p_ts + _vector_span(vm, spec.head_bytes)
                 if kv_in_page is not None and plane:  # K's candidate spans both planes; V needs no candidate
                     continue
                 if kv_in_page is not None:
                     span += (planes_here - 1) * kvs
                 cands.append(_Candidate(("attn", gi, layer, plane), label, addr, ps, P, span, f.allocation, False))
             out.append(_AttnLayer(label, K, h, spec.head_bytes, spec.planes, hs, ts, kv_in_page,
-                                  kvs if "kv" in first.named else None))
+                                  kvs if "kv" in first.named else None, per_plane))
             layer += 1
     if layer != spec.num_layers:
         raise GeometryError(f"{name}.layers", f"{layer} layer(s) given for group {spec.name!r} of "
                             f"{spec.num_layers}", actual=layer, expected=spec.num_layers,
                             fix="give one LayerTensors per layer of every group, in order")
     return out
+
+
+def _vector_span(modes: tuple[tuple[int, int], ...], head_bytes: int) -> int:
+    """Bytes from a head vector's first byte to its last, plus one."""
+    return 1 + sum((e - 1) * s for e, s in modes) if modes else head_bytes
 
 
 def _kernel_tokens(attn: dict[int, list[_AttnLayer]], given: int | None, name: str) -> int:
@@ -192,7 +214,7 @@ def _kernel_tokens(attn: dict[int, list[_AttnLayer]], given: int | None, name: s
 def _attention_geometry(gi: int, spec: AttentionSpec, layers: list[_AttnLayer],
                         placed: dict[tuple[Any, ...], tuple[int, int]], K: int, name: str) -> AttentionGroupGeometry:
     views: list[AttentionView] = []
-    layouts: list[tuple[str, PageLayout]] = []
+    layouts: list[tuple[str, PageLayout | PlanesLayout]] = []
     for li, lay in enumerate(layers):
         r0, o0 = placed[("attn", gi, li, 0)]
         h = lay.heads
@@ -219,8 +241,14 @@ def _attention_geometry(gi: int, spec: AttentionSpec, layers: list[_AttnLayer],
                                         actual=(o0, o1), expected="equal offsets",
                                         fix="register K and V buffers that start at the same page offset")
                 kv_stride, regions = 0, (r0, r1)
-        layouts.append((lay.label, PageLayout(kv_stride=kv_stride, head_stride=head_stride,
-                                              token_stride=lay.token_stride)))
+        if lay.per_plane is not None:  # docs/design.md §3.5: a layout per plane
+            offsets = [0, kv_stride] if spec.planes == 2 and regions[0] == regions[-1] else [0] * spec.planes
+            layouts.append((lay.label, PlanesLayout(tuple(
+                PlaneLayout(off, p_hs if h > 1 or p_hs else K * p_ts, ((K, p_ts),), vm)
+                for off, (p_hs, p_ts, vm) in zip(offsets, lay.per_plane)))))
+        else:
+            layouts.append((lay.label, PageLayout(kv_stride=kv_stride, head_stride=head_stride,
+                                                  token_stride=lay.token_stride)))
         views.append(AttentionView(regions, o0))
     if not layouts:
         raise GeometryError(f"{name}.layers", f"no layer of group {spec.name!r}", fix="give its tensors")
@@ -389,13 +417,25 @@ def _check_layer_overlap(model: ModelSpec, tp: int, K: int, groups: list[GroupGe
             if spec.planes * h * K * len(geo.views) > MAX_PAGE_VECTORS:
                 continue  # the engine rules refuse it with their own error
             lay = geo.layout
-            pl, hh, ss = np.meshgrid(np.arange(spec.planes), np.arange(h), np.arange(K), indexing="ij")
-            for li, v in enumerate(geo.views):
-                for p, r in enumerate(v.regions):
-                    starts = v.offset + pl[p].ravel() * lay.kv_stride + hh[p].ravel() * lay.head_stride \
-                        + ss[p].ravel() * lay.token_stride
-                    per_region.setdefault(r, []).append((starts, np.full(starts.size, li)))
             length = spec.head_bytes
+            if isinstance(lay, PlanesLayout):  # contiguous pieces of each plane (docs/design.md §3.5)
+                length = min(contiguous_bytes(p.vector_modes, spec.head_bytes) for p in lay.planes)
+                if spec.planes * h * K * (spec.head_bytes // length) * len(geo.views) > MAX_PAGE_VECTORS:
+                    continue
+                for li, v in enumerate(geo.views):
+                    for p, r in enumerate(v.regions):
+                        q = lay.planes[p]
+                        starts = (v.offset + q.offset + np.arange(h)[:, None, None] * q.head_stride
+                                  + mode_offsets(q.token_modes)[None, :, None]
+                                  + mode_offsets(q.vector_modes, spec.head_bytes)[::length][None, None, :]).ravel()
+                        per_region.setdefault(r, []).append((starts, np.full(starts.size, li)))
+            else:
+                pl, hh, ss = np.meshgrid(np.arange(spec.planes), np.arange(h), np.arange(K), indexing="ij")
+                for li, v in enumerate(geo.views):
+                    for p, r in enumerate(v.regions):
+                        starts = v.offset + pl[p].ravel() * lay.kv_stride + hh[p].ravel() * lay.head_stride \
+                            + ss[p].ravel() * lay.token_stride
+                        per_region.setdefault(r, []).append((starts, np.full(starts.size, li)))
             labels = [x.label for x in attn[gi]]
         elif isinstance(geo, StateGroupGeometry) and isinstance(spec, StateSpec):
             length = sum(p.local_channels * p.rows * p.unit_bytes for p in section_placements(spec, geo.layout, tp))
