@@ -266,3 +266,21 @@ def test_compiled_pair_plans_cpu_attn_like_the_reference() -> None:
             want = plan_reference(pair, req, strategy=strategy)  # type: ignore[arg-type]
             got = compiled.plan(req, strategy=strategy)  # type: ignore[arg-type]
             assert got.copies == want.copies and got.zeros == want.zeros and got.notes == want.notes
+
+
+def test_drawing_shows_cpu_attn_sources_as_for_plain_pages() -> None:
+    """The drawing maps every D coordinate back through the plan with the model's own addresses, so
+    a CPU_ATTN pair draws the same cells (which P block, which rank, what is zeroed) as an HND pair
+    with the same listings: the source of a token does not depend on where a page keeps it."""
+    from kvgeom.show.cells import transfer_cells
+
+    def cells(layout: str) -> list[tuple[str, list[int], list[float]]]:
+        P = EngineGeometry.build(_model(), tp=1, kernel_block_tokens=32, num_blocks=12, layout=layout)  # type: ignore[arg-type]
+        D = EngineGeometry.build(_model(), tp=2, kernel_block_tokens=64, num_blocks=12, layout=layout)  # type: ignore[arg-type]
+        pair = Pair(P, D)
+        req = fresh_request(pair, 150, prefill_first_block=3, decode_first_block=1)
+        cm = transfer_cells(plan_reference(pair, req), pair, req, rank=1)
+        return [(r.label, r.codes.tolist(), r.zero_fraction.tolist()) for r in cm.rows]
+
+    got, want = cells("CPU_ATTN"), cells("HND")
+    assert got == want and len(want) > 0
