@@ -284,3 +284,41 @@ def test_drawing_shows_cpu_attn_sources_as_for_plain_pages() -> None:
 
     got, want = cells("CPU_ATTN"), cells("HND")
     assert got == want and len(want) > 0
+
+
+def test_strategies_draw_per_plane_layouts() -> None:
+    """The hypothesis strategies reach per-plane layouts with tiled token axes and split head
+    vectors on either side (so the fuzzer and the property tests cover §3.5)."""
+    from hypothesis import HealthCheck, Phase, find, settings
+
+    from kvgeom.tools import strategies as kst
+
+    reach = settings(max_examples=2000, database=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+
+    def planes(e: EngineGeometry) -> list[PlanesLayout]:
+        return [g.layout for g in e.groups if isinstance(g, AttentionGroupGeometry) and isinstance(g.layout, PlanesLayout)]
+
+    for side in ("prefill", "decode"):
+        def tiled_and_split(gp: object, side: str = side) -> bool:
+            lays = planes(getattr(gp, side))
+            return any(len(p.token_modes) > 1 for x in lays for p in x.planes) and any(
+                p.vector_modes for x in lays for p in x.planes)
+        find(kst.pairs(mismatch_probability=0.0), tiled_and_split, settings=reach)
+
+    def k_and_v_differ(gp: object) -> bool:
+        return any((x.planes[0].token_modes, x.planes[0].vector_modes) != (x.planes[1].token_modes, x.planes[1].vector_modes)
+                   for x in planes(gp.decode) if len(x.planes) == 2)  # type: ignore[attr-defined]
+    find(kst.pairs(mismatch_probability=0.0), k_and_v_differ, settings=reach)
+
+
+def test_pair_files_refuse_bad_plane_documents() -> None:
+    from kvgeom.errors import SchemaError
+
+    text = dumps(Pair(_engine(64), _engine(32)))
+    for bad, path in (('"token_modes":[[64,4]]', '"token_modes":[[64]]'),
+                      ('"token_modes":[[64,4]]', '"token_modes":[[64,"4"]]'),
+                      ('"vector_modes":[[4,1],[64,256]]', '"vector_modes":[[4,1],[64,-256]]'),
+                      ('"token_modes":[[64,4]]', '"token_modes":[[32,4]]')):
+        assert bad in text, bad
+        with pytest.raises(SchemaError):
+            loads(text.replace(bad, path, 1))
