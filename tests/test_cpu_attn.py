@@ -169,6 +169,11 @@ def test_rules_name_plane_and_axis() -> None:
     overlap = PlanesLayout((PlaneLayout(0, 64, ((4, 8),)), PlaneLayout(28, 64, ((4, 8),))))  # V token 0 in K's
     with pytest.raises(GeometryError, match="overlap"):
         EngineGeometry(**_group(overlap, 64))  # type: ignore[arg-type]
+    huge = ModelSpec("m", (AttentionSpec("a", "full", 1, 1, 1 << 21),), dtype="int8")
+    big = PlanesLayout((PlaneLayout(0, 4 << 21, ((4, 2),), ((2, 1), (1 << 20, 8))), PlaneLayout(4 << 21, 4 << 21, ((4, 1 << 21),))))
+    with pytest.raises(GeometryError, match="split in byte modes exceed"):  # before any 2**21-entry table exists
+        EngineGeometry(model=huge, tp=1, kernel_block_tokens=4, blocks_per_logical=1, regions=(Region(1, 8 << 21),),
+                       groups=(AttentionGroupGeometry(big, (AttentionView((0, 0), 0),)),))
     # interleaved planes (K and V of a token side by side) do not nest as cells, but are apart: enumerated
     inner = PlanesLayout((PlaneLayout(0, 64, ((4, 16),)), PlaneLayout(8, 64, ((4, 16),))))
     EngineGeometry(**_group(inner, 64))  # type: ignore[arg-type]

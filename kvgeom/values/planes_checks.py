@@ -4,7 +4,8 @@ checked when an ``EngineGeometry`` is built (docs/design.md §3.5). Every rule r
 
     one PlaneLayout per model plane; each token axis covers K slots (product of extents == K),
     each vector axis head_bytes (or none: contiguous)
-    K <= 2**20 (a slot table per axis), no DCP token shards (a shard's slots are not a mode)
+    K <= 2**20 and split head vectors <= 2**20 B (a table per axis), no DCP token shards (a shard's
+    slots are not a mode)
     bounds, per plane p, by arithmetic before anything is enumerated:
         view.offset + offset_p + (heads-1)*head_stride_p + sum((e-1)*s) + vector span <= page_bytes
         (vector span: 1 + sum((f-1)*v) over the vector modes, head_bytes when contiguous)
@@ -51,6 +52,9 @@ def validate_planes(e: Any, spec: AttentionSpec, geo: AttentionGroupGeometry, la
         raise GeometryError(f"{e.name}.topology.dcp", "a per-plane page layout with DCP token shards is not supported "
                             "(a shard's slots are not a token mode)", actual=e.topology.dcp, expected=1,
                             fix="use a plain PageLayout with DCP, or dcp=1")
+    if hb > MAX_MODE_TOKENS and any(pl.vector_modes for pl in lay.planes):
+        raise GeometryError(f"{lp}.planes", f"head vectors of {hb} B split in byte modes exceed {MAX_MODE_TOKENS} B",
+                            actual=hb, expected=f"<= {MAX_MODE_TOKENS}", fix="keep large head vectors contiguous")
     if K > MAX_MODE_TOKENS:
         raise GeometryError(f"{e.name}.kernel_block_tokens", f"{K} tokens per kernel page under a per-plane layout "
                             f"exceed {MAX_MODE_TOKENS}", actual=K, expected=f"<= {MAX_MODE_TOKENS}",

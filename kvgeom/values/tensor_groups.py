@@ -420,7 +420,8 @@ def _check_layer_overlap(model: ModelSpec, tp: int, K: int, groups: list[GroupGe
             length = spec.head_bytes
             if isinstance(lay, PlanesLayout):  # contiguous pieces of each plane (docs/design.md §3.5)
                 length = min(contiguous_bytes(p.vector_modes, spec.head_bytes) for p in lay.planes)
-                if spec.planes * h * K * (spec.head_bytes // length) * len(geo.views) > MAX_PAGE_VECTORS:
+                if (spec.planes * h * K * (spec.head_bytes // length) * len(geo.views) > MAX_PAGE_VECTORS
+                        or spec.head_bytes > MAX_PAGE_VECTORS or K > MAX_PAGE_VECTORS):
                     continue
                 for li, v in enumerate(geo.views):
                     for p, r in enumerate(v.regions):
