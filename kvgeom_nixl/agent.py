@@ -65,7 +65,7 @@ from .probe import ProbeRefused, ProberUnavailable, prober
 logger = logging.getLogger(__name__)
 
 __all__ = ["RankAgent", "notification", "nixl_available", "make_agent", "nixl_errors", "classify",
-           "use_local_defaults", "KINDS", "INBOX_TTL_S", "INBOX_MAX", "INBOX_MESSAGES"]
+           "use_local_defaults", "set_nixl_log_level", "NIXL_LOG_LEVEL", "KINDS", "INBOX_TTL_S", "INBOX_MAX", "INBOX_MESSAGES"]
 
 INBOX_TTL_S = 300.0  # an unclaimed notification older than this is evicted
 INBOX_MAX = 4096  # unclaimed notifications kept at most (the oldest are evicted first)
@@ -96,10 +96,38 @@ def nixl_available() -> bool:
     return True
 
 
+NIXL_LOG_LEVEL = "WARN"
+"""The level kvgeom_nixl gives NIXL's Python logger (``nixl``) when the environment variable
+``NIXL_LOG_LEVEL`` is unset: NIXL itself logs at INFO to stdout (``Backend UCX was instantiated``,
+``Initialized NIXL agent``), and a library must not print. Set ``NIXL_LOG_LEVEL=INFO`` (read by
+NIXL and left alone here) to see those lines, or assign this constant before the first agent."""
+
+_nixl_level_set = False
+
+
+def set_nixl_log_level() -> None:
+    """Give NIXL's ``nixl`` logger :data:`NIXL_LOG_LEVEL`, once, unless ``NIXL_LOG_LEVEL`` is set.
+
+    Called after ``nixl._api`` is imported (its import configures that logger at INFO on stdout)
+    and before an agent is made, so the agent's INFO lines never reach stdout."""
+    global _nixl_level_set
+    if _nixl_level_set or os.environ.get("NIXL_LOG_LEVEL"):
+        return
+    levels = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARN": logging.WARNING,
+              "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}  # NIXL's names for its levels
+    level = levels.get(str(NIXL_LOG_LEVEL).upper())
+    if level is None:
+        raise ExecutorError("NIXL_LOG_LEVEL", f"unknown NIXL log level {NIXL_LOG_LEVEL!r}", actual=NIXL_LOG_LEVEL,
+                            expected=list(levels), fix='e.g. kvgeom_nixl.agent.NIXL_LOG_LEVEL = "WARN"')
+    logging.getLogger("nixl").setLevel(level)
+    _nixl_level_set = True
+
+
 def make_agent(name: str, *, telemetry: bool = False, progress_thread: bool = False) -> Any:
-    """A bare NIXL agent with the UCX backend."""
+    """A bare NIXL agent with the UCX backend (NIXL's logger at :data:`NIXL_LOG_LEVEL` first)."""
     from nixl._api import nixl_agent, nixl_agent_config
 
+    set_nixl_log_level()
     cfg = nixl_agent_config(backends=["UCX"], enable_prog_thread=progress_thread, capture_telemetry=telemetry)
     return nixl_agent(name, cfg)
 
