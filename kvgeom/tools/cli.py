@@ -2,10 +2,11 @@
 
     kvgeom plan [--preset NAME] [--tokens M] [--prefix S] [--strategy direct|staged|auto|packed]
                 [--staging-bytes N] [--layers L] [--json] [--pair FILE] [--svg FILE | --png FILE]
-                [--budget-mb MB]
+                [--budget-mb MB] [--max-work N] [--max-steps N]
     kvgeom presets
     kvgeom transfer [--preset NAME] [--tokens M] [--prefix S] [--strategy ...] [--staging-bytes N] [--push]
-                    [--mode coalesced|prepped] [--json] [--timeout SEC] [--budget-mb MB]
+                    [--mode coalesced|prepped] [--json] [--timeout SEC] [--budget-mb MB] [--max-work N] [--max-steps N]
+    kvgeom fuzz [...] [--budget-mb MB] [--max-work N] [--max-steps N]
 
     argv --> COMMANDS[name] --> add_arguments(parser) --> run(args) --> exit status
                                                           0 ok, 1 verification failed or internal error,
@@ -17,7 +18,8 @@ Worked number: ``kvgeom plan`` (preset ``gqa-tp2-tp4``, M=100, S=16) moves token
 Bounded work (docs/design.md §14): every input is checked before the work it sizes. Output paths
 (``--svg``, ``--png``) are opened before planning; pair files are read to at most 4 MiB; the plan
 is estimated from the request's shape before any block list is built, and refused over the budget
-(``--budget-mb``, default 4096) with exit 2, and so is a simulation (``plan``) or cache and
+(``--budget-mb``, default 4096; ``--max-work`` and ``--max-steps`` raise the other two limits of
+:class:`~kvgeom.PlanBudget`) with exit 2, and so is a simulation (``plan``) or cache and
 staging-ring allocation (``transfer``) larger than the budget; ``--timeout`` must be finite and positive.
 
 Adding a subcommand: write ``add_arguments(parser)`` and ``run(args) -> int`` and add one
@@ -104,8 +106,32 @@ def _budget_mb(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    """``--max-work`` / ``--max-steps``: a whole number >= 1 (argparse reports anything else, exit 2)."""
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value <= 1 << 62:
+        raise argparse.ArgumentTypeError(f"{value} is outside 1 .. {1 << 62}")
+    return value
+
+
+def _budget_arguments(p: argparse.ArgumentParser) -> None:
+    """The three limits of :class:`~kvgeom.PlanBudget`, one flag each."""
+    p.add_argument("--budget-mb", type=_budget_mb, default=DEFAULT_BUDGET.max_bytes >> 20, metavar="MB",
+                   help=f"refuse (exit 2) a request whose plan, simulation or caches would need more memory "
+                        f"(PlanBudget.max_bytes; default {DEFAULT_BUDGET.max_bytes >> 20})")
+    p.add_argument("--max-work", type=_count, default=DEFAULT_BUDGET.max_work, metavar="N",
+                   help=f"refuse a plan of more row operations (PlanBudget.max_work; default {DEFAULT_BUDGET.max_work})")
+    p.add_argument("--max-steps", type=_count, default=DEFAULT_BUDGET.max_steps, metavar="N",
+                   help="refuse a plan or simulation of more Python-level steps (PlanBudget.max_steps; default "
+                        f"{DEFAULT_BUDGET.max_steps})")
+
+
 def _budget(args: argparse.Namespace) -> PlanBudget:
-    return attrs.evolve(DEFAULT_BUDGET, max_bytes=args.budget_mb << 20)
+    """The :class:`~kvgeom.PlanBudget` of ``--budget-mb``, ``--max-work`` and ``--max-steps``."""
+    return PlanBudget(max_bytes=args.budget_mb << 20, max_work=args.max_work, max_steps=args.max_steps)
 
 
 def _check_memory(what: str, nbytes: int, budget: PlanBudget, fix: str) -> None:
@@ -145,7 +171,7 @@ def _check_simulation(pair: Pair, budget: PlanBudget, fix: str) -> None:
                                  f"layers x planes), beyond the budget of {budget.max_steps:,}", actual=steps,
                                  expected=f"<= {budget.max_steps}",
                                  fix=f"{fix} (an engine of {pair.prefill.num_ranks} and one of {pair.decode.num_ranks} "
-                                     "ranks are hardly real)")
+                                     f"ranks are hardly real), or raise the budget with --max-steps {steps}")
 
 
 def _preset_arguments(p: argparse.ArgumentParser) -> None:
@@ -165,9 +191,7 @@ def _preset_arguments(p: argparse.ArgumentParser) -> None:
                    help="packed: the most bytes one chunk stages on one rank (one ring slot; default "
                         f"{DEFAULT_STAGING_BYTES >> 20} MiB)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
-    p.add_argument("--budget-mb", type=_budget_mb, default=DEFAULT_BUDGET.max_bytes >> 20, metavar="MB",
-                   help=f"refuse (exit 2) a request whose plan, simulation or caches would need more memory "
-                        f"(default {DEFAULT_BUDGET.max_bytes >> 20})")
+    _budget_arguments(p)
 
 
 def resolve_preset(args: argparse.Namespace) -> tuple[Preset, int, int]:
@@ -575,6 +599,7 @@ def _fuzz_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE", default=None,
                         help="also write each failure's pair file to FILE (FILE-2, FILE-3... for more)")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    _budget_arguments(parser)
 
 
 def _run_fuzz(args: argparse.Namespace) -> int:
