@@ -61,7 +61,7 @@ from ..values.engine import EngineGeometry, engine_line
 from ..values.fields import check_seconds
 from ..values.model import StateSpec
 from ..values.pair import pairable
-from ..values.plan import TransferPlan, plan_rank_rows
+from ..values.plan import TransferPlan, plan_numbers, plan_rank_rows
 from ..values.request import Request
 from ..values.text import format_bytes, text_table
 from .serialize import load_pair_file
@@ -381,22 +381,7 @@ def _plan_json(header: dict[str, Any], pair: Pair, plan: TransferPlan, report: R
         "planned": True,
         "prefill": engine_line(pair.prefill),
         "decode": engine_line(pair.decode),
-        "prefill_ranks": plan.prefill_ranks,
-        "decode_ranks": plan.decode_ranks,
-        "copies": len(plan.copies),
-        "copies_before_coalescing": plan.copies_before_coalescing,
-        "bytes": plan.bytes_copied,
-        "zeros": len(plan.zeros),
-        "zero_bytes": plan.bytes_zeroed,
-        "rearranges": len(plan.rearranges),
-        "packed": plan.packed,
-        "wire_descriptors": plan.descriptors,
-        "chunks": len(plan.chunks),
-        "staging_bytes": plan.staging_bytes,
-        "staging_per_prefill_rank": [int(x) for x in plan.staging_used("prefill").max(axis=0, initial=0)],
-        "staging_per_decode_rank": [int(x) for x in plan.staging_used("decode").max(axis=0, initial=0)],
-        "packs": len(plan.packs),
-        "unpacks": len(plan.unpacks),
+        **plan_numbers(plan),
         "per_decode_rank": per_rank,
         "violations": sim["violations"],
         "verified": verified,
@@ -557,19 +542,21 @@ def _print_transfer(r: dict[str, Any]) -> None:
           f"strategy {r['strategy']}")
     print(f"  P  {r['prefill']}")
     print(f"  D  {r['decode']}")
-    print(f"  plan: {r['plan_copies']:,} copies / {format_bytes(r['plan_bytes'])}, {r['plan_zeros']:,} zero rows / "
-          f"{format_bytes(r['plan_zero_bytes'])}, {r['plan_rearranges']} rearranges")
+    rows = (f"{r['wire_descriptors']:,} wire rows in {r['chunks']} chunk{'s' if r['chunks'] != 1 else ''}"
+            if r["packed"] else f"{r['copies']:,} copies")
+    print(f"  plan: {rows} / {format_bytes(r['bytes'])}, {r['zeros']:,} zero rows / "
+          f"{format_bytes(r['zero_bytes'])}, {r['rearranges']} rearranges")
     merged = "" if r["nixl_descs"] is None else f" ({r['nixl_descs']:,} after NIXL's merge)"
     rate = r["bytes_moved"] / r["transfer_s"] / 1e9 if r["transfer_s"] > 0 else 0.0
     print(f"  NIXL: {r['agents']} agents (connect {r['connect_s'] * 1e3:.1f} ms), {r['nixl_requests']} requests, "
-          f"{r['descriptors']:,} descriptors posted{merged}")
-    if r.get("plan_packed"):
-        print(f"  packed: {r['plan_chunks']} chunks, {r['plan_wire_rows']} wire rows, slots of "
-              f"{format_bytes(r['staging_bytes'])}; pack {r['pack_s'] * 1e3:.2f} ms, wire {r['wire_s'] * 1e3:.2f} ms, "
-              f"unpack {r['unpack_s'] * 1e3:.2f} ms (summed over ranks)")
+          f"{r['descriptors_posted']:,} descriptors posted{merged}")
+    if r["packed"]:
+        print(f"  packed: {r['packs']} pack and {r['unpacks']} unpack steps, ring slots of "
+              f"{format_bytes(r['staging_slot_bytes'])}; pack {r['pack_s'] * 1e3:.2f} ms, wire "
+              f"{r['wire_s'] * 1e3:.2f} ms, unpack {r['unpack_s'] * 1e3:.2f} ms (summed over ranks)")
     print(f"  moved {format_bytes(r['bytes_moved'])} in {r['transfer_s'] * 1e3:.2f} ms ({rate:.2f} GB/s, "
           f"incl. first-contact wire-up and receive steps); zeroed {format_bytes(r['bytes_zeroed'])}, "
-          f"{r['rearranges']} rearranges")
+          f"{r['rearranges_applied']} rearranges")
     if r["failure"]:
         f = r["failure"]
         print(f"  transfer FAILED: {f['reason']}: {f['detail']}")

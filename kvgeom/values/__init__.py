@@ -88,6 +88,7 @@ from .plan import (
     Zeros,
     plan_html,
     plan_pair_bytes,
+    plan_numbers,
     plan_rank_rows,
     plan_repr,
 )
@@ -196,6 +197,7 @@ __all__ = [
     "ZERO_COLUMNS",
     "plan_repr",
     "plan_html",
+    "plan_numbers",
     "plan_rank_rows",
     "plan_pair_bytes",
     "CopyBlock",
