@@ -201,10 +201,7 @@ def resolve_preset(args: argparse.Namespace) -> tuple[Preset, int, int]:
     build with ``preset.build(tokens, prefix, layers=args.layers)``.
     """
     preset = get_preset(args.preset)
-    tokens = preset.default_tokens if args.tokens is None else args.tokens
-    if args.prefix is not None:
-        return preset, tokens, args.prefix
-    prefix = preset.default_prefix if preset.default_prefix < tokens else 0
+    tokens, prefix = preset.resolve(args.tokens, args.prefix)  # the rule Preset.build uses too
     return preset, tokens, prefix
 
 
