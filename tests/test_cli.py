@@ -65,6 +65,10 @@ def test_plan_default_human_summary(capsys: pytest.CaptureFixture[str]) -> None:
     assert any(line.strip().startswith("total") and f"{DEFAULT_BYTES:,}" in line for line in lines)
     assert any(line.startswith("descriptors:") and "before coalescing" in line for line in lines)
     assert lines[-1].startswith("verdict: OK")
+    # issue 20 (8): the terms the summary uses are explained where they are printed
+    legend = out[out.index("legend: "):]
+    for term in ("K = ", "ppl = ", "rearranged pages = ", "aligned segments = ", "checked = ", "exceeds moved"):
+        assert term in legend, term
 
 
 def test_plan_default_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -231,6 +235,9 @@ def test_plan_pair_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
     without.write_text(serialize.dump_pair_file(pair))
     rc, doc = _json(capsys, "plan", "--pair", str(without), "--tokens", "24", "--json")
     assert rc == 0 and doc["bytes"] == 24 * 2 * 8 * 256
+    # issue 20 (8): without a request in the file and without --tokens, nothing is planned by default
+    rc, _, err = _run(capsys, "plan", "--pair", str(without))
+    assert rc == 2 and "holds two engines and no request" in err and "--tokens M" in err
     rc, _, err = _run(capsys, "plan", "--pair", str(tmp_path / "missing.json"))
     assert rc == 2 and "cannot read pair file" in err
 
@@ -359,3 +366,32 @@ def test_python_dash_m_kvgeom() -> None:
 def test_plan_refuses_an_unwritable_drawing_path_before_planning(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _run(capsys, "plan", "--svg", "/nonexistent-kvgeom-dir/x.svg")
     assert rc == 2 and "--svg" in err and "/nonexistent-kvgeom-dir" in err and "verdict" not in out
+
+
+@pytest.mark.parametrize(("flag", "name", "use"), [("--svg", "x.png", "--png"), ("--png", "x.svg", "--svg"),
+                                                   ("--png", "x.pdf", None)])
+def test_a_drawing_path_naming_another_format_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                         flag: str, name: str, use: str | None) -> None:
+    """Issue 20 (8): ``--svg x.png`` wrote SVG into a .png; now refused before anything is written."""
+    target = tmp_path / name
+    rc, _, err = _run(capsys, "plan", "--layers", "1", "--tokens", "16", flag, str(target))
+    assert rc == 2 and f"{flag}:" in err and not target.exists()
+    if use:
+        assert f"use {use} {target}" in err
+    rc, _, _ = _run(capsys, "plan", "--layers", "1", "--tokens", "16", flag, str(tmp_path / "plain"))
+    assert rc == 0  # no image suffix: the flag decides
+
+
+def test_an_allocation_beyond_the_machine_does_not_suggest_raising_the_budget(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 20 (8): ``--tokens 100000000`` suggested ``--budget-mb 6250001`` (6 TB); one that fits
+    the machine still names the budget that admits it."""
+    from kvgeom.tools.cli import machine_bytes
+
+    have = machine_bytes()
+    assert have is not None and have < 6_000 * 2**30
+    rc, _, err = _run(capsys, "plan", "--tokens", "100000000")
+    assert rc == 2 and "raising --budget-mb will not help" in err and "--budget-mb 6250001" not in err
+    rc, _, err = _run(capsys, "plan", "--tokens", "100000")  # 6.1 GiB: over the default budget, not the machine
+    if have > 7 * 2**30:
+        assert rc == 2 and "raise the budget with --budget-mb 6251" in err

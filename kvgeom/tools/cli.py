@@ -134,13 +134,26 @@ def _budget(args: argparse.Namespace) -> PlanBudget:
     return PlanBudget(max_bytes=args.budget_mb << 20, max_work=args.max_work, max_steps=args.max_steps)
 
 
+def machine_bytes() -> int | None:
+    """This machine's physical memory in bytes (``None`` where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def _check_memory(what: str, nbytes: int, budget: PlanBudget, fix: str) -> None:
-    """Refuse (PlanBudgetExceeded, exit 2) to allocate ``nbytes`` beyond the budget's memory."""
+    """Refuse (PlanBudgetExceeded, exit 2) to allocate ``nbytes`` beyond the budget's memory. Raising
+    the budget is suggested only when the allocation would fit this machine's memory."""
     if nbytes > budget.max_bytes:
+        have = machine_bytes()
+        if have is not None and nbytes > have:
+            raise_it = f" (more than this machine's {have / 2**30:.1f} GiB of memory: raising --budget-mb will not help)"
+        else:
+            raise_it = f", or raise the budget with --budget-mb {_mib_above(nbytes)}"
         raise PlanBudgetExceeded(what, f"the {what} would allocate {nbytes:,} B ({nbytes / 2**30:.2f} GiB), beyond "
                                  f"the budget of {budget.max_bytes:,} B", actual=nbytes,
-                                 expected=f"<= {budget.max_bytes}",
-                                 fix=f"{fix}, or raise the budget with --budget-mb {_mib_above(nbytes)}")
+                                 expected=f"<= {budget.max_bytes}", fix=f"{fix}{raise_it}")
 
 
 def _mib_above(nbytes: int) -> int:
@@ -238,7 +251,11 @@ def _load_pair(args: argparse.Namespace) -> tuple[dict[str, Any], Pair | None, A
         header = {"pair_file": args.pair, "preset": None}
         _check_simulation(pair, budget, "describe engines with fewer or smaller pages, layers or ranks")
         if request is None:
-            tokens = args.tokens if args.tokens is not None else 256
+            if args.tokens is None:  # no silent default: the user says which request to plan
+                raise KvGeomError("--pair", f"pair file {args.pair!r} holds two engines and no request",
+                                  actual="no request", expected="a request in the file, or --tokens",
+                                  fix="pass --tokens M (and --prefix S) to plan a fresh request on its engines")
+            tokens = args.tokens
             prefix = args.prefix or 0
             hybrid = any(isinstance(g, StateSpec) for g in pair.model.groups)
             decode_tokens = tokens + 1 if hybrid else tokens
@@ -310,7 +327,23 @@ class OutputFile:
                 os.unlink(self.path)
 
 
+IMAGE_SUFFIXES = (".svg", ".png", ".pdf", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp", ".gif")
+
+
+def _check_drawing_path(flag: str, path: str) -> None:
+    """``--svg x.png`` would write SVG into a file named for another format: refused, naming the flag to use."""
+    fmt = flag.lstrip("-")
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in IMAGE_SUFFIXES and suffix != f".{fmt}":
+        other = {".svg": "--svg", ".png": "--png"}.get(suffix)
+        fix = f"use {other} {path}" if other else f"name the file *.{fmt}, or use --svg/--png for those formats"
+        raise KvGeomError(flag, f"{path!r} names a {suffix[1:].upper()} file, but {flag} writes {fmt.upper()}",
+                          actual=suffix, expected=f".{fmt} (or no image suffix)", fix=fix)
+
+
 def _run_plan(args: argparse.Namespace) -> int:
+    if args.svg or args.png:
+        _check_drawing_path("--svg" if args.svg else "--png", args.svg or args.png)
     out = OutputFile("--svg" if args.svg else "--png", args.svg or args.png) if (args.svg or args.png) else None
     try:
         return _plan_and_report(args, out)
@@ -389,6 +422,15 @@ def _plan_json(header: dict[str, Any], pair: Pair, plan: TransferPlan, report: R
     }
 
 
+PLAN_LEGEND = """\
+legend: K = tokens per kernel page, ppl = kernel pages per logical block (logical = K x ppl tokens);
+  copies / wire rows = NIXL descriptors (one contiguous byte range each); zero ranges = D bytes set to 0
+  (tokens D lists that P never computed); rearranged pages = D kernel pages permuted in place after a staged
+  copy (unpacked pages: D pages an unpack step writes); aligned segments = token runs whose bytes are
+  affine on both sides (cut at both sides' page and DCP boundaries); checked = every byte of D's cache
+  compared with what it must hold (moved, zeroed, and the bytes that must stay untouched), so it exceeds moved."""
+
+
 def _print_plan(header: dict[str, Any], pair: Pair, plan: TransferPlan, report: Report, verified: bool) -> None:
     _print(f"kvgeom plan: {_label(header)}, strategy {header['strategy']}")
     _print(f"  P  {engine_line(pair.prefill)}")
@@ -415,6 +457,7 @@ def _print_plan(header: dict[str, Any], pair: Pair, plan: TransferPlan, report: 
             _print(f"  - {n}")
         if len(notes) > MAX_LISTED:
             _print(f"  ... {len(notes) - MAX_LISTED} more (--json lists all)")
+    _print(PLAN_LEGEND)  # before the verdict, which stays the last line
     checked_text = f", {format_bytes(report.bytes_checked)} checked"
     if verified:
         _print(f"verdict: OK (simulator: 0 violations{checked_text})")
