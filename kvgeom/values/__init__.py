@@ -87,8 +87,8 @@ from .plan import (
     TransferPlan,
     Zeros,
     plan_html,
-    plan_pair_bytes,
     plan_numbers,
+    plan_pair_bytes,
     plan_rank_rows,
     plan_repr,
 )
