@@ -23,6 +23,16 @@ from __future__ import annotations
 
 import logging
 
+from kvgeom import MissingExtra as _MissingExtra
+from kvgeom import install_hint as _install_hint
+
+try:
+    import torch  # noqa: F401 - receive steps, staging and registration views are torch
+except ImportError as _missing:
+    raise _MissingExtra("torch", "kvgeom_nixl needs torch, which is not installed", actual=str(_missing),
+                       expected="torch (the nixl extra)",
+                       fix=f"install your engine's torch, or {_install_hint('nixl')}") from _missing
+
 from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, Link
 from .errors import ExecutorError, HandshakeError, RegistrationError, TransferFailed
 from .handshake import HANDSHAKE_VERSION, HandshakeLimits, RankInfo, decode_rank, encode_rank

@@ -59,6 +59,8 @@ from typing import Any
 
 import numpy as np
 
+from kvgeom import MissingExtra, install_hint
+
 from .errors import ExecutorError
 from .probe import ProbeRefused, ProberUnavailable, prober
 
@@ -124,8 +126,13 @@ def set_nixl_log_level() -> None:
 
 
 def make_agent(name: str, *, telemetry: bool = False, progress_thread: bool = False) -> Any:
-    """A bare NIXL agent with the UCX backend (NIXL's logger at :data:`NIXL_LOG_LEVEL` first)."""
-    from nixl._api import nixl_agent, nixl_agent_config
+    """A bare NIXL agent with the UCX backend (NIXL's logger at :data:`NIXL_LOG_LEVEL` first).
+    Without NIXL, :class:`kvgeom.MissingExtra` names the pip command."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as e:
+        raise MissingExtra("nixl", "an endpoint needs NIXL, which is not installed", actual=str(e),
+                           expected="nixl (the nixl extra)", fix=install_hint("nixl")) from e
 
     set_nixl_log_level()
     cfg = nixl_agent_config(backends=["UCX"], enable_prog_thread=progress_thread, capture_telemetry=telemetry)

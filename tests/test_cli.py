@@ -285,10 +285,29 @@ def test_transfer_without_executor_names_the_extra(
     monkeypatch.setattr(cli, "entry_points", lambda group: [])
     monkeypatch.setattr(cli, "_missing_modules", lambda names: [])
     rc, _, err = _run(capsys, "transfer", "--tokens", "16")
-    assert rc == 2 and 'pip install -e ".[nixl]"' in err and "kvgeom.transfer" in err
+    assert rc == 2 and cli.NIXL_HINT in err and "kvgeom.transfer" in err
     monkeypatch.setattr(cli, "_missing_modules", lambda names: ["nixl"])
     rc, _, err = _run(capsys, "transfer")
-    assert rc == 2 and "needs nixl" in err and 'pip install -e ".[nixl]"' in err
+    assert rc == 2 and "needs nixl" in err and cli.NIXL_HINT in err
+
+
+def test_install_hints_follow_how_kvgeom_was_installed(tmp_path: Path) -> None:
+    """Issue 20 (8): from a wheel (no checkout around the package) the hint is ``pip install
+    "kvgeom[extra]"``; from this checkout an editable install of it (any working directory)."""
+    import os
+    import shutil
+
+    from kvgeom.errors import install_hint
+
+    root = Path(__file__).resolve().parent.parent
+    assert install_hint("notebook") == f'pip install -e "{root}[notebook]"'
+    site = tmp_path / "site-packages"  # kvgeom as a wheel lays it out: the package, no pyproject.toml
+    shutil.copytree(root / "kvgeom", site / "kvgeom", ignore=shutil.ignore_patterns("__pycache__"))
+    done = subprocess.run([sys.executable, "-c", "from kvgeom.tools.cli import NIXL_HINT; "
+                           "from kvgeom.errors import install_hint; print(install_hint('notebook'), NIXL_HINT)"],
+                          capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)},
+                          timeout=120, check=True)
+    assert done.stdout.split("\n")[0] == 'pip install "kvgeom[notebook]" pip install "kvgeom[nixl]"'
 
 
 def test_transfer_is_registered_as_an_entry_point() -> None:

@@ -51,7 +51,7 @@ from ..building.presets import DEFAULT_PRESET, PRESETS, Preset, get_preset
 from ..building.requests import fresh_request, fresh_shape
 from ..checking.report import Report
 from ..checking.simulator import simulate
-from ..errors import IncompatibleGeometry, KvGeomError, PlanBudgetExceeded
+from ..errors import IncompatibleGeometry, KvGeomError, MissingExtra, PlanBudgetExceeded, install_hint
 from ..planning.budget import DEFAULT_BUDGET, PlanBudget
 from ..planning.choose import STRATEGIES
 from ..planning.packed import DEFAULT_STAGING_BYTES
@@ -68,7 +68,7 @@ from .serialize import load_pair_file
 
 __all__ = ["main", "build_parser", "resolve_preset", "Command", "COMMANDS", "TRANSFER_ENTRY_POINTS", "OutputFile",
            "simulation_bytes", "simulation_steps"]
-NIXL_HINT = 'pip install torch==2.13.0 && pip install -e ".[nixl]"'
+NIXL_HINT = install_hint("nixl")  # from a wheel: pip install "kvgeom[nixl]"; from a checkout: pip install -e "<it>[nixl]"
 MAX_LISTED = 10  # violations and notes shown in the human summary (--json lists all)
 
 
@@ -81,7 +81,7 @@ class Command:
     run: Callable[[argparse.Namespace], int]
 
 
-class _Unavailable(KvGeomError):
+class _Unavailable(MissingExtra):
     """An optional part (extra, module) the command needs is not installed."""
 
 
@@ -477,7 +477,7 @@ def _print_plan(header: dict[str, Any], pair: Pair, plan: TransferPlan, report: 
 def _draw(plan: TransferPlan, pair: Pair, request: Request, out: OutputFile, fmt: str) -> None:
     if importlib.util.find_spec("matplotlib") is None:
         raise _Unavailable(f"--{fmt}", "drawing needs matplotlib, which is not installed",
-                           fix='pip install -e ".[notebook]"')
+                           fix=install_hint("notebook"))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -631,7 +631,7 @@ def _fuzz_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_fuzz(args: argparse.Namespace) -> int:
     if _missing_modules(("hypothesis",)):
-        raise _Unavailable("fuzz", "needs hypothesis, not installed", fix='pip install -e ".[testing]"')
+        raise _Unavailable("fuzz", "needs hypothesis, not installed", fix=install_hint("testing"))
     from .fuzz import run_fuzz  # hypothesis is imported only when fuzz runs
 
     return run_fuzz(args)

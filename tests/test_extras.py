@@ -1,0 +1,52 @@
+"""A missing optional dependency is a typed error naming the pip command (issue 20, item 8).
+
+Each check runs in a fresh interpreter where the module is made unimportable
+(``sys.modules[name] = None``), because this test process may already hold it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _without(blocked: str, code: str) -> dict[str, str]:
+    probe = textwrap.dedent(f"""
+        import json, sys
+        sys.modules[{blocked!r}] = None  # as if it were not installed
+        try:
+    """) + textwrap.indent(textwrap.dedent(code), "    ") + textwrap.dedent("""
+        except ImportError as e:
+            from kvgeom import MissingExtra
+            print(json.dumps({"type": type(e).__name__, "typed": isinstance(e, MissingExtra),
+                              "value_error": isinstance(e, ValueError), "path": getattr(e, "path", None),
+                              "fix": getattr(e, "fix", None), "text": str(e)}))
+        else:
+            print(json.dumps({"type": None}))
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_import_kvgeom_nixl_without_torch_names_the_extra() -> None:
+    pytest.importorskip("torch", reason="the control imports kvgeom_nixl with torch")
+    got = _without("torch", "import kvgeom_nixl")
+    assert got["typed"] and got["value_error"] and got["path"] == "torch"
+    assert "[nixl]" in got["fix"] and "pip install" in got["fix"]
+    assert _without("no-such-module", "import kvgeom_nixl")["type"] is None  # the control: with torch it imports
+
+
+def test_an_endpoint_without_nixl_names_the_extra() -> None:
+    pytest.importorskip("torch", reason="kvgeom_nixl needs torch")
+    got = _without("nixl", """
+        from kvgeom_nixl.agent import make_agent
+        make_agent("x")
+    """)
+    assert got["typed"] and got["path"] == "nixl" and "[nixl]" in got["fix"]
