@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def _without(blocked: str, code: str) -> dict[str, str]:
     probe = textwrap.dedent(f"""
         import json, sys
-        sys.modules[{blocked!r}] = None  # as if it were not installed
+        for name in {blocked.split(",")!r}:
+            sys.modules[name] = None  # as if it were not installed
         try:
     """) + textwrap.indent(textwrap.dedent(code), "    ") + textwrap.dedent("""
         except ImportError as e:
@@ -45,8 +46,28 @@ def test_import_kvgeom_nixl_without_torch_names_the_extra() -> None:
 
 def test_an_endpoint_without_nixl_names_the_extra() -> None:
     pytest.importorskip("torch", reason="kvgeom_nixl needs torch")
-    got = _without("nixl", """
+    got = _without("nixl,nixl_cu13,nixl_cu12", """
         from kvgeom_nixl.agent import make_agent
         make_agent("x")
     """)
     assert got["typed"] and got["path"] == "nixl" and "[nixl]" in got["fix"]
+
+
+def test_one_cuda_flavour_of_nixl_is_enough() -> None:
+    """Issue 20 (9): the ``nixl`` meta package installs nixl-cu12 and nixl-cu13 both; with one
+    flavour installed alone (the ``dev`` extra on a CPU machine) kvgeom_nixl finds NIXL there."""
+    pytest.importorskip("torch", reason="kvgeom_nixl needs torch")
+    from nixl_env import NIXL_API
+
+    pytest.importorskip(NIXL_API, reason="needs NIXL")
+    flavours = [m for m in ("nixl_cu13", "nixl_cu12") if _without("no-such-module", f"import {m}")["type"] is None]
+    if not flavours:
+        pytest.skip("only the nixl meta package is importable here")
+    blocked = ",".join(["nixl"] + [m for m in ("nixl_cu13", "nixl_cu12") if m != flavours[0]])
+    got = _without(blocked, f"""
+        from kvgeom_nixl.agent import nixl_api, nixl_errors, make_agent
+        assert nixl_api().__name__ == "{flavours[0]}._api", nixl_api().__name__
+        assert len(nixl_errors()) > 5
+        make_agent("kvgeom-flavour-check")
+    """)
+    assert got["type"] is None, got

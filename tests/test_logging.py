@@ -118,7 +118,8 @@ def test_a_staged_fallback_logs_a_warning(caplog: pytest.LogCaptureFixture) -> N
 
 
 def test_an_executor_transfer_logs_its_summary_at_info(caplog: pytest.LogCaptureFixture) -> None:
-    pytest.importorskip("nixl._api", reason="the executor needs the nixl extra")
+    from nixl_env import NIXL_API
+    pytest.importorskip(NIXL_API, reason="the executor needs the nixl extra")
     from kvgeom_nixl.testing import run_local
 
     pair, request = get_preset("gqa-tp2-tp4").build(layers=1)
@@ -158,7 +159,8 @@ def _endpoint_stdout(**env: str) -> tuple[str, str]:
 def test_an_endpoint_prints_nothing_without_nixl_log_level() -> None:
     """Issue 20 (2): NIXL logs at INFO on stdout unless told otherwise; kvgeom_nixl sets its level
     (``kvgeom_nixl.agent.NIXL_LOG_LEVEL``), and ``NIXL_LOG_LEVEL`` set by the user still wins."""
-    pytest.importorskip("nixl._api", reason="the executor needs the nixl extra")
+    from nixl_env import NIXL_API
+    pytest.importorskip(NIXL_API, reason="the executor needs the nixl extra")
     out, err = _endpoint_stdout()
     assert out == "" and err.strip().splitlines()[-1] == str(logging.WARNING)
     out, err = _endpoint_stdout(NIXL_LOG_LEVEL="INFO")  # the control: the user's level is NIXL's

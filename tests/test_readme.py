@@ -42,7 +42,8 @@ def test_readme_python_example_runs() -> None:
 def test_readme_executor_example_pulls_a_request_with_real_nixl() -> None:
     """The executor block runs as written after a prelude that defines its free names (a TP1 -> TP1
     pair in CPU memory), and every D byte is then checked by the simulator."""
-    pytest.importorskip("nixl._api", reason="the executor example needs the nixl extra")
+    from nixl_env import NIXL_API
+    pytest.importorskip(NIXL_API, reason="the executor example needs the nixl extra")
     from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, fresh_request
     from kvgeom.checking import check_decode, fill_decode, fill_prefill
     from kvgeom_nixl.local import allocate_caches, host_memory
