@@ -414,3 +414,15 @@ def test_an_allocation_beyond_the_machine_does_not_suggest_raising_the_budget(
     rc, _, err = _run(capsys, "plan", "--tokens", "100000")  # 6.1 GiB: over the default budget, not the machine
     if have > 7 * 2**30:
         assert rc == 2 and "raise the budget with --budget-mb 6251" in err
+
+
+def test_transfer_finds_nixl_as_one_cuda_flavour(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 20 (9): ``dev`` installs nixl-cu13 alone (no ``nixl`` meta package); that is NIXL too."""
+    present = {"torch", "nixl_cu13"}
+    monkeypatch.setattr(cli, "_missing_modules", lambda names: [n for n in names if n not in present])
+    monkeypatch.setattr(cli, "entry_points", lambda group: [])
+    with pytest.raises(cli.MissingExtra, match="no executor is registered"):  # past the NIXL check
+        cli._executor()
+    present.discard("nixl_cu13")
+    with pytest.raises(cli.MissingExtra, match="needs nixl"):
+        cli._executor()

@@ -531,13 +531,16 @@ def _missing_modules(names: Sequence[str]) -> list[str]:
     return [m for m in names if importlib.util.find_spec(m) is None]
 
 
+NIXL_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")  # where NIXL may be installed (kvgeom_nixl.agent.NIXL_PACKAGES)
 TRANSFER_ENTRY_POINTS = "kvgeom.transfer"
 """Entry point group an executor registers its ``transfer_report`` function under (``kvgeom_nixl``: ``nixl``)."""
 
 
 def _executor() -> Callable[..., dict[str, Any]]:
     """The registered executor's ``transfer_report`` (kvgeom never imports its executor)."""
-    missing = _missing_modules(("torch", "nixl"))
+    missing = _missing_modules(("torch",))
+    if len(_missing_modules(NIXL_MODULES)) == len(NIXL_MODULES):  # the meta package or one CUDA flavour
+        missing.append("nixl")
     if missing:
         raise _Unavailable("transfer", f"needs {' and '.join(missing)}, not installed", fix=NIXL_HINT)
     found = sorted(entry_points(group=TRANSFER_ENTRY_POINTS), key=lambda ep: ep.name)
