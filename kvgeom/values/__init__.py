@@ -74,8 +74,8 @@ from .notes import (
     as_notes,
 )
 from .pair import (
+    CheckedEngines,
     Compatibility,
-    EnginePair,
     incompatibilities,
     pairable,
 )
@@ -185,7 +185,7 @@ __all__ = [
     "NoteKind",
     "Note",
     "as_notes",
-    "EnginePair",
+    "CheckedEngines",
     "Compatibility",
     "incompatibilities",
     "pairable",
