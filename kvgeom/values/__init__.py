@@ -117,6 +117,7 @@ from .tensors import (
     LayerTensors,
     TensorFacts,
     parse_axes,
+    region_spans,
     tensor_facts,
     tensor_fields,
 )
@@ -222,6 +223,7 @@ __all__ = [
     "LayerTensors",
     "TensorFacts",
     "parse_axes",
+    "region_spans",
     "tensor_facts",
     "tensor_fields",
     "format_ids",
