@@ -426,3 +426,23 @@ def test_transfer_finds_nixl_as_one_cuda_flavour(monkeypatch: pytest.MonkeyPatch
     present.discard("nixl_cu13")
     with pytest.raises(cli.MissingExtra, match="needs nixl"):
         cli._executor()
+
+
+@pytest.mark.parametrize("flag", ["--max-work", "--max-steps", "--budget-mb"])
+def test_every_budget_limit_has_a_flag_and_the_fix_names_it(capsys: pytest.CaptureFixture[str], flag: str) -> None:
+    """Issue 20 (3): the fix of a budget refusal said --budget-mb for every limit; each limit now
+    names its own flag, and rerunning with the suggested value plans."""
+    import re
+
+    value = {"--max-work": "5", "--max-steps": "3", "--budget-mb": "1"}[flag]
+    argv = ["plan", "--tokens", "4096", "--layers", "1"]
+    rc, _, err = _run(capsys, *argv, flag, value)
+    assert rc == 2 and "budget" in err
+    for _ in range(4):  # the simulation and the plan are checked in turn: follow each fix
+        found = re.search(rf"{flag} (\d+)", err.split("fix:", 1)[1])
+        assert found, err
+        value = found.group(1)
+        rc, _, err = _run(capsys, *argv, flag, value)
+        if rc == 0:
+            break
+    assert rc == 0, err
