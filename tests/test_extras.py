@@ -71,3 +71,13 @@ def test_one_cuda_flavour_of_nixl_is_enough() -> None:
         make_agent("kvgeom-flavour-check")
     """)
     assert got["type"] is None, got
+
+
+def test_draw_without_matplotlib_names_the_extra() -> None:
+    got = _without("matplotlib", """
+        from kvgeom import draw
+        from kvgeom.building import get_preset
+        pair, request = get_preset("gqa-tp2-tp4").build(16, layers=1)
+        draw(pair.plan(request), pair, request)
+    """)
+    assert got["typed"] and got["value_error"] and got["path"] == "matplotlib" and "[notebook]" in got["fix"]
