@@ -84,6 +84,9 @@ def test_fuzz_shrinks_a_planted_bug_to_the_smallest_trigger(monkeypatch: pytest.
     result = kfuzz.fuzz(300, seed=7, strategies=("direct",), mismatch_probability=0.0)
     assert not result.ok
     (sig,) = result.failures  # one distinct failure
+    # issue 20 (6): the summary's time includes the shrinking, apart from the drawing's rate
+    assert result.shrink_steps > 0 and result.shrink_seconds > 0
+    assert f"{result.shrink_seconds:.1f} s shrinking" in result.summary()
     failure = result.failures[sig]
     t = failure.transfer
     # shrunk to the bug's threshold: M = 20 tokens, D TP 2, P TP 1, one group, no prefix hit
