@@ -163,7 +163,7 @@ class StagingCapacityError(KvGeomError):
     attention layer, or one state section of one layer) on some rank."""
 
 
-class MissingExtra(KvGeomError, ImportError):
+class MissingExtra(KvGeomError, ImportError):  # type: ignore[misc]  # ``path`` is KvGeomError's field path
     """An optional dependency is not installed: ``path`` names the module, ``fix`` the pip command
     (:func:`install_hint`). Both a :class:`KvGeomError` and an ``ImportError``, so ``except
     ImportError`` around an optional import still catches it."""

@@ -150,8 +150,8 @@ def check_transfer(prefill: Any, decode: Any, request: Request, strategies: tupl
         extra: dict[str, Any] = {"budget": budget} if capacity is None else {"staging_bytes": capacity,
                                                                                "budget": budget}
         try:
-            plan = plan_transfer(prefill, decode, request, strategy=strategy, **extra)
-            replan = plan_transfer(prefill, decode, request, strategy=strategy, **extra)
+            plan = plan_transfer(prefill, decode, request, strategy=strategy, **extra)  # type: ignore[arg-type]
+            replan = plan_transfer(prefill, decode, request, strategy=strategy, **extra)  # type: ignore[arg-type]
         except PlanBudgetExceeded as e:
             if not compat.ok:  # an unpairable pair is refused as such before anything is estimated
                 return Outcome("reason_mismatch", verified, strategy, reason=compat.reasons[0].path, error=e.path)
