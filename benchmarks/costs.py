@@ -49,7 +49,12 @@ def _descriptors(device: str, n: int, mib: int, repeats: int) -> tuple[float, fl
     """(seconds per descriptor, wire bytes per second) between two agents on ``device``."""
     import numpy as np
     import torch
-    from nixl._api import nixl_agent, nixl_agent_config
+
+    from kvgeom_nixl.agent import nixl_api, set_nixl_log_level
+
+    api = nixl_api()  # the meta package's, or one CUDA flavour's
+    nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
+    set_nixl_log_level()
 
     mem = "VRAM" if device.startswith("cuda") else "DRAM"
     dev = 0 if mem == "DRAM" else torch.device(device).index or 0

@@ -26,11 +26,13 @@ from .errors import (
     IncompatibleGeometry,
     InternalError,
     KvGeomError,
+    MissingExtra,
     PlanBudgetExceeded,
     PlanError,
     RequestError,
     SchemaError,
     StagingCapacityError,
+    install_hint,
     value_text,
 )
 from .lowering import tile_bytes
@@ -121,6 +123,7 @@ __all__ = [
     "IncompatibleGeometry",
     "InternalError",
     "KvGeomError",
+    "MissingExtra",
     "LayerTensors",
     "Memory",
     "ModelSpec",
@@ -180,6 +183,7 @@ __all__ = [
     "simulate",
     "sources",
     "tile_bytes",
+    "install_hint",
     "value_text",
     "verify",
 ]

@@ -8,6 +8,7 @@ itself raises :class:`InternalError`, which is deliberately *not* a ``ValueError
       ValueError
         KvGeomError           GeometryError, RequestError, IncompatibleGeometry, SchemaError, PlanError,
                               StagingCapacityError, PlanBudgetExceeded
+          MissingExtra        an optional dependency is not installed (also an ImportError)
       InternalError           a kvgeom bug (never bad input)
 
 Each error carries ``path`` (where the bad value sits, e.g. ``decode.groups[1].window_tokens``),
@@ -31,6 +32,7 @@ Worked number: ``value_text(10**5000) == '<an integer of 16610 bits>'``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -44,6 +46,8 @@ __all__ = [
     "StagingCapacityError",
     "InternalError",
     "PlanBudgetExceeded",
+    "MissingExtra",
+    "install_hint",
 ]
 
 MAX_VALUE_BITS = 212  # 64 decimal digits: a longer integer is written by its size
@@ -157,6 +161,32 @@ class PlanBudgetExceeded(KvGeomError):
 class StagingCapacityError(KvGeomError):
     """A packed plan's staging capacity cannot hold the request's smallest piece (one token of one
     attention layer, or one state section of one layer) on some rank."""
+
+
+class MissingExtra(KvGeomError, ImportError):  # type: ignore[misc]  # ``path`` is KvGeomError's field path
+    """An optional dependency is not installed: ``path`` names the module, ``fix`` the pip command
+    (:func:`install_hint`). Both a :class:`KvGeomError` and an ``ImportError``, so ``except
+    ImportError`` around an optional import still catches it."""
+
+    def __init__(self, path: str, message: str, **kwargs: Any) -> None:
+        super().__init__(path, message, **kwargs)
+        self.name = path  # ImportError's field: the module that is missing
+        self.msg = str(self)
+
+
+def install_hint(extra: str, root: Path | None = None) -> str:
+    """The pip command that installs kvgeom's ``extra`` the way this kvgeom was installed.
+
+    From a source checkout (``root``, by default the folder above this package, holds
+    ``pyproject.toml``): ``pip install -e "<root>[extra]"``; from a wheel: ``pip install "kvgeom[extra]"``.
+
+    >>> install_hint("notebook", root=Path("/nonexistent"))
+    'pip install "kvgeom[notebook]"'
+    """
+    root = Path(__file__).resolve().parent.parent if root is None else root
+    if (root / "pyproject.toml").is_file() and (root / "kvgeom" / "__init__.py").is_file():
+        return f'pip install -e "{root}[{extra}]"'
+    return f'pip install "kvgeom[{extra}]"'
 
 
 class InternalError(Exception):

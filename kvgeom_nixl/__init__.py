@@ -1,7 +1,7 @@
 """kvgeom_nixl: run kvgeom transfer plans with NIXL (torch + nixl; kvgeom itself never imports them).
 
     from kvgeom_nixl import Endpoint
-    d = Endpoint(decode_geometry, "decode", rank, [kv_tensor_of_region_0, ...])
+    d = Endpoint(decode_geometry, "decode", rank, layers)  # the LayerTensors from_tensors read (or region buffers)
     link = d.connect([payload_from_each_prefill_rank])   # payload = prefill_endpoint.handshake()
     result = link.pull("req-1", request).wait(timeout_s=5)  # READs, receive steps, done
 
@@ -23,11 +23,21 @@ from __future__ import annotations
 
 import logging
 
+from kvgeom import MissingExtra as _MissingExtra
+from kvgeom import install_hint as _install_hint
+
+try:
+    import torch  # noqa: F401 - receive steps, staging and registration views are torch
+except ImportError as _missing:
+    raise _MissingExtra("torch", "kvgeom_nixl needs torch, which is not installed", actual=str(_missing),
+                       expected="torch (the nixl extra)",
+                       fix=f"install your engine's torch, or {_install_hint('nixl')}") from _missing
+
 from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, Link
 from .errors import ExecutorError, HandshakeError, RegistrationError, TransferFailed
 from .handshake import HANDSHAKE_VERSION, HandshakeLimits, RankInfo, decode_rank, encode_rank
 from .lowering import MODES
-from .memory import RankMemory, RegionMemory
+from .memory import RankMemory, RegionMemory, region_buffers
 from .receive import apply_rearranges, apply_receive_steps, apply_zeros
 from .transfer import Transfer, TransferResult, wait_all
 
@@ -52,6 +62,7 @@ __all__ = [
     "apply_zeros",
     "decode_rank",
     "encode_rank",
+    "region_buffers",
     "wait_all",
 ]
 

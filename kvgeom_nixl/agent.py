@@ -53,19 +53,22 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import uuid
 from typing import Any
 
 import numpy as np
 
+from kvgeom import MissingExtra, install_hint
+
 from .errors import ExecutorError
 from .probe import ProbeRefused, ProberUnavailable, prober
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RankAgent", "notification", "nixl_available", "make_agent", "nixl_errors", "classify",
-           "use_local_defaults", "KINDS", "INBOX_TTL_S", "INBOX_MAX", "INBOX_MESSAGES"]
+__all__ = ["RankAgent", "notification", "nixl_available", "nixl_api", "NIXL_PACKAGES", "make_agent", "nixl_errors", "classify",
+           "use_local_defaults", "set_nixl_log_level", "NIXL_LOG_LEVEL", "KINDS", "INBOX_TTL_S", "INBOX_MAX", "INBOX_MESSAGES"]
 
 INBOX_TTL_S = 300.0  # an unclaimed notification older than this is evicted
 INBOX_MAX = 4096  # unclaimed notifications kept at most (the oldest are evicted first)
@@ -88,18 +91,85 @@ def use_local_defaults() -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
+NIXL_PACKAGES = ("nixl", "nixl_cu13", "nixl_cu12")
+"""Where NIXL's Python API may live, in the order tried: the ``nixl`` meta package (which installs
+both CUDA flavours and picks one at import), else one flavour installed alone (``nixl-cu13`` or
+``nixl-cu12``, e.g. the ``nixl-cu12`` extra, or ``dev`` on a CPU machine)."""
+
+_api: Any = None
+
+
+def nixl_api() -> Any:
+    """NIXL's ``_api`` module from the first of :data:`NIXL_PACKAGES` installed; :class:`kvgeom.MissingExtra`
+    naming the pip command when none is."""
+    global _api
+    if _api is None:
+        missing: list[str] = []
+        for pkg in NIXL_PACKAGES:
+            try:
+                if pkg == "nixl":
+                    import nixl._api as api
+                elif pkg == "nixl_cu13":
+                    import nixl_cu13._api as api  # type: ignore[no-redef]
+                else:
+                    import nixl_cu12._api as api  # type: ignore[no-redef]
+            except ImportError as e:
+                if getattr(e, "name", None) not in (pkg, f"{pkg}._api"):
+                    raise  # the package is there but broken: its own error says why
+                missing.append(pkg)
+                continue
+            _api = api
+            break
+        else:
+            raise MissingExtra("nixl", "an endpoint needs NIXL, which is not installed", actual=missing,
+                               expected="one of the packages nixl, nixl-cu13, nixl-cu12",
+                               fix=f"{install_hint('nixl')} (or the nixl-cu12 / nixl-cu13 extra for one CUDA flavour)")
+    return _api
+
+
 def nixl_available() -> bool:
+    """Whether NIXL's Python API can be imported (:func:`nixl_api`)."""
     try:
-        import nixl._api  # noqa: F401
+        nixl_api()
     except ImportError:
         return False
     return True
 
 
-def make_agent(name: str, *, telemetry: bool = False, progress_thread: bool = False) -> Any:
-    """A bare NIXL agent with the UCX backend."""
-    from nixl._api import nixl_agent, nixl_agent_config
+NIXL_LOG_LEVEL = "WARN"
+"""The level kvgeom_nixl gives NIXL's Python logger (``nixl``) when the environment variable
+``NIXL_LOG_LEVEL`` is unset: NIXL itself logs at INFO to stdout (``Backend UCX was instantiated``,
+``Initialized NIXL agent``), and a library must not print. Set ``NIXL_LOG_LEVEL=INFO`` (read by
+NIXL and left alone here) to see those lines, or assign this constant before the first agent."""
 
+_nixl_level_set = False
+
+
+def set_nixl_log_level() -> None:
+    """Give NIXL's ``nixl`` logger :data:`NIXL_LOG_LEVEL`, once, unless ``NIXL_LOG_LEVEL`` is set.
+
+    Called after ``nixl._api`` is imported (its import configures that logger at INFO on stdout)
+    and before an agent is made, so the agent's INFO lines never reach stdout."""
+    global _nixl_level_set
+    if _nixl_level_set or os.environ.get("NIXL_LOG_LEVEL"):
+        return
+    levels = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARN": logging.WARNING,
+              "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}  # NIXL's names for its levels
+    level = levels.get(str(NIXL_LOG_LEVEL).upper())
+    if level is None:
+        raise ExecutorError("NIXL_LOG_LEVEL", f"unknown NIXL log level {NIXL_LOG_LEVEL!r}", actual=NIXL_LOG_LEVEL,
+                            expected=list(levels), fix='e.g. kvgeom_nixl.agent.NIXL_LOG_LEVEL = "WARN"')
+    logging.getLogger("nixl").setLevel(level)
+    _nixl_level_set = True
+
+
+def make_agent(name: str, *, telemetry: bool = False, progress_thread: bool = False) -> Any:
+    """A bare NIXL agent with the UCX backend (NIXL's logger at :data:`NIXL_LOG_LEVEL` first).
+    Without NIXL, :class:`kvgeom.MissingExtra` names the pip command."""
+    api = nixl_api()
+    nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
+
+    set_nixl_log_level()
     cfg = nixl_agent_config(backends=["UCX"], enable_prog_thread=progress_thread, capture_telemetry=telemetry)
     return nixl_agent(name, cfg)
 
@@ -111,7 +181,7 @@ def nixl_errors() -> tuple[type[BaseException], ...]:
     """Every NIXL exception class (they derive directly from ``Exception``)."""
     global _errors
     if _errors is None:
-        from nixl import _bindings
+        _bindings = sys.modules[nixl_api().__name__.rsplit(".", 1)[0] + "._bindings"]  # imported by _api
 
         _errors = tuple(getattr(_bindings, n) for n in _ERROR_NAMES if hasattr(_bindings, n))
     return _errors

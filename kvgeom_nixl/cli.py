@@ -19,7 +19,7 @@ from typing import Any
 
 from kvgeom import DEFAULT_BUDGET, DEFAULT_STAGING_BYTES, PlanBudget, plan_pair
 from kvgeom.building import get_preset
-from kvgeom.values import engine_line
+from kvgeom.values import engine_line, plan_numbers
 
 from .agent import use_local_defaults
 from .errors import TransferFailed
@@ -33,6 +33,12 @@ def transfer_report(preset_name: str, tokens: int, prefix: int, *, layers: int |
                     staging_bytes: int = DEFAULT_STAGING_BYTES, budget: PlanBudget | None = None) -> dict[str, Any]:
     """Run the transfer and return every number ``kvgeom transfer`` prints (one JSON-able dict).
 
+    The plan's totals use ``kvgeom plan --json``'s names (:func:`kvgeom.values.plan_numbers`:
+    ``copies``, ``bytes``, ``zeros``, ``wire_descriptors``, ``chunks``, ...); what the transfer did
+    is ``bytes_moved``, ``descriptors_posted``, ``nixl_requests``, ``nixl_descs`` (NIXL's count
+    after merging), ``bytes_zeroed`` and ``rearranges_applied``; ``staging_slot_bytes`` is one
+    ring slot of the endpoints.
+
     A packed plan (``strategy="packed"``, or ``auto`` choosing it) runs on endpoints whose staging
     slots hold its busiest chunk; ``staging_bytes`` is the planner's chunk capacity. ``budget``
     (default :data:`kvgeom.DEFAULT_BUDGET`) bounds the planning (the CLI has checked the caches'
@@ -40,19 +46,19 @@ def transfer_report(preset_name: str, tokens: int, prefix: int, *, layers: int |
     use_local_defaults()
     budget = DEFAULT_BUDGET if budget is None else budget
     t0 = time.perf_counter()
-    pair, request = get_preset(preset_name).build(tokens, prefix, layers=layers, budget=budget, strategy=strategy,
+    preset = get_preset(preset_name)
+    pair, request = preset.build(tokens, prefix, layers=layers, budget=budget, strategy=strategy,
                                                   staging_bytes=staging_bytes)
     plan = plan_pair(pair, request, strategy=strategy, staging_bytes=staging_bytes,  # type: ignore[arg-type]
                      budget=budget)
     out: dict[str, Any] = {
-        "command": "transfer", "preset": preset_name, "tokens": tokens, "prefix": prefix, "layers": layers,
+        "command": "transfer", "preset": preset_name, "tokens": tokens, "prefix": prefix,
+        "layers": preset.default_layers if layers is None else layers,
         "strategy": strategy, "direction": "push" if push else "pull", "mode": mode,
         "prefill": engine_line(pair.prefill), "decode": engine_line(pair.decode),
         "agents": pair.prefill.num_ranks + pair.decode.num_ranks,
-        "plan_copies": len(plan.copies), "plan_bytes": plan.bytes_copied, "plan_zeros": len(plan.zeros),
-        "plan_zero_bytes": plan.bytes_zeroed, "plan_rearranges": len(plan.rearranges),
-        "plan_packed": plan.packed, "plan_chunks": len(plan.chunks), "plan_wire_rows": len(plan.wire),
-        "staging_bytes": slot_bytes_for(plan),
+        **plan_numbers(plan),  # the plan's totals, under kvgeom plan --json's names
+        "staging_slot_bytes": slot_bytes_for(plan),
         "cache_bytes": sum(pair.prefill.regions[i].nbytes for r in range(pair.prefill.num_ranks)
                            for i in pair.prefill.rank_regions(r))
         + sum(pair.decode.regions[i].nbytes for r in range(pair.decode.num_ranks) for i in pair.decode.rank_regions(r)),
@@ -71,10 +77,9 @@ def transfer_report(preset_name: str, tokens: int, prefix: int, *, layers: int |
             out["failure"] = {"reason": e.reason, "detail": e.detail, "request_id": e.request_id,
                               "invalid_blocks": {str(g): list(b) for g, b in e.invalid_blocks.items()}}
         t3 = time.perf_counter()
-    done = summarize(results) if results else {"bytes_moved": 0, "descriptors": 0, "nixl_requests": 0,
-                                               "nixl_descs": None, "bytes_zeroed": 0, "rearranges": 0,
-                                               "wire_descriptors": 0, "pack_s": 0.0, "wire_s": 0.0, "unpack_s": 0.0,
-                                               "notes": []}
+    done = summarize(results) if results else {"bytes_moved": 0, "descriptors_posted": 0, "nixl_requests": 0,
+                                               "nixl_descs": None, "bytes_zeroed": 0, "rearranges_applied": 0,
+                                               "pack_s": 0.0, "wire_s": 0.0, "unpack_s": 0.0, "notes": []}
     out["notes"] += done.pop("notes")
     out.update(done)
     violations, checked = check_caches(pair, request, d_caches, max_per_kind=5)

@@ -101,7 +101,8 @@ class Endpoint:
 
     ``regions`` are the caller's buffers in the geometry's region order: torch tensors (CPU ->
     DRAM, CUDA -> VRAM), numpy arrays, or ``(pointer, nbytes)`` (``mem_type``/``device`` then say
-    where). They are kept referenced, never copied, until :meth:`close`. ``rank_agent`` is the
+    where); or the :class:`kvgeom.LayerTensors` the geometry was read from
+    (:func:`kvgeom_nixl.region_buffers`). They are kept referenced, never copied, until :meth:`close`. ``rank_agent`` is the
     :class:`~kvgeom_nixl.agent.RankAgent`; ``agent`` the bare NIXL agent (``None`` once closed).
     """
 

@@ -162,12 +162,11 @@ def summarize(results: Sequence[TransferResult]) -> dict[str, Any]:
     descs = [r.nixl_descs for r in initiators]
     return {
         "bytes_moved": int(sum(r.bytes_moved for r in initiators)),
-        "descriptors": int(sum(r.descriptors for r in initiators)),
+        "descriptors_posted": int(sum(r.descriptors for r in initiators)),
         "nixl_requests": int(sum(r.nixl_requests for r in initiators)),
         "nixl_descs": None if any(d is None for d in descs) else int(np.sum([d or 0 for d in descs])),
         "bytes_zeroed": int(sum(r.bytes_zeroed for r in receivers)),
-        "rearranges": int(sum(r.rearranges for r in receivers)),
-        "wire_descriptors": int(sum(r.descriptors for r in initiators)),
+        "rearranges_applied": int(sum(r.rearranges for r in receivers)),
         "pack_s": round(sum(r.pack_s for r in results if r.role == "prefill"), 6),
         "wire_s": round(sum(r.wire_s for r in initiators), 6),
         "unpack_s": round(sum(r.unpack_s for r in receivers), 6),

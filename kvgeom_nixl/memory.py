@@ -1,10 +1,16 @@
 """A rank's regions as registrable memory: torch tensors, numpy arrays or raw (pointer, bytes).
 
-Each region of the rank's geometry is one caller allocation, registered whole, never copied::
+Each region of the rank's geometry is one range of caller memory, registered whole, never copied::
 
     geometry.regions[i] = Region(num_pages, page_bytes)
     buffers[i]          = torch.Tensor (CPU -> DRAM, CUDA -> VRAM) | numpy array | (ptr, nbytes)
-                          must be contiguous and exactly num_pages * page_bytes bytes
+                          exactly num_pages * page_bytes bytes, dense (contiguous in some axis
+                          order: a permuted view such as FlashAttention's K plane is one region)
+
+or, instead of the buffers, the very :class:`kvgeom.LayerTensors` the geometry was read from
+(``EngineGeometry.from_tensors``): :func:`region_buffers` finds each region's bytes in them, in
+region order, as flat ``uint8`` views of the same allocations (one allocation may hold several
+regions: FlashAttention's ``(2, blocks, ...)`` tensor is a K and a V region).
 
 The caller's objects are kept (not replaced, permuted or made contiguous) and referenced for as
 long as the memory is registered; receive steps work on flat ``uint8`` *views* of them
@@ -21,18 +27,19 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 
-from kvgeom import EngineGeometry, value_text
+from kvgeom import EngineGeometry, LayerTensors, value_text
 from kvgeom.lowering import rank_region_bytes
+from kvgeom.values import region_spans, tensor_facts
 
 from .errors import RegistrationError
 
-__all__ = ["RegionMemory", "RankMemory", "MEM_TYPES"]
+__all__ = ["RegionMemory", "RankMemory", "MEM_TYPES", "region_buffers"]
 
 MEM_TYPES = ("DRAM", "VRAM")
 
@@ -53,12 +60,37 @@ def _is_tensor(obj: Any) -> bool:
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
+def _dense(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
+    """Whether the elements cover one gap-free byte range (contiguous in some order of the axes)."""
+    dims = sorted((st, n) for n, st in zip(shape, strides) if n != 1)
+    expect = itemsize
+    for st, n in dims:
+        if st != expect:
+            return False
+        expect *= n
+    return True
+
+
+def _flat_view(buf: Any) -> Any:
+    """A flat uint8 tensor over the bytes of a dense torch tensor, in the same storage (never a copy)."""
+    import torch
+
+    st = buf.untyped_storage()
+    nbytes = buf.numel() * buf.element_size()
+    return torch.empty(0, dtype=torch.uint8, device=buf.device).set_(st, buf.data_ptr() - st.data_ptr(),
+                                                                      (nbytes,), (1,))
+
+
 def _region(path: str, buf: Any, want: int, mem_type: str | None, device: int | None) -> RegionMemory:
     if _is_tensor(buf):
         if not buf.is_contiguous():
-            raise RegistrationError(path, f"tensor of shape {tuple(buf.shape)} and strides {tuple(buf.stride())} "
-                                    "is not contiguous", actual=tuple(buf.stride()), expected="a contiguous tensor",
-                                    fix="register the allocation itself; the executor never copies or re-lays it")
+            if not _dense(tuple(buf.shape), tuple(buf.stride()), 1) or buf.numel() == 0:
+                raise RegistrationError(path, f"tensor of shape {tuple(buf.shape)} and strides "
+                                        f"{tuple(buf.stride())} has gaps between its elements",
+                                        actual=tuple(buf.stride()), expected="a dense tensor (any axis order)",
+                                        fix="pass the LayerTensors the geometry was read from (kvgeom_nixl."
+                                            "region_buffers finds each region in them), or the region's own bytes")
+            buf = _flat_view(buf)  # a permuted view of one region (FlashAttention's K plane): its bytes, as is
         nbytes = buf.numel() * buf.element_size()
         kind = buf.device.type
         if kind == "cpu":
@@ -98,13 +130,89 @@ def _region(path: str, buf: Any, want: int, mem_type: str | None, device: int | 
     return RegionMemory(addr, nbytes, mt, dev, buf)
 
 
+def _tensors_of(entry: LayerTensors) -> list[Any]:
+    t = entry.tensors
+    if isinstance(t, Mapping):
+        return list(t.values())
+    if isinstance(t, (tuple, list)):
+        return list(t)
+    return [t]
+
+
+def _numpy_root(arr: np.ndarray) -> np.ndarray | None:
+    root: Any = arr
+    while isinstance(getattr(root, "base", None), np.ndarray):
+        root = root.base
+    return root if isinstance(root, np.ndarray) and root.flags.c_contiguous else None
+
+
+def _span_buffer(path: str, start: int, nbytes: int, owners: list[Any]) -> Any:
+    """The bytes ``[start, start + nbytes)`` as a flat uint8 view of the tensor or array that holds them."""
+    for t in owners:
+        if _is_tensor(t):
+            st = t.untyped_storage()
+            if st.data_ptr() <= start and start + nbytes <= st.data_ptr() + st.nbytes():
+                import torch
+
+                return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, start - st.data_ptr(),
+                                                                                (nbytes,), (1,))
+        elif isinstance(t, np.ndarray):
+            root = _numpy_root(t)
+            if root is not None:
+                base = int(root.ctypes.data)
+                if base <= start and start + nbytes <= base + root.nbytes:
+                    return root.reshape(-1).view(np.uint8)[start - base:start - base + nbytes]
+    raise RegistrationError(path, f"no tensor given holds the region's bytes [{start:#x}, {start + nbytes:#x})",
+                            actual=(start, nbytes), expected="torch tensors or numpy arrays that own the cache",
+                            fix="pass the region buffers themselves (region order)")
+
+
+def region_buffers(engine: EngineGeometry, layers: Sequence[LayerTensors], *, sizes: Mapping[str, int] | None = None,
+                   state_layout: Any = None) -> tuple[Any, ...]:
+    """The buffers of ``engine``'s regions, in region order, found in the ``layers`` it was read from.
+
+    ``layers`` (and ``sizes`` / ``state_layout``) are what was given to
+    :meth:`kvgeom.EngineGeometry.from_tensors`; each buffer is a flat ``uint8`` view of the tensor
+    (or array) that holds the region, on its device, sharing its memory (nothing is copied). Raises
+    :class:`RegistrationError` when the tensors describe another geometry than ``engine``.
+
+    Worked number: FlashAttention HND, 2 layers of ``(2, 64, 16, 8, 128)`` bf16 tensors: 4 regions
+    of 64 x 32768 B, ``[layer 0 K, layer 0 V, layer 1 K, layer 1 V]``, each 2 MiB of its layer's tensor.
+    """
+    entries = list(layers)
+    for i, e in enumerate(entries):
+        if not isinstance(e, LayerTensors):
+            raise RegistrationError(f"regions[{i}]", f"expected LayerTensors, got {type(e).__name__}",
+                                    actual=type(e).__name__, fix="pass every layer's LayerTensors, or buffers only")
+    if not engine.topology.trivial:
+        raise RegistrationError("regions", "LayerTensors describe an engine without pipeline stages, DCP or replicas",
+                                actual=engine.topology.describe(engine.tp), expected="a plain TP engine",
+                                fix="pass the region buffers of the rank's stage (engine.rank_regions(rank) order)")
+    kw: dict[str, Any] = dict(tp=engine.tp, layers=entries, kernel_block_tokens=engine.kernel_block_tokens,
+                              blocks_per_logical=engine.blocks_per_logical, sizes=sizes, state_layout=state_layout,
+                              name=engine.name)
+    read = EngineGeometry.from_tensors(engine.model, **kw)
+    if read != engine:
+        raise RegistrationError("regions", "these tensors describe another geometry than the endpoint's",
+                                actual=read.summary(), expected=engine.summary(),
+                                fix="pass the LayerTensors the geometry was read from (EngineGeometry.from_tensors)")
+    owners = [t for e in entries for t in _tensors_of(e)]
+    for i, t in enumerate(owners):
+        tensor_facts(t, f"regions.tensors[{i}]")  # a typed error for anything that is not a tensor or array
+    return tuple(_span_buffer(f"regions[{i}]", start, nbytes, owners)
+                 for i, (start, nbytes) in enumerate(region_spans(engine.model, **kw)))
+
+
 class RankMemory:
     """The regions one rank holds (all of them, or its pipeline stage's), checked against its
-    geometry, in region order."""
+    geometry, in region order. ``buffers`` may also be the :class:`kvgeom.LayerTensors` the
+    geometry was read from (:func:`region_buffers`)."""
 
     def __init__(self, engine: EngineGeometry, buffers: Sequence[Any], *, mem_type: str | None = None,
                  device: int | None = None, rank: int = 0) -> None:
         bufs = list(buffers)
+        if bufs and all(isinstance(b, LayerTensors) for b in bufs):
+            bufs = list(region_buffers(engine, bufs))
         self.region_ids: tuple[int, ...] = engine.rank_regions(rank)
         if len(bufs) != len(self.region_ids):
             what = f"an engine with {len(self.region_ids)} regions" if engine.topology.pp == 1 else \

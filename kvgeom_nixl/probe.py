@@ -206,7 +206,13 @@ def _serve() -> int:
     # lines to stdout, which would corrupt the frames)
     answers = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    from nixl._api import nixl_agent, nixl_agent_config
+    try:  # as kvgeom_nixl.agent.nixl_api: the meta package, else one CUDA flavour installed alone
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        try:
+            from nixl_cu13._api import nixl_agent, nixl_agent_config
+        except ImportError:
+            from nixl_cu12._api import nixl_agent, nixl_agent_config
 
     def make_agent(name: str) -> Any:  # as kvgeom_nixl.agent.make_agent (this script imports no package)
         return nixl_agent(name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))

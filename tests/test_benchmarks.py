@@ -171,7 +171,8 @@ def test_hostile_campaigns_run_and_render() -> None:
 def test_packed_section_gives_the_schema() -> None:
     """The packed section at a tiny size: every row, goals judged only from 16k tokens on (the
     descriptor bound always). Needs NIXL; nothing here asserts a speed."""
-    pytest.importorskip("nixl._api", reason="the packed section needs the nixl extra")
+    from nixl_env import NIXL_API
+    pytest.importorskip(NIXL_API, reason="the packed section needs the nixl extra")
     config = attrs.evolve(_tiny(), packed_tokens=256, transfer_repeats=1, packed_baseline_repeats=1)
     rows = json.loads(json.dumps(to_json_list(run(config, only=("packed",)))))
     _check_schema(rows)

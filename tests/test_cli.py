@@ -65,6 +65,10 @@ def test_plan_default_human_summary(capsys: pytest.CaptureFixture[str]) -> None:
     assert any(line.strip().startswith("total") and f"{DEFAULT_BYTES:,}" in line for line in lines)
     assert any(line.startswith("descriptors:") and "before coalescing" in line for line in lines)
     assert lines[-1].startswith("verdict: OK")
+    # issue 20 (8): the terms the summary uses are explained where they are printed
+    legend = out[out.index("legend: "):]
+    for term in ("K = ", "ppl = ", "rearranged pages = ", "aligned segments = ", "checked = ", "exceeds moved"):
+        assert term in legend, term
 
 
 def test_plan_default_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -231,6 +235,9 @@ def test_plan_pair_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
     without.write_text(serialize.dump_pair_file(pair))
     rc, doc = _json(capsys, "plan", "--pair", str(without), "--tokens", "24", "--json")
     assert rc == 0 and doc["bytes"] == 24 * 2 * 8 * 256
+    # issue 20 (8): without a request in the file and without --tokens, nothing is planned by default
+    rc, _, err = _run(capsys, "plan", "--pair", str(without))
+    assert rc == 2 and "holds two engines and no request" in err and "--tokens M" in err
     rc, _, err = _run(capsys, "plan", "--pair", str(tmp_path / "missing.json"))
     assert rc == 2 and "cannot read pair file" in err
 
@@ -278,10 +285,29 @@ def test_transfer_without_executor_names_the_extra(
     monkeypatch.setattr(cli, "entry_points", lambda group: [])
     monkeypatch.setattr(cli, "_missing_modules", lambda names: [])
     rc, _, err = _run(capsys, "transfer", "--tokens", "16")
-    assert rc == 2 and 'pip install -e ".[nixl]"' in err and "kvgeom.transfer" in err
+    assert rc == 2 and cli.NIXL_HINT in err and "kvgeom.transfer" in err
     monkeypatch.setattr(cli, "_missing_modules", lambda names: ["nixl"])
     rc, _, err = _run(capsys, "transfer")
-    assert rc == 2 and "needs nixl" in err and 'pip install -e ".[nixl]"' in err
+    assert rc == 2 and "needs nixl" in err and cli.NIXL_HINT in err
+
+
+def test_install_hints_follow_how_kvgeom_was_installed(tmp_path: Path) -> None:
+    """Issue 20 (8): from a wheel (no checkout around the package) the hint is ``pip install
+    "kvgeom[extra]"``; from this checkout an editable install of it (any working directory)."""
+    import os
+    import shutil
+
+    from kvgeom.errors import install_hint
+
+    root = Path(__file__).resolve().parent.parent
+    assert install_hint("notebook") == f'pip install -e "{root}[notebook]"'
+    site = tmp_path / "site-packages"  # kvgeom as a wheel lays it out: the package, no pyproject.toml
+    shutil.copytree(root / "kvgeom", site / "kvgeom", ignore=shutil.ignore_patterns("__pycache__"))
+    done = subprocess.run([sys.executable, "-c", "from kvgeom.tools.cli import NIXL_HINT; "
+                           "from kvgeom.errors import install_hint; print(install_hint('notebook'), NIXL_HINT)"],
+                          capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)},
+                          timeout=120, check=True)
+    assert done.stdout.split("\n")[0] == 'pip install "kvgeom[notebook]" pip install "kvgeom[nixl]"'
 
 
 def test_transfer_is_registered_as_an_entry_point() -> None:
@@ -359,3 +385,64 @@ def test_python_dash_m_kvgeom() -> None:
 def test_plan_refuses_an_unwritable_drawing_path_before_planning(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _run(capsys, "plan", "--svg", "/nonexistent-kvgeom-dir/x.svg")
     assert rc == 2 and "--svg" in err and "/nonexistent-kvgeom-dir" in err and "verdict" not in out
+
+
+@pytest.mark.parametrize(("flag", "name", "use"), [("--svg", "x.png", "--png"), ("--png", "x.svg", "--svg"),
+                                                   ("--png", "x.pdf", None)])
+def test_a_drawing_path_naming_another_format_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                         flag: str, name: str, use: str | None) -> None:
+    """Issue 20 (8): ``--svg x.png`` wrote SVG into a .png; now refused before anything is written."""
+    target = tmp_path / name
+    rc, _, err = _run(capsys, "plan", "--layers", "1", "--tokens", "16", flag, str(target))
+    assert rc == 2 and f"{flag}:" in err and not target.exists()
+    if use:
+        assert f"use {use} {target}" in err
+    rc, _, _ = _run(capsys, "plan", "--layers", "1", "--tokens", "16", flag, str(tmp_path / "plain"))
+    assert rc == 0  # no image suffix: the flag decides
+
+
+def test_an_allocation_beyond_the_machine_does_not_suggest_raising_the_budget(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 20 (8): ``--tokens 100000000`` suggested ``--budget-mb 6250001`` (6 TB); one that fits
+    the machine still names the budget that admits it."""
+    from kvgeom.tools.cli import machine_bytes
+
+    have = machine_bytes()
+    assert have is not None and have < 6_000 * 2**30
+    rc, _, err = _run(capsys, "plan", "--tokens", "100000000")
+    assert rc == 2 and "raising --budget-mb will not help" in err and "--budget-mb 6250001" not in err
+    rc, _, err = _run(capsys, "plan", "--tokens", "100000")  # 6.1 GiB: over the default budget, not the machine
+    if have > 7 * 2**30:
+        assert rc == 2 and "raise the budget with --budget-mb 6251" in err
+
+
+def test_transfer_finds_nixl_as_one_cuda_flavour(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 20 (9): ``dev`` installs nixl-cu13 alone (no ``nixl`` meta package); that is NIXL too."""
+    present = {"torch", "nixl_cu13"}
+    monkeypatch.setattr(cli, "_missing_modules", lambda names: [n for n in names if n not in present])
+    monkeypatch.setattr(cli, "entry_points", lambda group: [])
+    with pytest.raises(cli.MissingExtra, match="no executor is registered"):  # past the NIXL check
+        cli._executor()
+    present.discard("nixl_cu13")
+    with pytest.raises(cli.MissingExtra, match="needs nixl"):
+        cli._executor()
+
+
+@pytest.mark.parametrize("flag", ["--max-work", "--max-steps", "--budget-mb"])
+def test_every_budget_limit_has_a_flag_and_the_fix_names_it(capsys: pytest.CaptureFixture[str], flag: str) -> None:
+    """Issue 20 (3): the fix of a budget refusal said --budget-mb for every limit; each limit now
+    names its own flag, and rerunning with the suggested value plans."""
+    import re
+
+    value = {"--max-work": "5", "--max-steps": "3", "--budget-mb": "1"}[flag]
+    argv = ["plan", "--tokens", "4096", "--layers", "1"]
+    rc, _, err = _run(capsys, *argv, flag, value)
+    assert rc == 2 and "budget" in err
+    for _ in range(4):  # the simulation and the plan are checked in turn: follow each fix
+        found = re.search(rf"{flag} (\d+)", err.split("fix:", 1)[1])
+        assert found, err
+        value = found.group(1)
+        rc, _, err = _run(capsys, *argv, flag, value)
+        if rc == 0:
+            break
+    assert rc == 0, err

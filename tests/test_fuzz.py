@@ -59,8 +59,8 @@ def test_check_transfer_reports_the_rejection_path() -> None:
     assert kfuzz.reason_key(out.reason) == "decode.model.groups[*].head_bytes"
 
 
-def _drop_last_copy(prefill: Any, decode: Any, request: Any, *, strategy: str = "direct") -> Any:
-    plan = plan_transfer(prefill, decode, request, strategy=strategy)  # type: ignore[arg-type]
+def _drop_last_copy(prefill: Any, decode: Any, request: Any, *, strategy: str = "direct", **kw: Any) -> Any:
+    plan = plan_transfer(prefill, decode, request, strategy=strategy, **kw)  # type: ignore[arg-type]
     keep = np.arange(len(plan.copies)) < len(plan.copies) - 1
     return attrs.evolve(plan, copies=plan.copies.take(keep))
 
@@ -73,10 +73,10 @@ def test_check_transfer_catches_a_planted_bug(monkeypatch: pytest.MonkeyPatch) -
     assert out.signature() == "violation-direct-missing"
 
 
-def _drop_last_copy_of_long_tp_requests(prefill: Any, decode: Any, request: Any, *, strategy: str = "direct") -> Any:
+def _drop_last_copy_of_long_tp_requests(prefill: Any, decode: Any, request: Any, *, strategy: str = "direct", **kw: Any) -> Any:
     if request.computed_tokens >= 20 and decode.tp > 1:
-        return _drop_last_copy(prefill, decode, request, strategy=strategy)
-    return plan_transfer(prefill, decode, request, strategy=strategy)  # type: ignore[arg-type]
+        return _drop_last_copy(prefill, decode, request, strategy=strategy, **kw)
+    return plan_transfer(prefill, decode, request, strategy=strategy, **kw)  # type: ignore[arg-type]
 
 
 def test_fuzz_shrinks_a_planted_bug_to_the_smallest_trigger(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -84,6 +84,9 @@ def test_fuzz_shrinks_a_planted_bug_to_the_smallest_trigger(monkeypatch: pytest.
     result = kfuzz.fuzz(300, seed=7, strategies=("direct",), mismatch_probability=0.0)
     assert not result.ok
     (sig,) = result.failures  # one distinct failure
+    # issue 20 (6): the summary's time includes the shrinking, apart from the drawing's rate
+    assert result.shrink_steps > 0 and result.shrink_seconds > 0
+    assert f"{result.shrink_seconds:.1f} s shrinking" in result.summary()
     failure = result.failures[sig]
     t = failure.transfer
     # shrunk to the bug's threshold: M = 20 tokens, D TP 2, P TP 1, one group, no prefix hit
@@ -97,10 +100,10 @@ def test_fuzz_shrinks_a_planted_bug_to_the_smallest_trigger(monkeypatch: pytest.
     assert simulate(pair, request, plan_transfer(pair.prefill, pair.decode, request)).ok
 
 
-def _drop_last_copy_of_pipeline_pairs(prefill: Any, decode: Any, request: Any, *, strategy: str = "direct") -> Any:
+def _drop_last_copy_of_pipeline_pairs(prefill: Any, decode: Any, request: Any, *, strategy: str = "direct", **kw: Any) -> Any:
     if prefill.topology.pp > 1:
-        return _drop_last_copy(prefill, decode, request, strategy=strategy)
-    return plan_transfer(prefill, decode, request, strategy=strategy)  # type: ignore[arg-type]
+        return _drop_last_copy(prefill, decode, request, strategy=strategy, **kw)
+    return plan_transfer(prefill, decode, request, strategy=strategy, **kw)  # type: ignore[arg-type]
 
 
 def test_fuzz_draws_topologies_and_shrinks_a_bug_only_pipeline_stages_trigger(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -143,12 +146,43 @@ def test_fuzz_command_passes_and_prints_the_summary(capsys: pytest.CaptureFixtur
     text = capsys.readouterr().out
     assert status == 0, text
     assert "kvgeom fuzz: 30 examples, seed 1, strategies direct" in text
-    rows = dict(line.strip().rsplit(None, 1) for line in text.splitlines()[1:6])
+    rows = dict(line.strip().rsplit(None, 1) for line in text.splitlines()[1:8])
     tried, rejected, verified = (int(rows[k].replace(",", "")) for k in
                                  ("pairs tried", "pairs rejected (unpairable)", "pairs verified"))
     assert tried == 30 and rejected + verified == 30 and rejected > 0
-    assert rows["failures (distinct, shrunk)"] == "0"
+    assert rows["failures (distinct, shrunk)"] == "0" and rows["plans refused over the budget"] == "0"
     assert "rejections by reason:" in text and "decode.model" in text
+
+
+def test_a_budget_refusal_is_counted_as_a_refusal_never_as_a_failure() -> None:
+    """Issue 20 (3): PlanBudgetExceeded is the planner's answer to a request too large for the budget;
+    the fuzzer counts it (per strategy and limit) and checks the other strategies."""
+    from kvgeom import PlanBudget, PlanBudgetExceeded
+
+    P, D = engines(gqa(), gqa())
+    req = fresh_request(Pair(P, D), 13)
+    tight = PlanBudget(max_steps=3)  # every strategy needs more planner steps than this
+    with pytest.raises(PlanBudgetExceeded):  # the control: the planner does refuse under this budget
+        plan_transfer(P, D, req, budget=tight)
+    out = kfuzz.check_transfer(P, D, req, budget=tight)
+    assert (out.kind, out.failed, out.plans) == ("refused", False, 0)
+    assert out.refused == tuple(f"{s}: max_steps" for s in ("direct", "staged", "auto", "packed"))
+    result = kfuzz.fuzz(10, seed=1, strategies=("direct",), mismatch_probability=0.0, budget=tight)
+    assert result.ok and result.plans_refused == result.refused_pairs > 0  # tiny drawn pairs may still plan
+    assert result.refused_pairs + result.verified_pairs == 10 and not result.failures
+    assert "plans refused over the budget" in result.summary() and "direct: max_steps" in result.summary()
+
+
+def test_fuzz_command_raises_every_budget_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    """--budget-mb, --max-work and --max-steps reach every plan the fuzzer makes."""
+    assert main(["fuzz", "--examples", "5", "--seed", "1", "--strategy", "direct", "--no-progress",
+                 "--mismatch-probability", "0", "--max-steps", "3"]) == 0
+    text = capsys.readouterr().out
+    rows = dict(line.strip().rsplit(None, 1) for line in text.splitlines()[1:8])
+    assert int(rows["plans refused over the budget"]) > 0 and "direct: max_steps" in text
+    assert main(["fuzz", "--examples", "5", "--seed", "1", "--strategy", "direct", "--no-progress",
+                 "--mismatch-probability", "0", "--max-work", "1"]) == 0
+    assert "direct: max_work" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv", [["--examples", "0"], ["--max-tokens", "0"], ["--mismatch-probability", "2"]])

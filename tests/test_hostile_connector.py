@@ -98,6 +98,32 @@ def test_block_tables_accept_numpy_pairs_and_ids() -> None:
     assert r == REQUEST
 
 
+def test_block_tables_accept_torch_tensors_as_numpy_arrays() -> None:
+    """Issue 20 (8): a scheduler's torch block table is read like a numpy one (kvgeom duck-types it)."""
+    torch = pytest.importorskip("torch", reason="the table is a torch tensor")
+    for dtype in (torch.int32, torch.int64):
+        r = _tables(prefill_blocks=[torch.tensor([2, 4, 6, 8], dtype=dtype)],
+                    decode_blocks=(torch.tensor([1, 3], dtype=dtype),))
+        assert r == REQUEST and all(type(b) is int for b in r.groups[0].prefill.block_ids)
+    for bad, path in ((torch.tensor([[2, 4]]), "prefill_blocks[0](mla)"),
+                      (torch.tensor([2, -4]), "prefill_blocks[0](mla)[1]"),
+                      (torch.arange(2**22), "prefill_blocks[0](mla)")):  # refused on its shape, before reading
+        err = _typed(lambda bad=bad: _tables(prefill_blocks=[bad]))
+        assert isinstance(err, RequestError) and err.path == path, str(err)
+
+
+class _LyingShape:
+    shape = (2,)
+
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        return np.arange(10)
+
+
+def test_block_tables_refuse_an_array_that_lies_about_its_shape() -> None:
+    err = _typed(lambda: _tables(prefill_blocks=[_LyingShape()]))
+    assert isinstance(err, RequestError) and err.path == "prefill_blocks[0](mla)"
+
+
 @pytest.mark.timeout(60)
 def test_block_tables_refuse_on_length_before_reading_ids() -> None:
     # a 2**22-entry table for P's 12-block pool: ids are distinct and inside the pool, so at most 12 fit

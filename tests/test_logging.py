@@ -118,7 +118,8 @@ def test_a_staged_fallback_logs_a_warning(caplog: pytest.LogCaptureFixture) -> N
 
 
 def test_an_executor_transfer_logs_its_summary_at_info(caplog: pytest.LogCaptureFixture) -> None:
-    pytest.importorskip("nixl._api", reason="the executor needs the nixl extra")
+    from nixl_env import NIXL_API
+    pytest.importorskip(NIXL_API, reason="the executor needs the nixl extra")
     from kvgeom_nixl.testing import run_local
 
     pair, request = get_preset("gqa-tp2-tp4").build(layers=1)
@@ -128,3 +129,39 @@ def test_an_executor_transfer_logs_its_summary_at_info(caplog: pytest.LogCapture
     done = [r for r in caplog.records if r.name == "kvgeom_nixl.transfer" and r.levelno == logging.INFO]
     assert len(done) >= pair.decode.tp  # one summary per finished transfer, at least every D rank's pull
     assert all("done:" in r.getMessage() for r in done)
+
+
+_ENDPOINT_SCRIPT = """
+import logging, sys
+from kvgeom import AttentionSpec, EngineGeometry, ModelSpec
+from kvgeom_nixl import Endpoint
+from kvgeom_nixl.local import allocate_caches
+model = ModelSpec("m", [AttentionSpec("attn", "full", 1, 2, 64)])
+g = EngineGeometry.build(model, tp=1, kernel_block_tokens=16, num_blocks=4, name="prefill")
+e = Endpoint(g, "prefill", 0, allocate_caches(g)[0])
+e.close()
+print(logging.getLogger("nixl").getEffectiveLevel(), file=sys.stderr)
+"""
+
+
+def _endpoint_stdout(**env: str) -> tuple[str, str]:
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k != "NIXL_LOG_LEVEL"}
+    base.update(UCX_NET_DEVICES="lo", PYTHONPATH=str(ROOT), **env)
+    done = subprocess.run([sys.executable, "-c", _ENDPOINT_SCRIPT], capture_output=True, text=True, env=base,
+                          cwd=ROOT, timeout=120, check=True)
+    return done.stdout, done.stderr
+
+
+def test_an_endpoint_prints_nothing_without_nixl_log_level() -> None:
+    """Issue 20 (2): NIXL logs at INFO on stdout unless told otherwise; kvgeom_nixl sets its level
+    (``kvgeom_nixl.agent.NIXL_LOG_LEVEL``), and ``NIXL_LOG_LEVEL`` set by the user still wins."""
+    from nixl_env import NIXL_API
+    pytest.importorskip(NIXL_API, reason="the executor needs the nixl extra")
+    out, err = _endpoint_stdout()
+    assert out == "" and err.strip().splitlines()[-1] == str(logging.WARNING)
+    out, err = _endpoint_stdout(NIXL_LOG_LEVEL="INFO")  # the control: the user's level is NIXL's
+    assert "Backend UCX was instantiated" in out and err.strip().splitlines()[-1] == str(logging.INFO)

@@ -11,7 +11,9 @@ import pytest
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
-pytest.importorskip("nixl._api", reason="nixl is not installed (pip install 'kvgeom[nixl]')")
+from nixl_env import NIXL_API  # noqa: E402
+
+pytest.importorskip(NIXL_API, reason="nixl is not installed (pip install 'kvgeom[nixl]')")
 pytest.importorskip("torch", reason="torch is not installed (pip install 'kvgeom[nixl]')")
 
 import numpy as np  # noqa: E402

@@ -14,9 +14,12 @@ element per page; the pack gathers 8-byte head vectors (P's head stride 8 is not
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from kvgeom import (
     AttentionSpec,
@@ -38,6 +41,7 @@ from kvgeom import (
 from kvgeom.building import get_preset
 from kvgeom.errors import StagingCapacityError
 from kvgeom.planning import min_staging_bytes
+from kvgeom.tools import strategies as kst
 from kvgeom.values import Chunk, ChunkPiece, StagingStep, WireCopies
 
 MODEL = ModelSpec("m", [AttentionSpec("attn", "full", 1, 2, 8)])
@@ -362,3 +366,44 @@ def test_posted_counts_what_coalescing_leaves() -> None:
     assert rows.copies_before_coalescing == 16 and staged.count == 1
     estimate = posted(pair, req, 0, "staged", CostModel(exact_rows=0))
     assert not estimate.exact and estimate.count == 16  # past exact_rows: the count before coalescing
+
+
+def _dcp_min_case(p_top: Any, d_top: Any, tokens: int) -> tuple[Any, Any]:
+    m = ModelSpec("m", [AttentionSpec("attn", "full", 1, 1, 4)])  # one token of one layer: K + V = 8 B
+    P = EngineGeometry.build(m, tp=p_top.dcp, kernel_block_tokens=4, num_blocks=8, name="prefill", topology=p_top)
+    D = EngineGeometry.build(m, tp=d_top.dcp, kernel_block_tokens=4, num_blocks=8, name="decode", topology=d_top)
+    pair = Pair(P, D)
+    return pair, fresh_request(pair, tokens)
+
+
+def test_min_staging_bytes_under_dcp_is_one_token_by_hand() -> None:
+    """Issue 20 (4), its two examples: one token of one layer is 8 B and lands on one D rank (and
+    comes from one P DCP rank); the old bound summed every pair's token (16 B)."""
+    from kvgeom import Topology
+
+    for p_top, d_top, tokens in ((Topology(), Topology(dcp=2), 8), (Topology(dcp=2), Topology(), 1)):
+        pair, req = _dcp_min_case(p_top, d_top, tokens)
+        assert min_staging_bytes(pair, req) == 8
+        plan = pair.plan(req, strategy="packed", staging_bytes=8)
+        assert simulate(pair, req, plan).ok and int(plan.staging_used("decode").max()) <= 8
+        with pytest.raises(StagingCapacityError) as info:
+            pair.plan(req, strategy="packed", staging_bytes=7)
+        assert info.value.expected == ">= 8"  # the message names the true size
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(kst.transfers(pairs=kst.pairs(topology_probability=0.8, max_tokens=24, max_tp=4), max_tokens=24))
+def test_min_staging_bytes_is_the_true_minimum_on_drawn_topologies(t: kst.Transfer) -> None:
+    """Issue 20 (4): on every drawn topology (DCP, stages, replicas on either side, hybrids too)
+    the packed planner plans at ``min_staging_bytes`` (and the simulator verifies it), and one byte
+    less raises StagingCapacityError naming that minimum."""
+    pair = Pair(*t.pair)
+    need = min_staging_bytes(pair, t.request)
+    if need == 0:  # nothing moves: any capacity plans
+        return
+    plan = pair.plan(t.request, strategy="packed", staging_bytes=need, budget=None)
+    assert simulate(pair, t.request, plan).ok
+    assert int(max(plan.staging_used("prefill").max(initial=0), plan.staging_used("decode").max(initial=0))) <= need
+    with pytest.raises(StagingCapacityError) as info:
+        pair.plan(t.request, strategy="packed", staging_bytes=need - 1, budget=None)
+    assert info.value.expected == f">= {need}"

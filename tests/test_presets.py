@@ -179,6 +179,33 @@ def test_get_preset_unknown_lists_names() -> None:
     assert get_preset(DEFAULT_PRESET) is PRESETS[DEFAULT_PRESET]
 
 
+def test_a_misspelled_preset_gets_a_did_you_mean() -> None:
+    """Issue 20 (8): the fix names the closest presets; a name close to none gets no guess."""
+    with pytest.raises(UnknownPreset) as info:
+        get_preset("gqa-tp2-tp5")
+    assert info.value.fix.startswith("did you mean 'gqa-tp2-tp4'")
+    with pytest.raises(UnknownPreset) as far:
+        get_preset("llama-9000")
+    assert "did you mean" not in far.value.fix
+
+
+def test_build_defaults_to_the_request_kvgeom_plan_plans() -> None:
+    """Issue 20 (8): ``build()`` takes the preset's prefix as ``kvgeom plan`` does (S = 16 on the
+    default preset), and drops it when it does not fit the tokens given."""
+    import argparse
+
+    from kvgeom.tools.cli import resolve_preset
+
+    preset = PRESETS[DEFAULT_PRESET]
+    assert preset.default_prefix == 16
+    for tokens in (None, 100, 8):
+        _, request = preset.build(tokens, layers=1)
+        args = argparse.Namespace(preset=DEFAULT_PRESET, tokens=tokens, prefix=None)
+        _, m, s = resolve_preset(args)
+        assert (request.computed_tokens, request.prefix_hit_tokens) == (m, s) == \
+            ((100 if tokens is None else tokens), (0 if tokens == 8 else 16))
+
+
 @pytest.mark.parametrize(("kwargs", "path"), [
     ({"tokens": 0}, "tokens"),
     ({"tokens": 10.0}, "tokens"),

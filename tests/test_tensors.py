@@ -347,3 +347,23 @@ def test_registered_regions_must_be_whole_pages() -> None:
     with pytest.raises(GeometryError, match="not whole pages") as err:
         EngineGeometry.from_tensors(LLAMA, tp=4, layers=layers, regions=bufs)
     assert err.value.path == "engine.regions[2]"
+
+
+@pytest.mark.parametrize(("axes", "typo", "meant"), [("page kv tokens head dim", "tokens", "token"),
+                                                     ("blocks kv token head dim", "blocks", "block"),
+                                                     ("page kv token heads dim", "heads", "head")])
+def test_a_misspelled_axis_is_named(axes: str, typo: str, meant: str) -> None:
+    """Issue 20 (8): ``"tokens"`` was read as an element axis and refused as a stride problem; the
+    error now names the word and the axis it resembles. Element names far from every axis pass."""
+    import numpy as np
+
+    from kvgeom import AttentionSpec, EngineGeometry, GeometryError, LayerTensors, ModelSpec
+
+    m = ModelSpec("m", [AttentionSpec("attn", "full", 1, 4, 256)])
+    a = np.zeros((8, 2, 16, 4, 256), np.uint8)
+    with pytest.raises(GeometryError) as info:
+        EngineGeometry.from_tensors(m, tp=1, layers=[LayerTensors("attn", axes, a)])
+    assert info.value.path.endswith(".axes") and info.value.actual == typo
+    assert f"did you mean {meant!r}" in info.value.message
+    ok = EngineGeometry.from_tensors(m, tp=1, layers=[LayerTensors("attn", "page kv token head hd", a)])
+    assert ok.regions[0].page_bytes == 2 * 16 * 4 * 256

@@ -544,3 +544,50 @@ def test_conformance_kit_on_pipeline_stages_and_dcp() -> None:
     assert not report.ok and {V.OUT_OF_BOUNDS, V.MISSING} <= set(report.counts)
     dcp_pair, dcp_request = _tiny_dcp(decode_dcp=True)
     assert check_connector(dcp_pair, dcp_request, ConnectorRows.from_plan(dcp_pair.plan(dcp_request))).ok
+
+
+def _noted_sources(plan: TransferPlan) -> dict[int, set[int]]:
+    """D rank -> the P ranks its SOURCES note names."""
+    import re
+
+    out: dict[int, set[int]] = {}
+    for n in plan.notes:
+        m = re.match(r"\w+: D rank (\d+) .*?<- (.*)$", n.text)
+        if n.kind == NoteKind.SOURCES and m:
+            out.setdefault(int(m.group(1)), set()).update(int(p) for p in re.findall(r"\bP(\d+) ", m.group(2) + " "))
+    return out
+
+
+def test_token_shards_meet_exactly_when_they_share_a_token() -> None:
+    """TokenShard.meets against brute force over two whole periods."""
+    for sa in (1, 2, 3, 4):
+        for ia in (1, 2, 3, 4):
+            for sb in (1, 2, 4, 8):
+                for ib in (1, 2, 8):
+                    for ra in range(sa):
+                        for rb in range(sb):
+                            a, b = TokenShard(sa, ia, ra), TokenShard(sb, ib, rb)
+                            brute = any(a.holds(t) and b.holds(t) for t in range(2 * sa * ia * sb * ib))
+                            assert a.meets(b) == brute, (a, b)
+
+
+@pytest.mark.parametrize(("p_top", "d_top", "p_k", "d_k"), [
+    (Topology(dcp=4), Topology(dcp=2), 4, 4),
+    (Topology(dcp=4, interleave=2), Topology(dcp=2), 4, 8),
+    (Topology(dcp=2), Topology(dcp=4, interleave=4), 8, 4),
+    (Topology(dcp=8), Topology(dcp=1), 4, 16),
+    (Topology(), Topology(dcp=8), 16, 8),
+])
+def test_dcp_source_notes_name_the_plans_sources(p_top: Topology, d_top: Topology, p_k: int, d_k: int) -> None:
+    """Issue 20 (5): under DCP a D rank's note named every P DCP rank of its head group (D rank 1 of
+    DCP4 -> DCP2 "<- P4, P5, P6, P7" while it reads P5 and P7); it names plan.sources_of(d), and
+    the D ranks it leaves out are said to be left out."""
+    m = ModelSpec("mla", [AttentionSpec("mla", "mla", 1, 1, 8)])
+    p = EngineGeometry.build(m, tp=8, kernel_block_tokens=p_k, num_blocks=16, name="prefill", topology=p_top)
+    d = EngineGeometry.build(m, tp=8, kernel_block_tokens=d_k, num_blocks=16, name="decode", topology=d_top)
+    pair = Pair(p, d)
+    plan = pair.plan(fresh_request(pair, 64))  # every token residue of every shard is in [0, 64)
+    noted = _noted_sources(plan)
+    assert sorted(noted) == [0, 1, 2, 3, 7]
+    assert {r: set(plan.sources_of(r)) for r in noted} == noted
+    assert any("ranks 4-6 left out" in n.text for n in plan.notes)

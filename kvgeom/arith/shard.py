@@ -237,6 +237,23 @@ class TokenShard:
     def all(self) -> bool:
         return self.size == 1
 
+    def meets(self, other: TokenShard) -> bool:
+        """Whether some token is held by both shards (O(1)).
+
+        A shard holds ``t`` exactly when ``t mod (size * interleave)`` lies in ``[rank * interleave,
+        (rank + 1) * interleave)``. Residues ``x`` mod ``A`` and ``y`` mod ``B`` belong to one token
+        exactly when ``x = y (mod gcd(A, B))``, so the shards meet when the differences ``x - y`` of
+        the two windows, an interval, hold a multiple of the gcd.
+
+        >>> TokenShard(4, 1, 1).meets(TokenShard(2, 1, 1)), TokenShard(4, 1, 2).meets(TokenShard(2, 1, 1))
+        (True, False)
+        """
+        a_period, b_period = self.size * self.interleave, other.size * other.interleave
+        g = math.gcd(a_period, b_period)
+        lo = self.rank * self.interleave - (other.rank * other.interleave + other.interleave - 1)
+        hi = self.rank * self.interleave + self.interleave - 1 - other.rank * other.interleave
+        return hi // g * g >= lo
+
     def __str__(self) -> str:
         if self.size == 1:
             return "all"

@@ -56,6 +56,7 @@ Where the numbers come from (public model configs; vLLM's hybrid block rule):
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Any
 
@@ -68,7 +69,7 @@ from ..planning.budget import DEFAULT_BUDGET, PlanBudget
 from ..planning.packed import DEFAULT_STAGING_BYTES
 from ..planning.transfer import Pair, check_budget
 from ..values.engine import EngineGeometry
-from ..values.fields import check_int
+from ..values.fields import check_int, is_int
 from ..values.model import AttentionSpec, GroupSpec, ModelSpec, StateSection, StateSpec
 from ..values.request import Request
 from ..values.topology import Topology
@@ -131,11 +132,14 @@ class Preset:
         return self.factory(p_blocks, d_blocks, layers)
 
     def build(
-        self, tokens: int | None = None, prefix: int = 0, *, layers: int | None = None,
+        self, tokens: int | None = None, prefix: int | None = None, *, layers: int | None = None,
         budget: PlanBudget | None = DEFAULT_BUDGET, strategy: str = "auto",
         staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> tuple[Pair, Request]:
         """The pair and a request on fresh blocks: P computed ``tokens``, D holds ``[0, prefix)``.
+
+        ``tokens`` and ``prefix`` default to the preset's (:meth:`resolve`, as ``kvgeom plan`` does:
+        ``get_preset("gqa-tp2-tp4").build()`` is M = 100 with a 16-token prefix hit).
 
         Raises :class:`~kvgeom.errors.IncompatibleGeometry` for the unpairable demo,
         :class:`~kvgeom.errors.RequestError` when ``prefix`` is not on a D block boundary, and
@@ -160,9 +164,16 @@ class Preset:
         pair.check_request(request)
         return pair, request
 
-    def _arguments(self, tokens: int | None, prefix: int | None, layers: int | None) -> tuple[int, int, int]:
+    def resolve(self, tokens: int | None = None, prefix: int | None = None) -> tuple[int, int]:
+        """M and S for ``tokens``/``prefix`` given or not: the preset's defaults, its prefix only when
+        it is below the tokens (``kvgeom plan --tokens 8`` on a preset with a 16-token prefix: S = 0)."""
         tokens = self.default_tokens if tokens is None else tokens
-        prefix = 0 if prefix is None else prefix
+        if prefix is None:
+            prefix = self.default_prefix if is_int(tokens) and self.default_prefix < tokens else 0
+        return tokens, prefix
+
+    def _arguments(self, tokens: int | None, prefix: int | None, layers: int | None) -> tuple[int, int, int]:
+        tokens, prefix = self.resolve(tokens, prefix)
         layers = self.default_layers if layers is None else layers
         check_int("tokens", tokens, minimum=1, error=RequestError)
         check_int("prefix", prefix, minimum=0, error=RequestError)
@@ -432,5 +443,7 @@ def get_preset(name: str) -> Preset:
         return PRESETS[name]
     except (KeyError, TypeError):
         names = sorted(PRESETS)
+        close = difflib.get_close_matches(name, names, n=3, cutoff=0.6) if isinstance(name, str) else []
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
         raise UnknownPreset("preset", f"no preset named {value_text(name, 60)}", actual=name, expected=names,
-                            fix="run `kvgeom presets` to list them") from None
+                            fix=f"{hint}run `kvgeom presets` to list them") from None

@@ -69,7 +69,11 @@ def _too_many(path: str, n: int, limit: int, pool: str) -> RequestError:
 
 def _ids(path: str, value: Any, limit: int, pool: str) -> list[int]:
     """``value``'s ids as Python ints: its length is checked against ``limit`` before any id is read,
-    a numpy integer array is checked in one vectorised pass."""
+    a numpy integer array is checked in one vectorised pass. Other arrays (a torch tensor on the
+    CPU, anything with ``shape`` and ``__array__``) are read as numpy arrays once their shape is
+    checked; kvgeom never imports torch."""
+    if not isinstance(value, np.ndarray) and hasattr(value, "__array__") and hasattr(value, "shape"):
+        value = _as_array(path, value, limit, pool)
     if isinstance(value, np.ndarray):
         if value.ndim != 1:
             raise RequestError(path, f"expected a list of block ids, got an array of shape {value.shape}",
@@ -98,6 +102,31 @@ def _ids(path: str, value: Any, limit: int, pool: str) -> list[int]:
         if i >= limit:  # a sequence whose len() understated its items
             raise _too_many(path, i + 1, limit, pool)
         out.append(check_int(f"{path}[{i}]", v, minimum=0, error=RequestError))
+    return out
+
+
+def _as_array(path: str, value: Any, limit: int, pool: str) -> np.ndarray:
+    """A duck-typed array (torch tensor, ...) as a numpy array: one dimension, at most ``limit`` ids."""
+    kind = type(value).__name__
+    try:
+        shape = tuple(int(n) for n in value.shape)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        raise RequestError(path, f"cannot read the shape of a {kind}", actual=kind,
+                           expected="a one-dimensional sequence of ints", fix="pass a list of block ids") from None
+    if len(shape) != 1:
+        raise RequestError(path, f"expected a list of block ids, got a {kind} of shape {shape}", actual=shape,
+                           expected="a one-dimensional sequence of ints", fix="pass one list of block ids per group")
+    if shape[0] > limit:
+        raise _too_many(path, shape[0], limit, pool)
+    try:
+        out = np.asarray(value)
+    except Exception as e:  # noqa: BLE001 - e.g. a CUDA tensor: numpy cannot read device memory
+        raise RequestError(path, f"cannot read a {kind} as block ids: {type(e).__name__}: {value_text(str(e), 120)}",
+                           actual=kind, expected="a host array or a list of ints",
+                           fix="pass the table on the CPU (tensor.cpu()) or as a list") from None
+    if out.shape != shape:
+        raise RequestError(path, f"a {kind} of shape {shape} read as an array of shape {out.shape}", actual=out.shape,
+                           expected=shape, fix="pass a list of block ids")
     return out
 
 

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..arith.runs import Mode, common_modes, fold_modes, strided_rows
-from ..arith.shard import owned_slice, sources
+from ..arith.shard import TokenShard, owned_slice, sources
 from ..arith.tokens import Segments, SideTokens, segments, window_start
 from ..errors import InternalError
 from ..values.model import AttentionSpec
@@ -243,9 +243,11 @@ def zeroed_note(pair: CheckedEngines, group: int, z0: int, z1: int) -> Note:
 
 
 def source_notes(pair: CheckedEngines, group: int) -> tuple[Note, ...]:
-    """The ``SOURCES`` notes of an attention group (D ranks 0-3 and the last): which P ranks each
-    reads which heads (and, on topologies, layers and tokens) from. Request-independent; a plan
-    carries them when the group moves something."""
+    """The ``SOURCES`` notes of an attention group (D ranks 0-3 and the last, and one note naming
+    the D ranks left out): which P ranks each reads which heads (and, on topologies, layers and
+    tokens) from. Under DCP only the P DCP ranks holding some of the D rank's tokens are named
+    (``TokenShard.meets``), as ``plan.sources_of(d)`` does. Request-independent; a plan carries
+    them when the group moves something."""
     spec = pair.model.groups[group]
     if not isinstance(spec, AttentionSpec):
         raise InternalError("dispatched on kind")
@@ -253,6 +255,10 @@ def source_notes(pair: CheckedEngines, group: int) -> tuple[Note, ...]:
     plain = P.topology.trivial and D.topology.trivial
     p_dcp, d_dcp, p_reps = P.topology.dcp, D.topology.dcp, P.topology.replicas
     notes: list[Note] = []
+    if D.num_ranks > 5:
+        left = "rank 4" if D.num_ranks == 6 else f"ranks 4-{D.num_ranks - 2}"
+        notes.append(Note(NoteKind.SOURCES, f"{spec.name}: D ranks 0-3 and {D.num_ranks - 1} listed, {left} left "
+                          "out (plan.sources_of(d) names any rank's P ranks)"))
     for d in range(D.num_ranks):
         if not (d < 4 or d == D.num_ranks - 1):
             continue
@@ -270,7 +276,8 @@ def source_notes(pair: CheckedEngines, group: int) -> tuple[Note, ...]:
             continue
         read = [f"P{P.rank_of(p_stage, src.p_rank * p_dcp + po, q % p_reps)} layers {layers} heads {src.items}"
                 + (f" tokens of DCP rank {po}" if p_dcp > 1 else "")
-                for p_stage, layers in stage_parts(P, group, d_layers) for po in range(p_dcp) for src in srcs]
+                for p_stage, layers in stage_parts(P, group, d_layers) for po in range(p_dcp)
+                if TokenShard(p_dcp, P.topology.interleave, po).meets(D.tokens_of(d)) for src in srcs]
         notes.append(Note(NoteKind.SOURCES, f"{spec.name}: D rank {d} (stage {c.stage}, tp {c.tp_rank}) "
                           f"layers {d_layers} heads {d_slice} tokens {D.tokens_of(d)} <- " + ", ".join(read)))
     return tuple(notes)

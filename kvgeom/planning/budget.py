@@ -125,7 +125,17 @@ class PlanBudget:
                     what, f"the {what} would need about {have:,} {unit} (estimate: {estimate}), beyond the budget "
                           f"of {limit:,}", actual=estimate, expected=f"{name} <= {limit:,}",
                     fix=f"plan fewer tokens or layers, or raise the budget: budget=PlanBudget({name}="
-                        f"{_raise(have)}) (kvgeom plan --budget-mb; Endpoint(..., budget=...) or a link call's budget=)")
+                        f"{_raise(have)}) (the command line: {_flag(name, _raise(have))}; Endpoint(..., budget=...) "
+                        "or a link call's budget=)")
+
+
+CLI_FLAGS = {"max_bytes": "--budget-mb", "max_work": "--max-work", "max_steps": "--max-steps"}
+"""The ``kvgeom plan | transfer | fuzz`` flag that raises each limit of :class:`PlanBudget`."""
+
+
+def _flag(name: str, value: int) -> str:
+    """The command-line flag and value that raise limit ``name`` to ``value`` (``--budget-mb`` counts MiB)."""
+    return f"{CLI_FLAGS[name]} {-(-value // 2**20) if name == 'max_bytes' else value}"
 
 
 def _raise(n: int) -> int:

@@ -90,15 +90,28 @@ class _Planner:
         return c
 
     def token_bound(self, g: _Group) -> tuple[np.ndarray, np.ndarray]:
-        """Per rank, at most the bytes one token of one layer stages (as if every token were every
-        pair's): what cuts a layer into token ranges."""
+        """Per rank, the most bytes one token of one layer of ``[lo, hi)`` stages there: what cuts a
+        layer into token ranges (t tokens cost a rank at most t times this).
+
+        A token is carried only by the pairs of its owners (D DCP rank, P DCP rank): under DCP one
+        pair of each head group, not every pair (summing every pair overstated the bound by the DCP
+        factor, issue 20). The owners that occur are those of the segments of ``[lo, hi)``, each
+        segment having one; the bound is the largest over them, exactly the costliest token.
+        """
         P, D = self.pair.prefill, self.pair.decode
         bp, bd = np.zeros(P.num_ranks, np.int64), np.zeros(D.num_ranks, np.int64)
-        per_layer = _Costs(g.layers, P.num_ranks, D.num_ranks)
-        for s in g.pairs:
-            per_layer.add(s, s.n * g.unit)
-        if g.layers:
-            bp, bd = per_layer.p.max(axis=0), per_layer.d.max(axis=0)
+        if not g.layers or not g.pairs or g.hi <= g.lo:
+            return bp, bd
+        c = self.cuts(g.index, g.lo, g.hi)
+        live = c.d.length > 0
+        owners = sorted(set(zip(c.d_owner[0][live].tolist(), c.d_owner[1][live].tolist())))
+        for dr, po in owners:
+            per_layer = _Costs(g.layers, P.num_ranks, D.num_ranks)
+            for s in g.pairs:
+                if s.dr == dr and s.po == po:
+                    per_layer.add(s, s.n * g.unit)
+            bp = np.maximum(bp, per_layer.p.max(axis=0))
+            bd = np.maximum(bd, per_layer.d.max(axis=0))
         return bp, bd
 
     def section_costs(self, g: _Group, si: int, layer: int) -> tuple[np.ndarray, np.ndarray]:
@@ -113,8 +126,12 @@ class _Planner:
 
 def min_staging_bytes(pair: CheckedEngines, request: Request) -> int:
     """The smallest ``staging_bytes`` :func:`plan_packed` accepts for ``request``: the largest
-    per-rank bytes of one token of one attention layer or one state section of one layer (0 when
-    nothing moves)."""
+    per-rank bytes of one token of one attention layer (its owners' pairs only, under DCP) or one
+    state section of one layer (0 when nothing moves). It plans at this capacity, and one byte
+    less raises :class:`~kvgeom.errors.StagingCapacityError` (no chunk can hold that token).
+
+    Worked number (issue 20): one layer, one head of 4 B, P TP1 K=4 -> D TP2 DCP2 K=4, M=8: one
+    token is 8 B (K and V) and lands on one D rank, so 8 (the old bound summed both D DCP ranks: 16)."""
     pair.check_request(request)
     return _min_staging(_Planner(pair, request))
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import value_text
+from ..errors import MissingExtra, install_hint, value_text
 from ..values.plan import TransferPlan
 from ..values.request import Request
 from .cell_sources import SEVERAL, SOURCE_STRIDE, UNKNOWN_POSITION, UNTOUCHED, ZEROED, DrawError
@@ -77,7 +77,8 @@ def draw(
     max_rows: int = 64,
     ax: Any = None,
 ) -> Any:
-    """One picture of ``request``'s transfer under ``plan``; returns the matplotlib ``Figure``.
+    """One picture of ``request``'s transfer under ``plan``; returns the matplotlib ``Figure``
+    (:class:`kvgeom.MissingExtra`, naming the pip command, without matplotlib).
 
     ``side="decode"``: D token cells per layer and head group, coloured by source P rank (a lighter
     shade for every other P block), zeroed cells hatched, untouched cells blank with an outline.
@@ -85,9 +86,13 @@ def draw(
     side, or None for all. Past ``max_cells`` tokens cells are binned; past ``max_rows`` rows the
     rest are left out (the title says how many). ``ax``: draw into an existing Axes.
     """
-    from matplotlib.collections import PatchCollection
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch, Rectangle
+    try:
+        from matplotlib.collections import PatchCollection
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch, Rectangle
+    except ImportError as e:
+        raise MissingExtra("matplotlib", "kvgeom.draw needs matplotlib, which is not installed", actual=str(e),
+                           expected="matplotlib (the notebook extra)", fix=install_hint("notebook")) from e
 
     cm = transfer_cells(plan, pair, request, side=side, rank=rank, max_cells=max_cells)
     if not isinstance(max_rows, int) or max_rows < 1:

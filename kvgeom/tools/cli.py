@@ -2,10 +2,11 @@
 
     kvgeom plan [--preset NAME] [--tokens M] [--prefix S] [--strategy direct|staged|auto|packed]
                 [--staging-bytes N] [--layers L] [--json] [--pair FILE] [--svg FILE | --png FILE]
-                [--budget-mb MB]
+                [--budget-mb MB] [--max-work N] [--max-steps N]
     kvgeom presets
     kvgeom transfer [--preset NAME] [--tokens M] [--prefix S] [--strategy ...] [--staging-bytes N] [--push]
-                    [--mode coalesced|prepped] [--json] [--timeout SEC] [--budget-mb MB]
+                    [--mode coalesced|prepped] [--json] [--timeout SEC] [--budget-mb MB] [--max-work N] [--max-steps N]
+    kvgeom fuzz [...] [--budget-mb MB] [--max-work N] [--max-steps N]
 
     argv --> COMMANDS[name] --> add_arguments(parser) --> run(args) --> exit status
                                                           0 ok, 1 verification failed or internal error,
@@ -17,7 +18,8 @@ Worked number: ``kvgeom plan`` (preset ``gqa-tp2-tp4``, M=100, S=16) moves token
 Bounded work (docs/design.md §14): every input is checked before the work it sizes. Output paths
 (``--svg``, ``--png``) are opened before planning; pair files are read to at most 4 MiB; the plan
 is estimated from the request's shape before any block list is built, and refused over the budget
-(``--budget-mb``, default 4096) with exit 2, and so is a simulation (``plan``) or cache and
+(``--budget-mb``, default 4096; ``--max-work`` and ``--max-steps`` raise the other two limits of
+:class:`~kvgeom.PlanBudget`) with exit 2, and so is a simulation (``plan``) or cache and
 staging-ring allocation (``transfer``) larger than the budget; ``--timeout`` must be finite and positive.
 
 Adding a subcommand: write ``add_arguments(parser)`` and ``run(args) -> int`` and add one
@@ -49,7 +51,7 @@ from ..building.presets import DEFAULT_PRESET, PRESETS, Preset, get_preset
 from ..building.requests import fresh_request, fresh_shape
 from ..checking.report import Report
 from ..checking.simulator import simulate
-from ..errors import IncompatibleGeometry, KvGeomError, PlanBudgetExceeded
+from ..errors import IncompatibleGeometry, KvGeomError, MissingExtra, PlanBudgetExceeded, install_hint
 from ..planning.budget import DEFAULT_BUDGET, PlanBudget
 from ..planning.choose import STRATEGIES
 from ..planning.packed import DEFAULT_STAGING_BYTES
@@ -59,14 +61,14 @@ from ..values.engine import EngineGeometry, engine_line
 from ..values.fields import check_seconds
 from ..values.model import StateSpec
 from ..values.pair import pairable
-from ..values.plan import TransferPlan, plan_rank_rows
+from ..values.plan import TransferPlan, plan_numbers, plan_rank_rows
 from ..values.request import Request
 from ..values.text import format_bytes, text_table
 from .serialize import load_pair_file
 
 __all__ = ["main", "build_parser", "resolve_preset", "Command", "COMMANDS", "TRANSFER_ENTRY_POINTS", "OutputFile",
            "simulation_bytes", "simulation_steps"]
-NIXL_HINT = 'pip install torch==2.13.0 && pip install -e ".[nixl]"'
+NIXL_HINT = install_hint("nixl")  # from a wheel: pip install "kvgeom[nixl]"; from a checkout: pip install -e "<it>[nixl]"
 MAX_LISTED = 10  # violations and notes shown in the human summary (--json lists all)
 
 
@@ -79,7 +81,7 @@ class Command:
     run: Callable[[argparse.Namespace], int]
 
 
-class _Unavailable(KvGeomError):
+class _Unavailable(MissingExtra):
     """An optional part (extra, module) the command needs is not installed."""
 
 
@@ -104,17 +106,54 @@ def _budget_mb(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    """``--max-work`` / ``--max-steps``: a whole number >= 1 (argparse reports anything else, exit 2)."""
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value <= 1 << 62:
+        raise argparse.ArgumentTypeError(f"{value} is outside 1 .. {1 << 62}")
+    return value
+
+
+def _budget_arguments(p: argparse.ArgumentParser) -> None:
+    """The three limits of :class:`~kvgeom.PlanBudget`, one flag each."""
+    p.add_argument("--budget-mb", type=_budget_mb, default=DEFAULT_BUDGET.max_bytes >> 20, metavar="MB",
+                   help=f"refuse (exit 2) a request whose plan, simulation or caches would need more memory "
+                        f"(PlanBudget.max_bytes; default {DEFAULT_BUDGET.max_bytes >> 20})")
+    p.add_argument("--max-work", type=_count, default=DEFAULT_BUDGET.max_work, metavar="N",
+                   help=f"refuse a plan of more row operations (PlanBudget.max_work; default {DEFAULT_BUDGET.max_work})")
+    p.add_argument("--max-steps", type=_count, default=DEFAULT_BUDGET.max_steps, metavar="N",
+                   help="refuse a plan or simulation of more Python-level steps (PlanBudget.max_steps; default "
+                        f"{DEFAULT_BUDGET.max_steps})")
+
+
 def _budget(args: argparse.Namespace) -> PlanBudget:
-    return attrs.evolve(DEFAULT_BUDGET, max_bytes=args.budget_mb << 20)
+    """The :class:`~kvgeom.PlanBudget` of ``--budget-mb``, ``--max-work`` and ``--max-steps``."""
+    return PlanBudget(max_bytes=args.budget_mb << 20, max_work=args.max_work, max_steps=args.max_steps)
+
+
+def machine_bytes() -> int | None:
+    """This machine's physical memory in bytes (``None`` where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _check_memory(what: str, nbytes: int, budget: PlanBudget, fix: str) -> None:
-    """Refuse (PlanBudgetExceeded, exit 2) to allocate ``nbytes`` beyond the budget's memory."""
+    """Refuse (PlanBudgetExceeded, exit 2) to allocate ``nbytes`` beyond the budget's memory. Raising
+    the budget is suggested only when the allocation would fit this machine's memory."""
     if nbytes > budget.max_bytes:
+        have = machine_bytes()
+        if have is not None and nbytes > have:
+            raise_it = f" (more than this machine's {have / 2**30:.1f} GiB of memory: raising --budget-mb will not help)"
+        else:
+            raise_it = f", or raise the budget with --budget-mb {_mib_above(nbytes)}"
         raise PlanBudgetExceeded(what, f"the {what} would allocate {nbytes:,} B ({nbytes / 2**30:.2f} GiB), beyond "
                                  f"the budget of {budget.max_bytes:,} B", actual=nbytes,
-                                 expected=f"<= {budget.max_bytes}",
-                                 fix=f"{fix}, or raise the budget with --budget-mb {_mib_above(nbytes)}")
+                                 expected=f"<= {budget.max_bytes}", fix=f"{fix}{raise_it}")
 
 
 def _mib_above(nbytes: int) -> int:
@@ -145,7 +184,7 @@ def _check_simulation(pair: Pair, budget: PlanBudget, fix: str) -> None:
                                  f"layers x planes), beyond the budget of {budget.max_steps:,}", actual=steps,
                                  expected=f"<= {budget.max_steps}",
                                  fix=f"{fix} (an engine of {pair.prefill.num_ranks} and one of {pair.decode.num_ranks} "
-                                     "ranks are hardly real)")
+                                     f"ranks are hardly real), or raise the budget with --max-steps {steps}")
 
 
 def _preset_arguments(p: argparse.ArgumentParser) -> None:
@@ -165,9 +204,7 @@ def _preset_arguments(p: argparse.ArgumentParser) -> None:
                    help="packed: the most bytes one chunk stages on one rank (one ring slot; default "
                         f"{DEFAULT_STAGING_BYTES >> 20} MiB)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
-    p.add_argument("--budget-mb", type=_budget_mb, default=DEFAULT_BUDGET.max_bytes >> 20, metavar="MB",
-                   help=f"refuse (exit 2) a request whose plan, simulation or caches would need more memory "
-                        f"(default {DEFAULT_BUDGET.max_bytes >> 20})")
+    _budget_arguments(p)
 
 
 def resolve_preset(args: argparse.Namespace) -> tuple[Preset, int, int]:
@@ -177,10 +214,7 @@ def resolve_preset(args: argparse.Namespace) -> tuple[Preset, int, int]:
     build with ``preset.build(tokens, prefix, layers=args.layers)``.
     """
     preset = get_preset(args.preset)
-    tokens = preset.default_tokens if args.tokens is None else args.tokens
-    if args.prefix is not None:
-        return preset, tokens, args.prefix
-    prefix = preset.default_prefix if preset.default_prefix < tokens else 0
+    tokens, prefix = preset.resolve(args.tokens, args.prefix)  # the rule Preset.build uses too
     return preset, tokens, prefix
 
 
@@ -217,7 +251,11 @@ def _load_pair(args: argparse.Namespace) -> tuple[dict[str, Any], Pair | None, A
         header = {"pair_file": args.pair, "preset": None}
         _check_simulation(pair, budget, "describe engines with fewer or smaller pages, layers or ranks")
         if request is None:
-            tokens = args.tokens if args.tokens is not None else 256
+            if args.tokens is None:  # no silent default: the user says which request to plan
+                raise KvGeomError("--pair", f"pair file {args.pair!r} holds two engines and no request",
+                                  actual="no request", expected="a request in the file, or --tokens",
+                                  fix="pass --tokens M (and --prefix S) to plan a fresh request on its engines")
+            tokens = args.tokens
             prefix = args.prefix or 0
             hybrid = any(isinstance(g, StateSpec) for g in pair.model.groups)
             decode_tokens = tokens + 1 if hybrid else tokens
@@ -289,7 +327,23 @@ class OutputFile:
                 os.unlink(self.path)
 
 
+IMAGE_SUFFIXES = (".svg", ".png", ".pdf", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp", ".gif")
+
+
+def _check_drawing_path(flag: str, path: str) -> None:
+    """``--svg x.png`` would write SVG into a file named for another format: refused, naming the flag to use."""
+    fmt = flag.lstrip("-")
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in IMAGE_SUFFIXES and suffix != f".{fmt}":
+        other = {".svg": "--svg", ".png": "--png"}.get(suffix)
+        fix = f"use {other} {path}" if other else f"name the file *.{fmt}, or use --svg/--png for those formats"
+        raise KvGeomError(flag, f"{path!r} names a {suffix[1:].upper()} file, but {flag} writes {fmt.upper()}",
+                          actual=suffix, expected=f".{fmt} (or no image suffix)", fix=fix)
+
+
 def _run_plan(args: argparse.Namespace) -> int:
+    if args.svg or args.png:
+        _check_drawing_path("--svg" if args.svg else "--png", args.svg or args.png)
     out = OutputFile("--svg" if args.svg else "--png", args.svg or args.png) if (args.svg or args.png) else None
     try:
         return _plan_and_report(args, out)
@@ -357,22 +411,7 @@ def _plan_json(header: dict[str, Any], pair: Pair, plan: TransferPlan, report: R
         "planned": True,
         "prefill": engine_line(pair.prefill),
         "decode": engine_line(pair.decode),
-        "prefill_ranks": plan.prefill_ranks,
-        "decode_ranks": plan.decode_ranks,
-        "copies": len(plan.copies),
-        "copies_before_coalescing": plan.copies_before_coalescing,
-        "bytes": plan.bytes_copied,
-        "zeros": len(plan.zeros),
-        "zero_bytes": plan.bytes_zeroed,
-        "rearranges": len(plan.rearranges),
-        "packed": plan.packed,
-        "wire_descriptors": plan.descriptors,
-        "chunks": len(plan.chunks),
-        "staging_bytes": plan.staging_bytes,
-        "staging_per_prefill_rank": [int(x) for x in plan.staging_used("prefill").max(axis=0, initial=0)],
-        "staging_per_decode_rank": [int(x) for x in plan.staging_used("decode").max(axis=0, initial=0)],
-        "packs": len(plan.packs),
-        "unpacks": len(plan.unpacks),
+        **plan_numbers(plan),
         "per_decode_rank": per_rank,
         "violations": sim["violations"],
         "verified": verified,
@@ -381,6 +420,15 @@ def _plan_json(header: dict[str, Any], pair: Pair, plan: TransferPlan, report: R
         "notes": [n.text for n in plan.notes],
         "note_kinds": [n.kind.value for n in plan.notes],
     }
+
+
+PLAN_LEGEND = """\
+legend: K = tokens per kernel page, ppl = kernel pages per logical block (logical = K x ppl tokens);
+  copies / wire rows = NIXL descriptors (one contiguous byte range each); zero ranges = D bytes set to 0
+  (tokens D lists that P never computed); rearranged pages = D kernel pages permuted in place after a staged
+  copy (unpacked pages: D pages an unpack step writes); aligned segments = token runs whose bytes are
+  affine on both sides (cut at both sides' page and DCP boundaries); checked = every byte of D's cache
+  compared with what it must hold (moved, zeroed, and the bytes that must stay untouched), so it exceeds moved."""
 
 
 def _print_plan(header: dict[str, Any], pair: Pair, plan: TransferPlan, report: Report, verified: bool) -> None:
@@ -409,6 +457,7 @@ def _print_plan(header: dict[str, Any], pair: Pair, plan: TransferPlan, report: 
             _print(f"  - {n}")
         if len(notes) > MAX_LISTED:
             _print(f"  ... {len(notes) - MAX_LISTED} more (--json lists all)")
+    _print(PLAN_LEGEND)  # before the verdict, which stays the last line
     checked_text = f", {format_bytes(report.bytes_checked)} checked"
     if verified:
         _print(f"verdict: OK (simulator: 0 violations{checked_text})")
@@ -428,7 +477,7 @@ def _print_plan(header: dict[str, Any], pair: Pair, plan: TransferPlan, report: 
 def _draw(plan: TransferPlan, pair: Pair, request: Request, out: OutputFile, fmt: str) -> None:
     if importlib.util.find_spec("matplotlib") is None:
         raise _Unavailable(f"--{fmt}", "drawing needs matplotlib, which is not installed",
-                           fix='pip install -e ".[notebook]"')
+                           fix=install_hint("notebook"))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -482,13 +531,16 @@ def _missing_modules(names: Sequence[str]) -> list[str]:
     return [m for m in names if importlib.util.find_spec(m) is None]
 
 
+NIXL_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")  # where NIXL may be installed (kvgeom_nixl.agent.NIXL_PACKAGES)
 TRANSFER_ENTRY_POINTS = "kvgeom.transfer"
 """Entry point group an executor registers its ``transfer_report`` function under (``kvgeom_nixl``: ``nixl``)."""
 
 
 def _executor() -> Callable[..., dict[str, Any]]:
     """The registered executor's ``transfer_report`` (kvgeom never imports its executor)."""
-    missing = _missing_modules(("torch", "nixl"))
+    missing = _missing_modules(("torch",))
+    if len(_missing_modules(NIXL_MODULES)) == len(NIXL_MODULES):  # the meta package or one CUDA flavour
+        missing.append("nixl")
     if missing:
         raise _Unavailable("transfer", f"needs {' and '.join(missing)}, not installed", fix=NIXL_HINT)
     found = sorted(entry_points(group=TRANSFER_ENTRY_POINTS), key=lambda ep: ep.name)
@@ -533,19 +585,21 @@ def _print_transfer(r: dict[str, Any]) -> None:
           f"strategy {r['strategy']}")
     print(f"  P  {r['prefill']}")
     print(f"  D  {r['decode']}")
-    print(f"  plan: {r['plan_copies']:,} copies / {format_bytes(r['plan_bytes'])}, {r['plan_zeros']:,} zero rows / "
-          f"{format_bytes(r['plan_zero_bytes'])}, {r['plan_rearranges']} rearranges")
+    rows = (f"{r['wire_descriptors']:,} wire rows in {r['chunks']} chunk{'s' if r['chunks'] != 1 else ''}"
+            if r["packed"] else f"{r['copies']:,} copies")
+    print(f"  plan: {rows} / {format_bytes(r['bytes'])}, {r['zeros']:,} zero rows / "
+          f"{format_bytes(r['zero_bytes'])}, {r['rearranges']} rearranges")
     merged = "" if r["nixl_descs"] is None else f" ({r['nixl_descs']:,} after NIXL's merge)"
     rate = r["bytes_moved"] / r["transfer_s"] / 1e9 if r["transfer_s"] > 0 else 0.0
     print(f"  NIXL: {r['agents']} agents (connect {r['connect_s'] * 1e3:.1f} ms), {r['nixl_requests']} requests, "
-          f"{r['descriptors']:,} descriptors posted{merged}")
-    if r.get("plan_packed"):
-        print(f"  packed: {r['plan_chunks']} chunks, {r['plan_wire_rows']} wire rows, slots of "
-              f"{format_bytes(r['staging_bytes'])}; pack {r['pack_s'] * 1e3:.2f} ms, wire {r['wire_s'] * 1e3:.2f} ms, "
-              f"unpack {r['unpack_s'] * 1e3:.2f} ms (summed over ranks)")
+          f"{r['descriptors_posted']:,} descriptors posted{merged}")
+    if r["packed"]:
+        print(f"  packed: {r['packs']} pack and {r['unpacks']} unpack steps, ring slots of "
+              f"{format_bytes(r['staging_slot_bytes'])}; pack {r['pack_s'] * 1e3:.2f} ms, wire "
+              f"{r['wire_s'] * 1e3:.2f} ms, unpack {r['unpack_s'] * 1e3:.2f} ms (summed over ranks)")
     print(f"  moved {format_bytes(r['bytes_moved'])} in {r['transfer_s'] * 1e3:.2f} ms ({rate:.2f} GB/s, "
           f"incl. first-contact wire-up and receive steps); zeroed {format_bytes(r['bytes_zeroed'])}, "
-          f"{r['rearranges']} rearranges")
+          f"{r['rearranges_applied']} rearranges")
     if r["failure"]:
         f = r["failure"]
         print(f"  transfer FAILED: {f['reason']}: {f['detail']}")
@@ -575,11 +629,12 @@ def _fuzz_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE", default=None,
                         help="also write each failure's pair file to FILE (FILE-2, FILE-3... for more)")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    _budget_arguments(parser)
 
 
 def _run_fuzz(args: argparse.Namespace) -> int:
     if _missing_modules(("hypothesis",)):
-        raise _Unavailable("fuzz", "needs hypothesis, not installed", fix='pip install -e ".[testing]"')
+        raise _Unavailable("fuzz", "needs hypothesis, not installed", fix=install_hint("testing"))
     from .fuzz import run_fuzz  # hypothesis is imported only when fuzz runs
 
     return run_fuzz(args)

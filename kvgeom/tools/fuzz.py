@@ -2,6 +2,7 @@
 
     kvgeom fuzz [--examples N] [--seed S] [--strategy direct|staged|auto|all] [--max-tokens M]
                 [--mismatch-probability P] [--topology-probability P] [--out FILE] [--no-progress]
+                [--budget-mb MB] [--max-work N] [--max-steps N]
 
 One example is one :func:`kvgeom.tools.strategies.transfers` draw (a pair, sometimes unpairable, and a
 request) checked with every chosen strategy::
@@ -13,6 +14,8 @@ request) checked with every chosen strategy::
                  plan twice per strategy --> simulate(pair, request, plan, replan=second plan)
                                  |                     zero violations          -> "verified"
                                  v
+                 over the budget (PlanBudgetExceeded)   -> "refused" (counted per strategy
+                                 |                       and limit; not a failure)
                  anything else (violation, crash, wrong rejection) -> hypothesis shrinks it and the
                  minimal pair + request are printed as a pair file (`kvgeom plan --pair FILE`), exit 1
 
@@ -44,7 +47,8 @@ from hypothesis import seed as hypothesis_seed
 
 from ..checking.report import Report
 from ..checking.simulator import simulate
-from ..errors import IncompatibleGeometry, PlanError
+from ..errors import IncompatibleGeometry, PlanBudgetExceeded, PlanError
+from ..planning.budget import DEFAULT_BUDGET, PlanBudget
 from ..planning.choose import STRATEGIES
 from ..planning.packed import min_staging_bytes
 from ..planning.sides import packed_refusal
@@ -82,6 +86,7 @@ class Outcome:
     error: str | None = None  # "Type: message" (crash, wrong_rejection, reason_mismatch)
     where: str | None = None  # "plan" or "simulate" (crash)
     staging_bytes: int | None = None  # the packed strategy's capacity when it was not the default
+    refused: tuple[str, ...] = ()  # "strategy: limit" per plan refused over the budget (PlanBudgetExceeded)
 
     @property
     def failed(self) -> bool:
@@ -123,23 +128,37 @@ def chunked_capacity(plan: Any, minimum: int) -> int:
     return max(minimum, used // 3, 1)
 
 
-def check_transfer(prefill: Any, decode: Any, request: Request, strategies: tuple[str, ...] = STRATEGIES) -> Outcome:
+def check_transfer(prefill: Any, decode: Any, request: Request, strategies: tuple[str, ...] = STRATEGIES, *,
+                   budget: PlanBudget | None = DEFAULT_BUDGET) -> Outcome:
     """The fuzz property for one pair and request: a typed rejection that agrees with
     :func:`kvgeom.pairable`, or, for every strategy, a deterministic plan with zero violations.
     ``packed`` is checked twice: with the default staging capacity and with a third of the first
-    plan's busiest staging (:func:`chunked_capacity`), so chunks and token-range pieces are drawn too."""
+    plan's busiest staging (:func:`chunked_capacity`), so chunks and token-range pieces are drawn too.
+
+    A plan refused over ``budget`` (:class:`~kvgeom.errors.PlanBudgetExceeded`, the planner's
+    documented answer to a request too large for it) is a refusal, not a failure: it is counted in
+    ``Outcome.refused`` and the other strategies are still checked; ``refused`` is the outcome when
+    no strategy planned at all."""
     compat = pairable(prefill, decode)
     verified = 0
+    refused: list[str] = []
     passed: list[Any] = []  # plans the simulator already verified for this request
     runs: list[tuple[str, int | None]] = [(s, None) for s in strategies]
     i = 0
     while i < len(runs):
         strategy, capacity = runs[i]
         i += 1
-        extra = {} if capacity is None else {"staging_bytes": capacity}
+        extra: dict[str, Any] = {"budget": budget} if capacity is None else {"staging_bytes": capacity,
+                                                                               "budget": budget}
         try:
             plan = plan_transfer(prefill, decode, request, strategy=strategy, **extra)  # type: ignore[arg-type]
             replan = plan_transfer(prefill, decode, request, strategy=strategy, **extra)  # type: ignore[arg-type]
+        except PlanBudgetExceeded as e:
+            if not compat.ok:  # an unpairable pair is refused as such before anything is estimated
+                return Outcome("reason_mismatch", verified, strategy, reason=compat.reasons[0].path, error=e.path)
+            limit = str(e.expected).split(" ")[0] if e.expected is not None else e.path
+            refused.append(f"{strategy}: {limit}")
+            continue
         except IncompatibleGeometry as e:
             if compat.ok:
                 return Outcome("wrong_rejection", verified, strategy, error=f"{type(e).__name__}: {e}")
@@ -168,10 +187,11 @@ def check_transfer(prefill: Any, decode: Any, request: Request, strategies: tupl
             return Outcome("crash", verified, strategy, error=f"{type(e).__name__}: {e}", where="simulate",
                            staging_bytes=capacity)
         if not report.ok:
-            return Outcome("violation", verified, strategy, report=report, staging_bytes=capacity)
+            return Outcome("violation", verified, strategy, report=report, staging_bytes=capacity,
+                           refused=tuple(refused))
         passed.append(plan)
         verified += 1
-    return Outcome("verified", verified)
+    return Outcome("verified" if verified or not refused else "refused", verified, refused=tuple(refused))
 
 
 # ---- the run -------------------------------------------------------------------------------------------
@@ -200,10 +220,14 @@ class FuzzResult:
     rejected: int = 0
     verified_pairs: int = 0
     plans_verified: int = 0
+    plans_refused: int = 0  # plans refused over the budget (PlanBudgetExceeded): not failures
+    refused_pairs: int = 0  # pairs where no strategy planned within the budget
+    refusals: collections.Counter[str] = attrs.field(factory=collections.Counter)  # "strategy: limit" -> count
     topology_pairs: int = 0  # examples with stages, DCP or replicas on either side
     reasons: collections.Counter[str] = attrs.field(factory=collections.Counter)
     failures: dict[str, Failure] = attrs.field(factory=dict)
-    seconds: float = 0.0
+    seconds: float = 0.0  # the generation phase (until the first failure)
+    shrink_seconds: float = 0.0  # shrinking the failures, after it
     seed: int = 0
     strategies: tuple[str, ...] = STRATEGIES
 
@@ -222,16 +246,25 @@ class FuzzResult:
             ["pairs rejected (unpairable)", self.rejected],
             ["pairs verified", self.verified_pairs],
             ["plans verified", self.plans_verified],
+            ["plans refused over the budget", self.plans_refused],
             ["failures (distinct, shrunk)", len(self.failures)],
             ["pairs with stages, DCP or replicas", self.topology_pairs],
         ]
+        took = f"{self.seconds:.1f} s ({self.rate:.1f} examples/s)"
+        if self.shrink_steps:
+            took = (f"{self.seconds + self.shrink_seconds:.1f} s in all: {self.seconds:.1f} s drawing "
+                    f"({self.rate:.1f} examples/s), {self.shrink_seconds:.1f} s shrinking")
         out = [f"kvgeom fuzz: {self.examples} examples, seed {self.seed}, strategies {', '.join(self.strategies)}: "
-               f"{self.seconds:.1f} s ({self.rate:.1f} examples/s)", text_table(rows)]
+               f"{took}", text_table(rows)]
         if self.reasons:
             out.append("rejections by reason:")
             out.append(text_table([[k, n] for k, n in sorted(self.reasons.items(), key=lambda kv: (-kv[1], kv[0]))]))
+        if self.refusals:
+            out.append("budget refusals by strategy and limit (PlanBudgetExceeded; not failures; raise the budget "
+                       "with --budget-mb, --max-work, --max-steps):")
+            out.append(text_table([[k, n] for k, n in sorted(self.refusals.items(), key=lambda kv: (-kv[1], kv[0]))]))
         if self.shrink_steps:
-            out.append(f"shrinking ran {self.shrink_steps} more examples")
+            out.append(f"shrinking ran {self.shrink_steps} more examples in {self.shrink_seconds:.1f} s")
         return "\n".join(out)
 
 
@@ -303,12 +336,14 @@ def fuzz(
     progress: TextIO | None = None,
     transfers: Any = None,
     topology_probability: float = 0.3,
+    budget: PlanBudget | None = DEFAULT_BUDGET,
 ) -> FuzzResult:
     """Run the fuzz property on ``examples`` hypothesis examples and return the counts and the
     shrunk failures (empty when every example passed).
 
     ``transfers`` replaces the default :func:`kvgeom.tools.strategies.transfers` draw (whose pairs use
-    ``max_tokens`` and ``mismatch_probability``), e.g. to fuzz wider geometries.
+    ``max_tokens`` and ``mismatch_probability``), e.g. to fuzz wider geometries. ``budget`` is
+    every plan's :class:`~kvgeom.PlanBudget`; plans beyond it are counted as refusals.
     """
     if seed is None:
         seed = random.SystemRandom().randrange(2**32)
@@ -328,7 +363,7 @@ def fuzz(
         @given(strategy)
         def property_(t: kst.Transfer) -> None:
             nonlocal shrinking
-            outcome = check_transfer(t.pair.prefill, t.pair.decode, t.request, strategies)
+            outcome = check_transfer(t.pair.prefill, t.pair.decode, t.request, strategies, budget=budget)
             if shrinking:
                 result.shrink_steps += 1
             else:
@@ -341,6 +376,10 @@ def fuzz(
                     result.reasons[reason_key(outcome.reason or "?")] += 1
                 elif outcome.kind == "verified":
                     result.verified_pairs += 1
+                elif outcome.kind == "refused":
+                    result.refused_pairs += 1
+                result.plans_refused += len(outcome.refused)
+                result.refusals.update(outcome.refused)
             if outcome.failed:
                 if not shrinking:
                     shrinking = True
@@ -375,6 +414,8 @@ def fuzz(
         bar.close()
     if not shrinking:
         result.seconds = time.monotonic() - start
+    else:
+        result.shrink_seconds = time.monotonic() - start - result.seconds
     return result
 
 
@@ -405,7 +446,8 @@ def run_fuzz(args: argparse.Namespace) -> int:
     strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
     result = fuzz(args.examples, seed=args.seed, strategies=strategies, max_tokens=args.max_tokens,
                   mismatch_probability=args.mismatch_probability, topology_probability=args.topology_probability,
-                  progress=None if args.no_progress else sys.stderr)
+                  progress=None if args.no_progress else sys.stderr,
+                  budget=PlanBudget(max_bytes=args.budget_mb << 20, max_work=args.max_work, max_steps=args.max_steps))
     print(result.summary())
     for i, (sig, failure) in enumerate(sorted(result.failures.items())):
         print(f"\nFAILURE {i + 1} of {len(result.failures)} ({sig}): {failure.outcome.describe()}")

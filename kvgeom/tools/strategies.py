@@ -5,8 +5,8 @@ strategies build the same values a connector builds (:meth:`EngineGeometry.build
 so a connector's own test can fuzz its transfers against the reference simulator::
 
     from hypothesis import given
-    from kvgeom import Pair, strategies as kst
-    from kvgeom.checking.simulator import simulate
+    from kvgeom import Pair, simulate
+    from kvgeom.tools import strategies as kst
 
     @given(kst.transfers())
     def test_my_connector(t):

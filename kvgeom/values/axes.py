@@ -7,6 +7,7 @@ any other name is element bytes, innermost and contiguous).
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -86,6 +87,15 @@ def parse_axes(text: str, path: str = "axes") -> list[list[str]]:
         raise GeometryError(path, f"unclosed parenthesis in {value_text(text, 80)}", actual=text, fix="close it")
     if not dims:
         raise GeometryError(path, "an empty axis description", actual=text, fix='e.g. "page kv token head dim"')
+    for name in (n for d in dims for n in d):  # a misspelled axis would be read as part of the element (a stride error far away)
+        if name in AXIS_NAMES:
+            continue
+        close = difflib.get_close_matches(name, (*AXIS_NAMES, *_ALIASES), n=1, cutoff=0.75)
+        if close and _ALIASES.get(close[0], close[0]) not in seen:
+            raise GeometryError(path, f"{name!r} in {value_text(text, 80)} is not an axis name, so it would be read "
+                                f"as part of the element; did you mean {close[0]!r}?", actual=name,
+                                expected=list(AXIS_NAMES), fix=f"write {close[0]!r} (axis names: "
+                                f"{', '.join(AXIS_NAMES)}; every other name is an element axis)")
     return dims
 
 

@@ -42,7 +42,7 @@ from .staging import Chunk, StagingStep, WireCopies
 from .text import cut, format_bytes, format_ids, html_block, html_table, text_table
 
 __all__ = ["Copies", "Zeros", "Rearrange", "TransferPlan", "COPY_COLUMNS", "ZERO_COLUMNS", "plan_repr", "plan_html",
-           "plan_rank_rows", "plan_pair_bytes"]
+           "plan_rank_rows", "plan_pair_bytes", "plan_numbers"]
 
 MAX_PAGES = 1 << 26  # kernel pages one rearrange may list
 COPY_COLUMNS = ("p_rank", "p_region", "p_offset", "d_rank", "d_region", "d_offset", "nbytes")
@@ -533,6 +533,34 @@ def plan_rank_rows(p: TransferPlan) -> list[list[Any]]:
         src = format_ids(p.sources_of(d), limit=4)
         rows.append([d, src, int(n_copies[d]), int(b_copies[d]), int(n_zeros[d]), int(b_zeros[d]), int(pages[d])])
     return rows
+
+
+def plan_numbers(p: TransferPlan) -> dict[str, Any]:
+    """A plan's totals under the names ``kvgeom plan --json`` and ``kvgeom transfer --json`` both use.
+
+    ``copies``: copy rows (0 for a packed plan); ``wire_descriptors``: what NIXL posts (copy rows
+    plus wire rows: ``copies`` for direct and staged plans, the wire rows for packed ones);
+    ``bytes``/``zero_bytes``: bytes copied and zeroed; ``staging_bytes``: the chunk capacity a
+    packed plan was cut for (0 otherwise) and ``staging_per_*_rank`` the most any chunk stages there.
+    """
+    return {
+        "prefill_ranks": p.prefill_ranks,
+        "decode_ranks": p.decode_ranks,
+        "copies": len(p.copies),
+        "copies_before_coalescing": p.copies_before_coalescing,
+        "bytes": p.bytes_copied,
+        "zeros": len(p.zeros),
+        "zero_bytes": p.bytes_zeroed,
+        "rearranges": len(p.rearranges),
+        "packed": p.packed,
+        "wire_descriptors": p.descriptors,
+        "chunks": len(p.chunks),
+        "packs": len(p.packs),
+        "unpacks": len(p.unpacks),
+        "staging_bytes": p.staging_bytes,
+        "staging_per_prefill_rank": [int(x) for x in p.staging_used("prefill").max(axis=0, initial=0)],
+        "staging_per_decode_rank": [int(x) for x in p.staging_used("decode").max(axis=0, initial=0)],
+    }
 
 
 def plan_pair_bytes(p: TransferPlan) -> dict[tuple[int, int], int]:

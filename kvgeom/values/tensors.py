@@ -68,7 +68,7 @@ from .tensor_groups import (
 )
 from .tensor_regions import _Candidate, _regions
 
-__all__ = ["LayerTensors", "TensorFacts", "tensor_facts", "parse_axes", "tensor_fields", "AXIS_NAMES"]
+__all__ = ["LayerTensors", "TensorFacts", "tensor_facts", "parse_axes", "tensor_fields", "region_spans", "AXIS_NAMES"]
 
 
 def tensor_fields(
@@ -93,6 +93,39 @@ def tensor_fields(
     state page over the attention page where they share a region, else 1). ``state_layout``
     breaks the tie when both layouts place a group's sections identically.
     """
+    return _read(model, tp=tp, layers=layers, kernel_block_tokens=kernel_block_tokens,
+                 blocks_per_logical=blocks_per_logical, regions=regions, sizes=sizes, state_layout=state_layout,
+                 name=name)[0]
+
+
+def region_spans(
+    model: ModelSpec,
+    *,
+    tp: int,
+    layers: Sequence[LayerTensors],
+    kernel_block_tokens: int | None = None,
+    blocks_per_logical: int | None = None,
+    regions: Sequence[Any] | None = None,
+    sizes: Mapping[str, int] | None = None,
+    state_layout: StateLayout | str | None = None,
+    name: str = "engine",
+) -> tuple[tuple[int, int], ...]:
+    """``(start address, nbytes)`` of every region :func:`tensor_fields` finds, in region order:
+    the bytes an executor registers for each region (``kvgeom_nixl.region_buffers`` turns them
+    into views of the caller's tensors). Same arguments and errors as :func:`tensor_fields`.
+
+    Worked number: FlashAttention HND, one layer of ``(2, 64, 16, 8, 128)`` bf16 at address ``a``:
+    ``((a, 2097152), (a + 2097152, 2097152))``, its K and V planes.
+    """
+    return _read(model, tp=tp, layers=layers, kernel_block_tokens=kernel_block_tokens,
+                 blocks_per_logical=blocks_per_logical, regions=regions, sizes=sizes, state_layout=state_layout,
+                 name=name)[1]
+
+
+def _read(model: ModelSpec, *, tp: int, layers: Sequence[LayerTensors], kernel_block_tokens: int | None,
+          blocks_per_logical: int | None, regions: Sequence[Any] | None, sizes: Mapping[str, int] | None,
+          state_layout: StateLayout | str | None, name: str) -> tuple[dict[str, Any], tuple[tuple[int, int], ...]]:
+    """The fields of ``EngineGeometry(...)`` and every region's ``(start, nbytes)``."""
     name = check_str("name", name)
     check_instance(f"{name}.model", model, ModelSpec)
     tp = check_int(f"{name}.tp", tp, minimum=1)
@@ -133,5 +166,10 @@ def tensor_fields(
         else:
             groups.append(_state_geometry(spec, states[gi], placed, tp, state_layout, name))
     _check_layer_overlap(model, tp, K, groups, attn, states, name)
+    starts = [0] * len(region_list)
+    for c in cands:  # a view at ``address`` sits ``off`` bytes into its region's first page
+        ri, off = placed[c.key]
+        starts[ri] = c.address - off
+    spans = tuple((start, r.nbytes) for start, r in zip(starts, region_list))
     return dict(model=model, tp=tp, kernel_block_tokens=K, blocks_per_logical=ppl, regions=tuple(region_list),
-                groups=tuple(groups), name=name)
+                groups=tuple(groups), name=name), spans
