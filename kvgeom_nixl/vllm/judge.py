@@ -1,0 +1,253 @@
+"""Two verdicts on one run of vLLM's NixlConnector: the bytes D holds, and kvgeom's conformance kit.
+
+The byte check (:func:`byte_check`) knows nothing of kvgeom. It writes the expected D cache with
+vLLM's own cache update (CPU_ATTN's ``do_kv_cache_update``: the pattern of P's tokens [0, M)
+into D's blocks) and a token map the same way (every element of token t holds t + 1), then
+compares D's real cache element by element:
+
+    D tokens [S, M) of the request's new blocks    must equal the expected values     (else WRONG)
+    D tokens >= M in those blocks                  anything (vLLM masks by length); counted as
+                                                   zeroed / stale / written
+    D's prefix blocks and every other block        must be untouched                   (else WRONG)
+
+The kit check (:func:`kit_check`) describes both sides with kvgeom (``EngineGeometry.from_tensors``
+on vLLM's own cache views and registered regions), builds the request from the block tables,
+turns the recorded descriptor lists and READs into rows (``rows_from_descriptors``) with the
+bytes vLLM's receive step zeroed (observed: D's cache just before and after it), and runs
+``check_connector``. A side kvgeom cannot describe is a typed refusal (``GeometryError``), found
+by asking vLLM's writer where the tokens of a block land (docs/design.md §10.6).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from .engines import STALE_D, VllmSide
+
+__all__ = ["byte_check", "kit_check", "describe_side", "element_map"]
+
+_MAX_LISTED = 6
+
+
+def _fresh(side: VllmSide, value: float) -> list[dict[str, torch.Tensor]]:
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    out = []
+    for _ in range(side.tp):
+        caches = allocate_kv_cache(side.kv_cache_config, torch.device("cpu"),
+                                   side.config.cache_config.get_resolved_kv_cache_layout(), [side.block_size])
+        for c in caches.values():
+            c.fill_(value)
+        out.append(caches)
+    return out
+
+
+def _spans(tokens: np.ndarray) -> str:
+    tokens = np.unique(tokens)
+    if not tokens.size:
+        return ""
+    cuts = np.flatnonzero(np.diff(tokens) != 1)
+    starts = np.r_[tokens[0], tokens[cuts + 1]]
+    ends = np.r_[tokens[cuts], tokens[-1]]
+    return ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in zip(starts.tolist(), ends.tolist()))
+
+
+def byte_check(D: VllmSide, before: list[dict[str, torch.Tensor]], cell: Any, d_all: list[int], held: int,
+               pattern: Callable[..., torch.Tensor]) -> dict[str, Any]:
+    """Compare D's cache with what vLLM's own writer puts there for the request (module docstring)."""
+    from .conformance import rank_heads
+
+    expected = _fresh(D, STALE_D)
+    marks = _fresh(D, 0.0)
+    listed = len(d_all) * D.block_size
+    hd = D.model.head_dim
+    for r in range(D.tp):
+        heads = rank_heads(D, r)
+        D.write_tokens(r, d_all, range(cell.m), lambda i, t, plane, h=heads: pattern(i, t, plane, h, hd),
+                       caches=expected[r])
+        D.write_tokens(r, d_all, range(listed),
+                       lambda i, t, plane: (t.to(torch.float32) + 1).view(-1, 1, 1).expand(-1, D.kv_heads, hd)
+                       .contiguous(), caches=marks[r])
+    wrong: list[str] = []
+    counts = {"wrong_tokens": 0, "missing_tokens": 0, "beyond_zeroed": 0, "beyond_stale": 0, "beyond_written": 0,
+              "foreign_elements": 0, "prefix_clobbered": 0}
+    new = set(d_all[held:])
+    for r in range(D.tp):
+        for li, name in enumerate(D.layers):
+            act, exp, mark, old = D.caches[r][name], expected[r][name], marks[r][name], before[r][name]
+            for b in range(act.shape[0]):
+                a = act[b]
+                if b in new:
+                    tok = mark[b].to(torch.int64) - 1
+                    needed = (tok >= cell.s) & (tok < cell.m)
+                    bad = needed & (a != exp[b])
+                    if bool(bad.any()):
+                        toks = torch.unique(tok[bad]).numpy()
+                        counts["wrong_tokens"] += int(toks.size)
+                        counts["missing_tokens"] += int(torch.unique(tok[bad & (a == STALE_D)]).numel())
+                        if len(wrong) < _MAX_LISTED:
+                            wrong.append(f"D rank {r} layer {li} block {b}: tokens {_spans(toks)} differ")
+                    beyond = tok >= cell.m
+                    counts["beyond_zeroed"] += int(torch.unique(tok[beyond & (a == 0)]).numel())
+                    counts["beyond_stale"] += int(torch.unique(tok[beyond & (a == STALE_D)]).numel())
+                    counts["beyond_written"] += int(torch.unique(tok[beyond & (a != 0) & (a != STALE_D)]).numel())
+                elif not torch.equal(a, old[b]):
+                    key = "prefix_clobbered" if b in d_all else "foreign_elements"
+                    counts[key] += int((a != old[b]).sum())
+                    if len(wrong) < _MAX_LISTED:
+                        wrong.append(f"D rank {r} layer {li} block {b}: "
+                                     f"{'prefix block' if b in d_all else 'not the request'} changed")
+    ok = not (counts["wrong_tokens"] or counts["foreign_elements"] or counts["prefix_clobbered"])
+    return {"ok": ok, "counts": counts, "wrong": wrong}
+
+
+# ---- kvgeom's description of a side ------------------------------------------------------------
+
+
+def element_map(side: VllmSide) -> dict[str, np.ndarray]:
+    """Where vLLM's writer puts each (token, dim) of one block of head 0: per plane, an array whose
+    entry ``[row, col]`` of the plane's ``(bs, head_dim)`` view is ``(token, dim)`` stored there.
+
+    CPU_ATTN's block is viewed ``(heads, 2 * bs, head_dim)``: K rows ``[0, bs)``, V rows
+    ``[bs, 2 bs)``. Every element is written with its own value into a scratch cache, then read back.
+    """
+    scratch = _fresh(side, 0.0)[0]
+    bs, hd = side.block_size, side.model.head_dim
+
+    def code(i: int, t: torch.Tensor, plane: int) -> torch.Tensor:
+        v = (t.to(torch.float32) + 1).view(-1, 1, 1) * hd + torch.arange(hd, dtype=torch.float32).view(1, 1, -1)
+        return v.expand(-1, side.kv_heads, hd).contiguous()
+
+    side.write_tokens(0, [1], range(bs), code, caches=scratch)
+    cache = next(iter(scratch.values()))
+    v = cache[1].reshape(side.kv_heads, 2 * bs, hd)[0].to(torch.int64).numpy()
+    out = {}
+    for plane, rows in (("k", v[:bs]), ("v", v[bs:])):
+        out[plane] = np.stack([rows // hd - 1, rows % hd], axis=-1)
+    return out
+
+
+def describe_side(side: VllmSide, rank: int, name: str) -> Any:
+    """kvgeom's geometry of one rank of ``side``, or a ``GeometryError`` naming what it cannot say."""
+    from kvgeom import AttentionSpec, EngineGeometry, GeometryError, LayerTensors, ModelSpec
+
+    if side.backend_name != "CPU_ATTN":
+        raise GeometryError(f"{name}.backend", f"only CPU_ATTN caches are described here, got {side.backend_name}",
+                            actual=side.backend_name, expected="CPU_ATTN")
+    bs, hd = side.block_size, side.model.head_dim
+    plain = np.stack(np.meshgrid(np.arange(bs), np.arange(hd), indexing="ij"), axis=-1)
+    for plane, where in element_map(side).items():
+        if not np.array_equal(where, plain):
+            r, c = (int(x) for x in np.argwhere((where != plain).any(axis=-1))[0])
+            t, d = (int(x) for x in where[r, c])
+            raise GeometryError(
+                f"{name}.layers.0.{plane}.dim",
+                f"CPU_ATTN stores {plane.upper()} of a {bs}-token block with token {t} dim {d} at row {r} column "
+                f"{c} of the plane's (token, dim) rows: a head vector is not {hd * 4} contiguous bytes "
+                f"(K is dim-major in 32-token tiles), which kvgeom's page layout cannot say",
+                actual=f"(row {r}, col {c}) holds token {t} dim {d}", expected=f"token {r} dim {c}",
+                fix="describe per-plane layouts with strided head-vector bytes (issue 22) before checking this")
+    model = ModelSpec("tiny-llama", [AttentionSpec("attn", "full", num_layers=side.model.layers,
+                                                   num_kv_heads=side.model.kv_heads, head_bytes=hd * 4)])
+    worker = side.worker(rank)
+    bases = worker.kv_caches_base_addr[side.engine_id][rank]
+    regions = [(int(b), int(n) * int(s)) for b, n, s in zip(bases, worker.region_num_blocks or
+                                                            [worker.num_blocks] * len(bases),
+                                                            worker.block_stride_per_layer)]
+    layers = []
+    for lname in sorted(side.layers, key=lambda n: int(n.split(".")[2])):
+        cache = side.caches[rank][lname]
+        view = cache.view(cache.shape[0], cache.shape[1], 2, bs, hd)  # CPU_ATTN: (B, H, 2 * bs, hd), chunked
+        layers.append(LayerTensors("attn", "page head kv token dim", view, name=lname))
+    return EngineGeometry.from_tensors(model, tp=side.tp, layers=layers, regions=regions, name=name)
+
+
+def _engine(side: VllmSide, name: str) -> Any:
+    geos = [describe_side(side, r, name) for r in range(side.tp)]
+    return geos[0]  # every rank has the same geometry; addresses come from the handshake
+
+
+# ---- the kit's verdict -------------------------------------------------------------------------
+
+
+def _zeros_from(D: VllmSide, snapshots: list[Any]) -> tuple[list[tuple[int, int, int]], list[str]]:
+    """The byte ranges vLLM's receive step zeroed (D's cache before it vs after), and what else it moved."""
+    zeros: list[tuple[int, int, int]] = []
+    moved: list[str] = []
+    if not snapshots:
+        return zeros, moved
+    snap = snapshots[0]
+    for r in range(D.tp):
+        for name, cache in D.caches[r].items():
+            a = snap[r][name].contiguous().view(torch.uint8).flatten().numpy()
+            b = cache.contiguous().view(torch.uint8).flatten().numpy()
+            changed = a != b
+            if not changed.any():
+                continue
+            if bool((b[changed] != 0).any()):
+                moved.append(f"D rank {r} {name}: {int((changed & (b != 0)).sum())} B rearranged")
+            z = np.flatnonzero(np.diff(np.r_[0, (changed & (b == 0)).astype(np.int8), 0]))
+            base = cache.data_ptr()
+            zeros += [(r, base + int(s), int(e - s)) for s, e in zip(z[::2], z[1::2])]
+    return zeros, moved
+
+
+def kit_check(P: VllmSide, D: VllmSide, cell: Any, p_blocks: list[int], d_all: list[int],
+              snapshots: list[Any]) -> dict[str, Any]:
+    """kvgeom's verdict on the recorded transfer (module docstring); ``verdict`` UNDESCRIBABLE on a refusal."""
+    from kvgeom import GeometryError, Pair, ViolationKind, request_from_block_tables
+    from kvgeom.conformance import DescriptorTable, Read, check_connector, rows_from_descriptors
+
+    out: dict[str, Any] = {"verdict": "", "counts": {}, "ignored": {}, "lines": [], "refusal": ""}
+    try:
+        pair = Pair(_engine(P, "prefill"), _engine(D, "decode"))
+    except GeometryError as e:
+        out["verdict"], out["refusal"] = "UNDESCRIBABLE", f"GeometryError: {e}"
+        return out
+    request = request_from_block_tables(pair, cell.m, [p_blocks], [d_all], prefix_hit_tokens=cell.s)
+    p_bases = [P.worker(r).kv_caches_base_addr["P"][r] for r in range(P.tp)]
+    d_bases = [D.worker(r).kv_caches_base_addr["D"][r] for r in range(D.tp)]
+    reads = []
+    for r in range(D.tp):
+        agent, worker = D.agent(r), D.worker(r)
+        rank_of = {name: pr for (_, pr), name in worker._remote_agents["P"].items()}
+        for p in agent.posted:
+            if p.raw is not None:
+                raise NotImplementedError("a raw initialize_xfer transfer: not produced by vLLM's pull connector")
+            local, remote = agent.list_of(p.local_handle), agent.list_of(p.remote_handle)
+            reads.append(Read(r, rank_of[remote.agent], DescriptorTable.from_descs(local.descs), p.local_ids,
+                              DescriptorTable.from_descs(remote.descs), p.remote_ids))
+    zeros, moved = _zeros_from(D, snapshots)
+    if moved:
+        out["verdict"], out["refusal"] = "UNDESCRIBABLE", "receive step rearranged bytes: " + "; ".join(moved)
+        return out
+    rows, unresolved = rows_from_descriptors(pair, prefill_bases=p_bases, decode_bases=d_bases, reads=reads,
+                                             zeros=zeros)
+    policy = "beyond_computed" in inspect.signature(check_connector).parameters
+    if policy:
+        report = check_connector(pair, request, rows, unresolved=unresolved, beyond_computed="any")
+        counts = {k.value: n for k, n in report.counts.items() if n}
+        ignored = {k.value: n for k, n in report.ignored.items() if n}
+        lines = [str(v) for v in report.violations]
+    else:  # the kit before the beyond_computed policy: findings wholly past M are vLLM's contract, not defects
+        report = check_connector(pair, request, rows, unresolved=unresolved)
+        counts, ignored, lines = {}, {}, []
+        for kind, n in report.counts.items():
+            listed = report.of_kind(kind)
+            past = [v for v in listed if v.tokens is not None and v.tokens[0] >= cell.m
+                    and kind in (ViolationKind.WRONG_DATA, ViolationKind.NOT_ZEROED)]
+            if n and len(listed) == n and len(past) == n:
+                ignored["beyond_computed"] = ignored.get("beyond_computed", 0) + n
+            elif n:
+                counts[kind.value] = n
+                lines += [str(v) for v in listed if v not in past]
+        for kind, n in report.ignored.items():
+            ignored[kind.value] = n
+    out["verdict"] = "CONFORMS" if not counts else "WRONG"
+    out["counts"], out["ignored"], out["lines"] = counts, ignored, lines[:12]
+    return out
