@@ -195,7 +195,6 @@ def run_cell(cell: Cell, model: TinyModel, model_dir: Path, port: int) -> CellRe
         return result
     except Exception as e:
         result.refusal = f"harness: {type(e).__name__}: {e}"
-        print(traceback.format_exc(), file=sys.stderr)
         logger.debug("cell %s failed:\n%s", cell.name, traceback.format_exc())
         result.outcome = "ERROR"
         return result
