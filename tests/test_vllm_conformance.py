@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from vllm_env import run_in_vllm
 
 # cell name -> (vLLM's connector: byte verdict, kvgeom's kit)

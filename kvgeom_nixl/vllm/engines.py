@@ -163,7 +163,9 @@ class VllmSide:
 
     def agent(self, rank: int) -> RecordingAgent:
         agent = self.worker(rank).nixl_wrapper
-        assert isinstance(agent, RecordingAgent)
+        if not isinstance(agent, RecordingAgent):
+            raise TypeError(f"{self.engine_id} rank {rank}: the worker's NIXL agent is {type(agent).__name__}, "
+                            "not the RecordingAgent it was built with")
         return agent
 
     def fill(self, value: float) -> None:

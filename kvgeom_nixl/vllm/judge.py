@@ -230,7 +230,8 @@ def kit_check(P: VllmSide, D: VllmSide, cell: Any, p_blocks: list[int], d_all: l
                                              zeros=zeros)
     policy = "beyond_computed" in inspect.signature(check_connector).parameters
     if policy:
-        report = check_connector(pair, request, rows, unresolved=unresolved, beyond_computed="any")
+        vllm_contract: dict[str, Any] = {"beyond_computed": "any"}  # the kit's policy keyword (issue 21, item 2)
+        report = check_connector(pair, request, rows, unresolved=unresolved, **vllm_contract)
         counts = {k.value: n for k, n in report.counts.items() if n}
         ignored = {k.value: n for k, n in report.ignored.items() if n}
         lines = [str(v) for v in report.violations]
