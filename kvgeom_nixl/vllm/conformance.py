@@ -37,14 +37,13 @@ from typing import Any
 import torch
 
 from .engines import STALE_D, STALE_P, TinyModel, VllmSide
-from .judge import byte_check, kit_check
+from .judge import byte_check, kit_check, pattern
 
 __all__ = ["Cell", "CellResult", "run_cell", "GRIDS", "main"]
 
 logger = logging.getLogger(__name__)
 
 REQUEST = "req-conformance-0"
-MAX_TOKENS = 1024  # the pattern's token axis (values stay exact in float32)
 MAX_MODEL_LEN = 512
 
 
@@ -82,21 +81,6 @@ class CellResult:
     read_pairs: int = 0
     receive_steps: list[str] = field(default_factory=list)
     seconds: float = 0.0
-
-
-def pattern(layer: int, tokens: torch.Tensor, plane: int, heads: range, head_dim: int) -> torch.Tensor:
-    """A value per (layer, plane, global head, token, dim), exact in float32 and never 0 or stale."""
-    h = torch.tensor(list(heads), dtype=torch.float64).view(1, -1, 1)
-    t = tokens.to(torch.float64).view(-1, 1, 1)
-    d = torch.arange(head_dim, dtype=torch.float64).view(1, 1, -1)
-    code = (((layer * 2 + plane) * 16 + h) * MAX_TOKENS + t) * head_dim + d
-    return (code + 1).to(torch.float32)
-
-
-def rank_heads(side: VllmSide, rank: int) -> range:
-    n = side.kv_heads
-    first = rank * n if side.tp <= side.model.kv_heads else rank * side.model.kv_heads // side.tp
-    return range(first, first + n)
 
 
 def _blocks(first: int, n: int) -> list[int]:
@@ -141,10 +125,10 @@ def run_cell(cell: Cell, model: TinyModel, model_dir: Path, port: int) -> CellRe
         D.fill(STALE_D)
         for r in range(P.tp):
             P.write_tokens(r, p_blocks, range(cell.m),
-                           lambda i, t, plane, r=r: pattern(i, t, plane, rank_heads(P, r), model.head_dim))
+                           lambda i, t, plane, r=r: pattern(i, t, plane, P.heads(r), model.head_dim))
         for r in range(D.tp):
             D.write_tokens(r, d_all, range(cell.s),
-                           lambda i, t, plane, r=r: pattern(i, t, plane, rank_heads(D, r), model.head_dim))
+                           lambda i, t, plane, r=r: pattern(i, t, plane, D.heads(r), model.head_dim))
         before = [{n: c.clone() for n, c in caches.items()} for caches in D.caches]
         P.register()
         D.register()

@@ -158,6 +158,12 @@ class VllmSide:
     def backend_name(self) -> str:
         return str(self.backends[0].get_name())
 
+    def heads(self, rank: int) -> range:
+        """The global KV heads ``rank`` holds (vLLM's head sharding; one replicated head past TP = heads)."""
+        n = self.kv_heads
+        first = rank * n if self.tp <= self.model.kv_heads else rank * self.model.kv_heads // self.tp
+        return range(first, first + n)
+
     def worker(self, rank: int) -> Any:
         return self.connectors[rank].connector_worker
 

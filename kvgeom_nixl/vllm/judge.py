@@ -29,9 +29,19 @@ import torch
 
 from .engines import STALE_D, VllmSide
 
-__all__ = ["byte_check", "kit_check", "describe_side", "element_map"]
+__all__ = ["byte_check", "kit_check", "describe_side", "element_map", "pattern", "MAX_TOKENS"]
 
 _MAX_LISTED = 6
+MAX_TOKENS = 1024  # the pattern's token axis (values stay exact in float32)
+
+
+def pattern(layer: int, tokens: torch.Tensor, plane: int, heads: range, head_dim: int) -> torch.Tensor:
+    """A value per (layer, plane, global head, token, dim), exact in float32 and never 0 or stale."""
+    h = torch.tensor(list(heads), dtype=torch.float64).view(1, -1, 1)
+    t = tokens.to(torch.float64).view(-1, 1, 1)
+    d = torch.arange(head_dim, dtype=torch.float64).view(1, 1, -1)
+    code = (((layer * 2 + plane) * 16 + h) * MAX_TOKENS + t) * head_dim + d
+    return (code + 1).to(torch.float32)
 
 
 def _fresh(side: VllmSide, value: float) -> list[dict[str, torch.Tensor]]:
@@ -58,17 +68,15 @@ def _spans(tokens: np.ndarray) -> str:
 
 
 def byte_check(D: VllmSide, before: list[dict[str, torch.Tensor]], cell: Any, d_all: list[int], held: int,
-               pattern: Callable[..., torch.Tensor]) -> dict[str, Any]:
+               values: Callable[..., torch.Tensor]) -> dict[str, Any]:
     """Compare D's cache with what vLLM's own writer puts there for the request (module docstring)."""
-    from .conformance import rank_heads
-
     expected = _fresh(D, STALE_D)
     marks = _fresh(D, 0.0)
     listed = len(d_all) * D.block_size
     hd = D.model.head_dim
     for r in range(D.tp):
-        heads = rank_heads(D, r)
-        D.write_tokens(r, d_all, range(cell.m), lambda i, t, plane, h=heads: pattern(i, t, plane, h, hd),
+        heads = D.heads(r)
+        D.write_tokens(r, d_all, range(cell.m), lambda i, t, plane, h=heads: values(i, t, plane, h, hd),
                        caches=expected[r])
         D.write_tokens(r, d_all, range(listed),
                        lambda i, t, plane: (t.to(torch.float32) + 1).view(-1, 1, 1).expand(-1, D.kv_heads, hd)
