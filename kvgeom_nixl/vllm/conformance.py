@@ -58,12 +58,14 @@ class Cell:
     p_tp: int = 1
     d_tp: int = 1
     corrupt: str = ""  # a control: "shift" rewrites one recorded READ to a wrong remote block
+    mla: bool = False  # the DeepSeek-shaped model on CPU_MLA (16-token blocks) instead of Llama on CPU_ATTN
 
     @property
     def name(self) -> str:
         extra = f" S={self.s}" if self.s else ""
         ctl = f" control:{self.corrupt}" if self.corrupt else ""
-        return f"P{self.p_block}/tp{self.p_tp} -> D{self.d_block}/tp{self.d_tp} M={self.m}{extra}{ctl}"
+        kind = "MLA " if self.mla else ""
+        return f"{kind}P{self.p_block}/tp{self.p_tp} -> D{self.d_block}/tp{self.d_tp} M={self.m}{extra}{ctl}"
 
 
 @dataclass
@@ -125,10 +127,10 @@ def run_cell(cell: Cell, model: TinyModel, model_dir: Path, port: int) -> CellRe
         D.fill(STALE_D)
         for r in range(P.tp):
             P.write_tokens(r, p_blocks, range(cell.m),
-                           lambda i, t, plane, r=r: pattern(i, t, plane, P.heads(r), model.head_dim))
+                           lambda i, t, plane, r=r: pattern(i, t, plane, P.heads(r), model.head_dim, model.kv_heads))
         for r in range(D.tp):
             D.write_tokens(r, d_all, range(cell.s),
-                           lambda i, t, plane, r=r: pattern(i, t, plane, D.heads(r), model.head_dim))
+                           lambda i, t, plane, r=r: pattern(i, t, plane, D.heads(r), model.head_dim, model.kv_heads))
         before = [{n: c.clone() for n, c in caches.items()} for caches in D.caches]
         P.register()
         D.register()
@@ -266,6 +268,11 @@ CI_GRID = (
     Cell(32, 96, 100),
     Cell(64, 32, 100),
     Cell(32, 32, 100, corrupt="shift"),
+    Cell(16, 16, 100, mla=True),
+    Cell(16, 16, 100, s=32, mla=True),
+    Cell(16, 16, 100, p_tp=1, d_tp=2, mla=True),
+    Cell(16, 16, 100, p_tp=2, d_tp=1, mla=True),
+    Cell(16, 16, 100, corrupt="shift", mla=True),
 )
 FULL_GRID = CI_GRID + (
     Cell(96, 96, 150),
@@ -294,12 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
     args = ap.parse_args(argv)
     cells = [c for c in GRIDS[args.grid] if not args.cell or any(s in c.name for s in args.cell)]
-    model = TinyModel()
+    models = {False: TinyModel(), True: TinyModel.deepseek()}
     results: list[CellResult] = []
     with tempfile.TemporaryDirectory(prefix="kvgeom-vllm-") as tmp:
-        model_dir = model.write(Path(tmp) / "tiny-llama")
+        dirs = {mla: m.write(Path(tmp) / ("tiny-deepseek" if mla else "tiny-llama")) for mla, m in models.items()}
         for i, cell in enumerate(cells):
-            res = run_cell(cell, model, model_dir, args.port + 4 * i)
+            res = run_cell(cell, models[cell.mla], dirs[cell.mla], args.port + 4 * i)
             results.append(res)
             print(f"{res.cell}: {res.outcome} (kit: {res.kit or '-'}) {res.refusal[:200]} [{res.seconds} s]",
                   file=sys.stderr, flush=True)

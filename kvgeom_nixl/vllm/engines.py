@@ -37,20 +37,41 @@ __all__ = ["TinyModel", "VllmSide", "STALE_P", "STALE_D"]
 
 STALE_P = -3.0  # what P's cache holds where P computed nothing (its last block past M)
 STALE_D = -7.0  # what D's cache holds before the transfer (blocks of earlier requests)
+KV_LORA_RANK, ROPE_DIM, NOPE_DIM = 512, 64, 32  # the MLA latent is 512 + 64 floats per token
 
 
 @dataclass(frozen=True)
 class TinyModel:
-    """A Llama-shaped model small enough to move in milliseconds (float32, CPU_ATTN)."""
+    """A Llama-shaped model small enough to move in milliseconds (float32, CPU_ATTN), or with
+    ``mla=True`` a DeepSeek-V2-shaped one (CPU_MLA: one 576-float latent per token, 16-token blocks).
+
+    ``kv_heads`` / ``head_dim`` are the cache's: for MLA one "head" of 512 + 64 floats.
+    """
 
     layers: int = 2
     heads: int = 8
     kv_heads: int = 4
     head_dim: int = 32
     hidden: int = 256
+    mla: bool = False
+
+    @classmethod
+    def deepseek(cls) -> TinyModel:
+        return cls(layers=2, heads=8, kv_heads=1, head_dim=KV_LORA_RANK + ROPE_DIM, hidden=256, mla=True)
 
     def write(self, directory: Path) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
+        if self.mla:
+            (directory / "config.json").write_text(json.dumps({
+                "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": self.hidden,
+                "intermediate_size": 2 * self.hidden, "moe_intermediate_size": self.hidden,
+                "num_attention_heads": self.heads, "num_key_value_heads": self.heads,
+                "num_hidden_layers": self.layers, "kv_lora_rank": KV_LORA_RANK, "q_lora_rank": None,
+                "qk_nope_head_dim": NOPE_DIM, "qk_rope_head_dim": ROPE_DIM, "v_head_dim": NOPE_DIM,
+                "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 2,
+                "vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+                "torch_dtype": "float32", "tie_word_embeddings": False}))
+            return directory
         (directory / "config.json").write_text(json.dumps({
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": self.hidden,
             "intermediate_size": 2 * self.hidden, "num_attention_heads": self.heads,
@@ -109,7 +130,6 @@ class VllmSide:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
         from vllm.engine.arg_utils import EngineArgs
-        from vllm.model_executor.layers.attention import Attention
         from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
         from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
         from vllm.v1.worker.utils import allocate_kv_cache
@@ -119,6 +139,7 @@ class VllmSide:
         args = EngineArgs(
             model=str(model_dir), skip_tokenizer_init=True, dtype="float32", block_size=block_size,
             enforce_eager=True, max_model_len=max_model_len, tensor_parallel_size=tp, num_gpu_blocks_override=num_blocks,
+            attention_backend="CPU_MLA" if model.mla else None,
             kv_transfer_config=KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device="cpu",
                                                 engine_id=engine_id,
                                                 kv_connector_extra_config={"kv_lease_duration": 900}))
@@ -126,11 +147,8 @@ class VllmSide:
         _ensure_distributed(cfg)
         with set_current_vllm_config(cfg):
             kv_heads = model.kv_heads // tp if tp <= model.kv_heads else 1
-            self.layers = {
-                model.layer_name(i): Attention(model.heads // tp, model.head_dim, model.head_dim ** -0.5,
-                                               num_kv_heads=kv_heads, cache_config=cfg.cache_config,
-                                               prefix=model.layer_name(i))
-                for i in range(model.layers)}
+            self.layers = {model.layer_name(i): self._layer(model, tp, kv_heads, model.layer_name(i))
+                           for i in range(model.layers)}
             self.backends = get_current_attn_backends(cfg)
             specs = {n: layer.get_kv_cache_spec(cfg) for n, layer in self.layers.items()}
             layout = resolve_kv_cache_layout(cfg, [[x.name for x in get_supported_kv_cache_layouts(self.backends)]],
@@ -138,10 +156,12 @@ class VllmSide:
             self.layout = layout
             self.kv_cache_config = get_kv_cache_configs(cfg, [specs], [1 << 30])[0]
             self.kv_cache_config.kv_cache_layout = cfg.cache_config.kv_cache_layout
-            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-            isa = _get_attn_isa(torch.float32, block_size, model.head_dim)
-            for layer in self.layers.values():
-                layer.isa = isa  # what CPU_ATTN's metadata builder sets on its layers
+            if not model.mla:
+                from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+                isa = _get_attn_isa(torch.float32, block_size, model.head_dim)
+                for layer in self.layers.values():
+                    layer.isa = isa  # what CPU_ATTN's metadata builder sets on its layers
+            self.block_size = block_size = cfg.cache_config.block_size  # CPU_MLA forces 16
             self.caches: list[dict[str, torch.Tensor]] = []
             self.connectors: list[Any] = []
             for r in range(tp):
@@ -153,6 +173,26 @@ class VllmSide:
             self.scheduler = NixlConnector(cfg, KVConnectorRole.SCHEDULER, self.kv_cache_config)
         self.num_blocks = self.kv_cache_config.num_blocks
         self.kv_heads = kv_heads
+
+    @staticmethod
+    def _layer(model: TinyModel, tp: int, kv_heads: int, prefix: str) -> Any:
+        """vLLM's own attention layer for ``prefix`` (it picks the backend and gives the cache spec)."""
+        from vllm.config import get_current_vllm_config
+
+        cache_config = get_current_vllm_config().cache_config
+        if not model.mla:
+            from vllm.model_executor.layers.attention import Attention
+
+            return Attention(model.heads // tp, model.head_dim, model.head_dim ** -0.5, num_kv_heads=kv_heads,
+                             cache_config=cache_config, prefix=prefix)
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+        from vllm.model_executor.layers.linear import ColumnParallelLinear
+        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+        heads = model.heads // tp
+        kv_b_proj = ColumnParallelLinear(KV_LORA_RANK, heads * 2 * NOPE_DIM, bias=False, prefix=f"{prefix}.kv_b_proj")
+        return MLAAttention(heads, (NOPE_DIM + ROPE_DIM) ** -0.5, NOPE_DIM, ROPE_DIM, NOPE_DIM, None, KV_LORA_RANK,
+                            kv_b_proj, cache_config=cache_config, prefix=prefix, attn_backend=CPUMLABackend)
 
     @property
     def backend_name(self) -> str:
@@ -196,6 +236,12 @@ class VllmSide:
         slots = ids[t // self.block_size] * self.block_size + t % self.block_size
         with set_current_vllm_config(self.config):
             for i, (name, layer) in enumerate(self.layers.items()):
+                if self.model.mla:  # the latent: kv_c (512) then k_pe (64), one "head"
+                    latent = values(i, t, 0)
+                    layer.impl.do_kv_cache_update(latent[:, 0, :KV_LORA_RANK].contiguous(),
+                                                  latent[:, :, KV_LORA_RANK:].contiguous(), target[name], slots,
+                                                  "auto", layer._k_scale)
+                    continue
                 key, value = values(i, t, 0), values(i, t, 1)
                 layer.impl.do_kv_cache_update(layer, key, value, target[name], slots)
 

@@ -35,12 +35,14 @@ _MAX_LISTED = 6
 MAX_TOKENS = 1024  # the pattern's token axis (values stay exact in float32)
 
 
-def pattern(layer: int, tokens: torch.Tensor, plane: int, heads: range, head_dim: int) -> torch.Tensor:
-    """A value per (layer, plane, global head, token, dim), exact in float32 and never 0 or stale."""
+def pattern(layer: int, tokens: torch.Tensor, plane: int, heads: range, head_dim: int,
+            total_heads: int = 4) -> torch.Tensor:
+    """A value per (layer, plane, global head, token, dim), never 0 or stale, exact in float32 while
+    ``layers * 2 * total_heads * MAX_TOKENS * head_dim < 2**24`` (tiny Llama: 0.5M; MLA: 2.4M)."""
     h = torch.tensor(list(heads), dtype=torch.float64).view(1, -1, 1)
     t = tokens.to(torch.float64).view(-1, 1, 1)
     d = torch.arange(head_dim, dtype=torch.float64).view(1, 1, -1)
-    code = (((layer * 2 + plane) * 16 + h) * MAX_TOKENS + t) * head_dim + d
+    code = (((layer * 2 + plane) * total_heads + h) * MAX_TOKENS + t) * head_dim + d
     return (code + 1).to(torch.float32)
 
 
@@ -76,7 +78,7 @@ def byte_check(D: VllmSide, before: list[dict[str, torch.Tensor]], cell: Any, d_
     hd = D.model.head_dim
     for r in range(D.tp):
         heads = D.heads(r)
-        D.write_tokens(r, d_all, range(cell.m), lambda i, t, plane, h=heads: values(i, t, plane, h, hd),
+        D.write_tokens(r, d_all, range(cell.m), lambda i, t, plane, h=heads: values(i, t, plane, h, hd, D.model.kv_heads),
                        caches=expected[r])
         D.write_tokens(r, d_all, range(listed),
                        lambda i, t, plane: (t.to(torch.float32) + 1).view(-1, 1, 1).expand(-1, D.kv_heads, hd)
@@ -133,20 +135,21 @@ def element_map(side: VllmSide) -> dict[str, np.ndarray]:
 
     side.write_tokens(0, [1], range(bs), code, caches=scratch)
     cache = next(iter(scratch.values()))
-    v = cache[1].reshape(side.kv_heads, 2 * bs, hd)[0].to(torch.int64).numpy()
-    out = {}
-    for plane, rows in (("k", v[:bs]), ("v", v[bs:])):
-        out[plane] = np.stack([rows // hd - 1, rows % hd], axis=-1)
-    return out
+    if side.model.mla:  # one latent plane: (blocks, 1, bs, 512 + 64)
+        planes = {"latent": cache[1].reshape(bs, hd).to(torch.int64).numpy()}
+    else:
+        v = cache[1].reshape(side.kv_heads, 2 * bs, hd)[0].to(torch.int64).numpy()
+        planes = {"k": v[:bs], "v": v[bs:]}
+    return {plane: np.stack([rows // hd - 1, rows % hd], axis=-1) for plane, rows in planes.items()}
 
 
 def describe_side(side: VllmSide, rank: int, name: str) -> Any:
     """kvgeom's geometry of one rank of ``side``, or a ``GeometryError`` naming what it cannot say."""
     from kvgeom import AttentionSpec, EngineGeometry, GeometryError, LayerTensors, ModelSpec
 
-    if side.backend_name != "CPU_ATTN":
-        raise GeometryError(f"{name}.backend", f"only CPU_ATTN caches are described here, got {side.backend_name}",
-                            actual=side.backend_name, expected="CPU_ATTN")
+    if side.backend_name not in ("CPU_ATTN", "CPU_MLA"):
+        raise GeometryError(f"{name}.backend", f"only CPU_ATTN and CPU_MLA caches are described here, got "
+                            f"{side.backend_name}", actual=side.backend_name, expected="CPU_ATTN or CPU_MLA")
     bs, hd = side.block_size, side.model.head_dim
     plain = np.stack(np.meshgrid(np.arange(bs), np.arange(hd), indexing="ij"), axis=-1)
     for plane, where in element_map(side).items():
@@ -155,13 +158,17 @@ def describe_side(side: VllmSide, rank: int, name: str) -> Any:
             t, d = (int(x) for x in where[r, c])
             raise GeometryError(
                 f"{name}.layers.0.{plane}.dim",
-                f"CPU_ATTN stores {plane.upper()} of a {bs}-token block with token {t} dim {d} at row {r} column "
+                f"{side.backend_name} stores {plane.upper()} of a {bs}-token block with token {t} dim {d} at row {r} column "
                 f"{c} of the plane's (token, dim) rows: a head vector is not {hd * 4} contiguous bytes "
                 f"(K is dim-major in 32-token tiles), which kvgeom's page layout cannot say",
                 actual=f"(row {r}, col {c}) holds token {t} dim {d}", expected=f"token {r} dim {c}",
                 fix="describe per-plane layouts with strided head-vector bytes (issue 22) before checking this")
-    model = ModelSpec("tiny-llama", [AttentionSpec("attn", "full", num_layers=side.model.layers,
-                                                   num_kv_heads=side.model.kv_heads, head_bytes=hd * 4)])
+    if side.model.mla:
+        model = ModelSpec("tiny-deepseek", [AttentionSpec("mla", "mla", num_layers=side.model.layers,
+                                                          num_kv_heads=1, head_bytes=hd * 4)])
+    else:
+        model = ModelSpec("tiny-llama", [AttentionSpec("attn", "full", num_layers=side.model.layers,
+                                                       num_kv_heads=side.model.kv_heads, head_bytes=hd * 4)])
     worker = side.worker(rank)
     bases = worker.kv_caches_base_addr[side.engine_id][rank]
     regions = [(int(b), int(n) * int(s)) for b, n, s in zip(bases, worker.region_num_blocks or
@@ -170,6 +177,9 @@ def describe_side(side: VllmSide, rank: int, name: str) -> Any:
     layers = []
     for lname in sorted(side.layers, key=lambda n: int(n.split(".")[2])):
         cache = side.caches[rank][lname]
+        if side.model.mla:  # CPU_MLA: (B, 1, bs, 576)
+            layers.append(LayerTensors("mla", "page head token dim", cache, name=lname))
+            continue
         view = cache.view(cache.shape[0], cache.shape[1], 2, bs, hd)  # CPU_ATTN: (B, H, 2 * bs, hd), chunked
         layers.append(LayerTensors("attn", "page head kv token dim", view, name=lname))
     return EngineGeometry.from_tensors(model, tp=side.tp, layers=layers, regions=regions, name=name)
@@ -217,7 +227,8 @@ def kit_check(P: VllmSide, D: VllmSide, cell: Any, p_blocks: list[int], d_all: l
     except GeometryError as e:
         out["verdict"], out["refusal"] = "UNDESCRIBABLE", f"GeometryError: {e}"
         return out
-    request = request_from_block_tables(pair, cell.m, [p_blocks], [d_all], prefix_hit_tokens=cell.s)
+    held = cell.s // D.block_size  # D lists its blocks from S on (the held prefix is not part of the transfer)
+    request = request_from_block_tables(pair, cell.m, [p_blocks], [d_all[held:]], prefix_hit_tokens=cell.s)
     p_bases = [P.worker(r).kv_caches_base_addr["P"][r] for r in range(P.tp)]
     d_bases = [D.worker(r).kv_caches_base_addr["D"][r] for r in range(D.tp)]
     reads = []
