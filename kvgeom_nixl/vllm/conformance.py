@@ -59,12 +59,13 @@ class Cell:
     d_tp: int = 1
     corrupt: str = ""  # a control: "shift" rewrites one recorded READ to a wrong remote block
     mla: bool = False  # the DeepSeek-shaped model on CPU_MLA (16-token blocks) instead of Llama on CPU_ATTN
+    amx: bool = False  # with mla: AMX_MLA (bfloat16, blocks of any multiple of 32)
 
     @property
     def name(self) -> str:
         extra = f" S={self.s}" if self.s else ""
         ctl = f" control:{self.corrupt}" if self.corrupt else ""
-        kind = "MLA " if self.mla else ""
+        kind = ("MLA-AMX " if self.amx else "MLA ") if self.mla else ""
         return f"{kind}P{self.p_block}/tp{self.p_tp} -> D{self.d_block}/tp{self.d_tp} M={self.m}{extra}{ctl}"
 
 
@@ -127,10 +128,10 @@ def run_cell(cell: Cell, model: TinyModel, model_dir: Path, port: int) -> CellRe
         D.fill(STALE_D)
         for r in range(P.tp):
             P.write_tokens(r, p_blocks, range(cell.m),
-                           lambda i, t, plane, r=r: pattern(i, t, plane, P.heads(r), model.head_dim, model.kv_heads))
+                           lambda i, t, plane, r=r: pattern(i, t, plane, P.heads(r), model.head_dim, model.kv_heads, model.torch_dtype))
         for r in range(D.tp):
             D.write_tokens(r, d_all, range(cell.s),
-                           lambda i, t, plane, r=r: pattern(i, t, plane, D.heads(r), model.head_dim, model.kv_heads))
+                           lambda i, t, plane, r=r: pattern(i, t, plane, D.heads(r), model.head_dim, model.kv_heads, model.torch_dtype))
         before = [{n: c.clone() for n, c in caches.items()} for caches in D.caches]
         P.register()
         D.register()
@@ -255,34 +256,46 @@ def _replay(P: VllmSide, D: VllmSide) -> None:
 # kvgeom can describe today (issue 22).
 CI_GRID = (
     Cell(32, 32, 100),
-    Cell(32, 32, 128),
     Cell(32, 32, 100, s=32),
     Cell(32, 32, 150, s=64),
     Cell(32, 32, 100, p_tp=1, d_tp=2),
     Cell(32, 32, 100, p_tp=2, d_tp=1),
-    Cell(32, 32, 100, s=32, p_tp=2, d_tp=1),
     Cell(64, 64, 100),
     Cell(32, 64, 128),
-    Cell(32, 64, 100),
     Cell(32, 64, 150, s=64),
-    Cell(32, 96, 100),
     Cell(64, 32, 100),
     Cell(32, 32, 100, corrupt="shift"),
     Cell(16, 16, 100, mla=True),
     Cell(16, 16, 100, s=32, mla=True),
     Cell(16, 16, 100, p_tp=1, d_tp=2, mla=True),
-    Cell(16, 16, 100, p_tp=2, d_tp=1, mla=True),
     Cell(16, 16, 100, corrupt="shift", mla=True),
+    Cell(32, 64, 100, mla=True, amx=True),
+    Cell(32, 64, 128, s=64, mla=True, amx=True),
+    Cell(32, 64, 150, s=64, mla=True, amx=True),
 )
-FULL_GRID = CI_GRID + (
+AMX_GRID = (
+    Cell(32, 32, 100, mla=True, amx=True),
+    Cell(32, 64, 100, mla=True, amx=True),
+    Cell(32, 64, 128, s=64, mla=True, amx=True),
+    Cell(32, 64, 150, s=64, mla=True, amx=True),
+    Cell(32, 96, 200, s=96, mla=True, amx=True),
+    Cell(64, 32, 100, mla=True, amx=True),
+    Cell(32, 64, 100, p_tp=1, d_tp=2, mla=True, amx=True),
+)
+FULL_GRID = CI_GRID + tuple(c for c in AMX_GRID if c not in CI_GRID) + (
+    Cell(32, 32, 128),
+    Cell(32, 32, 100, s=32, p_tp=2, d_tp=1),
+    Cell(32, 64, 100),
+    Cell(32, 96, 100),
     Cell(96, 96, 150),
     Cell(64, 64, 150, s=64),
     Cell(32, 64, 100, p_tp=1, d_tp=2),
     Cell(32, 64, 160, s=64),
     Cell(96, 32, 100),
     Cell(32, 32, 100, s=32, p_tp=1, d_tp=2),
+    Cell(16, 16, 100, p_tp=2, d_tp=1, mla=True),
 )
-GRIDS = {"ci": CI_GRID, "full": FULL_GRID}
+GRIDS = {"ci": CI_GRID, "amx": AMX_GRID, "full": FULL_GRID}
 
 
 def table(results: list[CellResult]) -> str:
@@ -301,12 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
     args = ap.parse_args(argv)
     cells = [c for c in GRIDS[args.grid] if not args.cell or any(s in c.name for s in args.cell)]
-    models = {False: TinyModel(), True: TinyModel.deepseek()}
+    models = {(False, False): TinyModel(), (True, False): TinyModel.deepseek(), (True, True): TinyModel.deepseek(amx=True)}
     results: list[CellResult] = []
     with tempfile.TemporaryDirectory(prefix="kvgeom-vllm-") as tmp:
-        dirs = {mla: m.write(Path(tmp) / ("tiny-deepseek" if mla else "tiny-llama")) for mla, m in models.items()}
+        dirs = {key: m.write(Path(tmp) / f"tiny-{m.backend or 'llama'}") for key, m in models.items()}
         for i, cell in enumerate(cells):
-            res = run_cell(cell, models[cell.mla], dirs[cell.mla], args.port + 4 * i)
+            key = (cell.mla, cell.mla and cell.amx)
+            res = run_cell(cell, models[key], dirs[key], args.port + 4 * i)
             results.append(res)
             print(f"{res.cell}: {res.outcome} (kit: {res.kit or '-'}) {res.refusal[:200]} [{res.seconds} s]",
                   file=sys.stderr, flush=True)

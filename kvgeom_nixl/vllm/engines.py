@@ -54,10 +54,17 @@ class TinyModel:
     head_dim: int = 32
     hidden: int = 256
     mla: bool = False
+    backend: str = ""  # "" lets vLLM choose (CPU_ATTN); MLA: "CPU_MLA" (float32, 16-token blocks) or "AMX_MLA"
+    dtype: str = "float32"  # AMX_MLA runs bfloat16 only
 
     @classmethod
-    def deepseek(cls) -> TinyModel:
-        return cls(layers=2, heads=8, kv_heads=1, head_dim=KV_LORA_RANK + ROPE_DIM, hidden=256, mla=True)
+    def deepseek(cls, amx: bool = False) -> TinyModel:
+        return cls(layers=2, heads=8, kv_heads=1, head_dim=KV_LORA_RANK + ROPE_DIM, hidden=256, mla=True,
+                   backend="AMX_MLA" if amx else "CPU_MLA", dtype="bfloat16" if amx else "float32")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
 
     def write(self, directory: Path) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
@@ -70,7 +77,7 @@ class TinyModel:
                 "qk_nope_head_dim": NOPE_DIM, "qk_rope_head_dim": ROPE_DIM, "v_head_dim": NOPE_DIM,
                 "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 2,
                 "vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-                "torch_dtype": "float32", "tie_word_embeddings": False}))
+                "torch_dtype": self.dtype, "tie_word_embeddings": False}))
             return directory
         (directory / "config.json").write_text(json.dumps({
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": self.hidden,
@@ -137,9 +144,9 @@ class VllmSide:
         self.engine_id, self.model, self.tp, self.block_size, self.port = engine_id, model, tp, block_size, port
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port)
         args = EngineArgs(
-            model=str(model_dir), skip_tokenizer_init=True, dtype="float32", block_size=block_size,
+            model=str(model_dir), skip_tokenizer_init=True, dtype=model.dtype, block_size=block_size,
             enforce_eager=True, max_model_len=max_model_len, tensor_parallel_size=tp, num_gpu_blocks_override=num_blocks,
-            attention_backend="CPU_MLA" if model.mla else None,
+            attention_backend=model.backend or None,
             kv_transfer_config=KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device="cpu",
                                                 engine_id=engine_id,
                                                 kv_connector_extra_config={"kv_lease_duration": 900}))
@@ -187,12 +194,14 @@ class VllmSide:
                              cache_config=cache_config, prefix=prefix)
         from vllm.model_executor.layers.attention.mla_attention import MLAAttention
         from vllm.model_executor.layers.linear import ColumnParallelLinear
+        from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
         from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
 
+        backend = AMXMLABackend if model.backend == "AMX_MLA" else CPUMLABackend
         heads = model.heads // tp
         kv_b_proj = ColumnParallelLinear(KV_LORA_RANK, heads * 2 * NOPE_DIM, bias=False, prefix=f"{prefix}.kv_b_proj")
         return MLAAttention(heads, (NOPE_DIM + ROPE_DIM) ** -0.5, NOPE_DIM, ROPE_DIM, NOPE_DIM, None, KV_LORA_RANK,
-                            kv_b_proj, cache_config=cache_config, prefix=prefix, attn_backend=CPUMLABackend)
+                            kv_b_proj, cache_config=cache_config, prefix=prefix, attn_backend=backend)
 
     @property
     def backend_name(self) -> str:
@@ -239,8 +248,9 @@ class VllmSide:
                 if self.model.mla:  # the latent: kv_c (512) then k_pe (64), one "head"
                     latent = values(i, t, 0)
                     layer.impl.do_kv_cache_update(latent[:, 0, :KV_LORA_RANK].contiguous(),
-                                                  latent[:, :, KV_LORA_RANK:].contiguous(), target[name], slots,
-                                                  "auto", layer._k_scale)
+                                                  latent[:, :, KV_LORA_RANK:].contiguous(),
+                                                  target[name].squeeze(1),  # as MLAAttention.bind_kv_cache binds it
+                                                  slots, "auto", layer._k_scale)
                     continue
                 key, value = values(i, t, 0), values(i, t, 1)
                 layer.impl.do_kv_cache_update(layer, key, value, target[name], slots)
