@@ -129,7 +129,10 @@ def test_the_kit_judges_vllms_real_mla_descriptors_like_the_bytes(grid: dict[str
     assert len(mla) == 7
     for name, r in mla.items():
         assert r["kit"] == r["outcome"] and r["kit_refusal"] == "", name
-        assert any("beyond" in k for k in r["kit_ignored"]) and not any("beyond" in k for k in r["kit_findings"]), name
+        assert not any("beyond" in k for k in r["kit_findings"]), name
+        # P's bytes past M that vLLM copied (none when M fills the last block) are ignored, not findings
+        copied = r["bytes"]["counts"]["beyond_written"] > 0
+        assert any("beyond" in k for k in r["kit_ignored"]) == copied, name
     # the control, in vLLM's terms: D block 5 (layer 0's region) got P block 4 through local id 5 / remote id 4
     bad = mla["MLA P16/tp1 -> D16/tp1 M=100 control:shift"]
     assert set(bad["kit_findings"]) == {"wrong_data"}
