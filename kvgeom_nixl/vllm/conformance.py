@@ -5,7 +5,7 @@
 For one cell (P and D block sizes, TP sizes, M, D's prefix hit S; docs/design.md §10.6):
 
     VllmSide(P), VllmSide(D)          vLLM's config, layers, KVCacheConfig, allocation, NixlConnector workers
-    P's cache  <- known pattern       stale -3.0, then tokens [0, M) through CPU_ATTN's own cache update
+    P's cache  <- known pattern       stale -3.0, then tokens [0, M) through the backend's own cache update
     D's cache  <- stale -7.0          and its prefix [0, S) written the same way (D's own hit)
     D.start_load_kv(metadata)         the metadata the scheduler builds for one request; the handshake
                                       over P's real side channel; READs over real NIXL (loopback UCX)
@@ -16,9 +16,11 @@ For one cell (P and D block sizes, TP sizes, M, D's prefix hit S; docs/design.md
 Outcomes: ``REFUSED`` (vLLM raised or failed the request at the handshake or when posting),
 ``CONFORMS`` or ``WRONG`` (silently wrong bytes) from the byte check, with the kit's verdict beside
 it (``kit``: ``CONFORMS`` / ``WRONG`` with its findings, or ``UNDESCRIBABLE`` when kvgeom's layout
-model cannot describe a side yet: CPU_ATTN tiles its K rows by 32 tokens inside blocks larger than
-32, issue 22). D tokens past M in the last listed block are held to vLLM's contract
-(``beyond_computed="any"``: attention masks by length); what they hold is reported separately.
+model cannot describe a side yet: CPU_ATTN writes K dim-major in 32-token tiles, issue 22). Models:
+a tiny Llama on CPU_ATTN (float32, blocks of 32 k), a tiny DeepSeek-V2 on CPU_MLA (float32,
+16-token blocks) or on AMX_MLA (bfloat16, blocks of 32 k). D tokens past M in the last listed block
+are held to vLLM's contract (``beyond_computed="any"``: attention masks by length); what they hold
+is reported separately.
 """
 
 from __future__ import annotations
