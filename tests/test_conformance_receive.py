@@ -18,7 +18,14 @@ import pytest
 
 from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, PlanError, ViolationKind, request_from_block_tables
 from kvgeom.checking import simulate
-from kvgeom.conformance import DescriptorTable, Read, check_connector, regroup_rearrange, rows_from_descriptors
+from kvgeom.conformance import (
+    DescriptorTable,
+    Read,
+    check_connector,
+    page_tail_zeros,
+    regroup_rearrange,
+    rows_from_descriptors,
+)
 
 MODEL = ModelSpec("tiny", [AttentionSpec("full", "full", num_layers=2, num_kv_heads=2, head_bytes=8)])
 P = EngineGeometry.build(MODEL, tp=1, kernel_block_tokens=4, num_blocks=12, layout="HND", kv="inner", name="prefill")
@@ -56,7 +63,10 @@ def regroups(order: str = "LBHNC") -> list:
 
 def tail_zeros() -> list[tuple[int, int, int]]:
     """Tokens 14 and 15 (slots 6, 7 of D block 4) of every head, in the final LBHNC page: 2 cells per head."""
-    return [(0, base + 4 * D_PAGE + h * 8 * CELL + 6 * CELL, 2 * CELL) for base in D_BASES[0] for h in range(2)]
+    out = [(0, base + 4 * D_PAGE + h * 8 * CELL + 6 * CELL, 2 * CELL) for base in D_BASES[0] for h in range(2)]
+    assert out == [z for base in D_BASES[0] for z in page_tail_zeros(0, base + 4 * D_PAGE, heads=2, tokens=8,
+                                                                     cell_bytes=CELL, from_token=6)]
+    return out
 
 
 def test_regroup_rearrange_arithmetic() -> None:
@@ -136,6 +146,11 @@ def test_bad_arguments_are_typed_errors() -> None:
         regroup_rearrange(0, 0, [2], heads=2, tokens=8, cell_bytes=CELL, ratio=2, page_bytes=D_PAGE, local_order="HND")
     with pytest.raises(PlanError, match="page_bytes"):
         regroup_rearrange(0, 0, [2], heads=2, tokens=8, cell_bytes=CELL, ratio=2, page_bytes=D_PAGE, offset=8)
+    assert page_tail_zeros(0, 1000, heads=2, tokens=8, cell_bytes=CELL, from_token=6, local_order="LBNHC") == [
+        (0, 1000 + 6 * 2 * CELL, 2 * 2 * CELL)]  # token-major: tokens 6, 7 of both heads are one range
+    assert page_tail_zeros(0, 1000, heads=2, tokens=8, cell_bytes=CELL, from_token=8) == []
+    with pytest.raises(PlanError, match="local_order"):
+        page_tail_zeros(0, 0, heads=2, tokens=8, cell_bytes=CELL, from_token=6, local_order="HND")
     with pytest.raises(PlanError, match="rearranges"):
         rows_from_descriptors(PAIR, prefill_bases=P_BASES, decode_bases=D_BASES, reads=[vllm_read()],
                               rearranges="LBHNC")  # type: ignore[arg-type]

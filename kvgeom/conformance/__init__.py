@@ -17,7 +17,7 @@ from .check import (
     ConnectorViolation,
     check_connector,
 )
-from .receive import VLLM_PAGE_ORDERS, regroup_rearrange
+from .receive import VLLM_PAGE_ORDERS, page_tail_zeros, regroup_rearrange
 from .rows import (
     MAX_CONNECTOR_ROWS,
     MAX_DESCRIPTORS,
@@ -41,5 +41,6 @@ __all__ = [
     "MAX_DESCRIPTORS",
     "BEYOND_COMPUTED_POLICIES",
     "regroup_rearrange",
+    "page_tail_zeros",
     "VLLM_PAGE_ORDERS",
 ]

@@ -12,7 +12,8 @@ D's token-major ones). On a page of ``H`` heads, ``N = ratio * n`` tokens and ce
 
 :func:`regroup_rearrange` writes that permutation as a :class:`~kvgeom.values.plan.Rearrange` over
 the listed pages of one (D rank, region), for :func:`~kvgeom.conformance.rows.rows_from_descriptors`'
-``rearranges=``. It models what the connector does to the bytes, not what the page is: a page
+``rearranges=``; :func:`page_tail_zeros` writes vLLM's zeroing of a page's tokens ``[t, N)``
+(``cache[block, :, t:].zero_()``) as the zero ranges ``zeros=`` takes. It models what the connector does to the bytes, not what the page is: a page
 whose cells are not ``C`` contiguous bytes per (head, token) (the CPU backend's ``[head][K rows][V
 rows]``) is regrouped wrongly by vLLM, and the kit then reports that as WRONG_DATA.
 
@@ -30,7 +31,7 @@ from ..errors import PlanError, value_text
 from ..values.fields import check_int
 from ..values.plan import Rearrange
 
-__all__ = ["regroup_rearrange", "VLLM_PAGE_ORDERS"]
+__all__ = ["regroup_rearrange", "page_tail_zeros", "VLLM_PAGE_ORDERS"]
 
 VLLM_PAGE_ORDERS = ("LBHNC", "LBNHC")
 """D page orders :func:`regroup_rearrange` writes: head-major ``[H, N, C]`` or token-major ``[N, H, C]``."""
@@ -69,3 +70,25 @@ def regroup_rearrange(d_rank: int, d_region: int, pages: Sequence[int], *, heads
     dst = (n * cell, tokens * cell, cell) if local_order == "LBHNC" else (n * heads * cell, cell, heads * cell)
     return Rearrange(d_rank, d_region, tuple(pages), (ratio, heads, n), src, dst, cell, offset, offset,
                      page_bytes=page_bytes)
+
+
+def page_tail_zeros(d_rank: int, page_address: int, *, heads: int, tokens: int, cell_bytes: int, from_token: int,
+                    local_order: str = "LBHNC") -> list[tuple[int, int, int]]:
+    """The ``(d_rank, address, nbytes)`` ranges that zero tokens ``[from_token, tokens)`` of every head of
+    one ``[H, N, C]`` page at ``page_address`` (vLLM: ``cache[block, :, from_token:].zero_()``): one range
+    per head in LBHNC, one range in LBNHC. Raises :class:`~kvgeom.errors.PlanError` naming the argument."""
+    d_rank = check_int("d_rank", d_rank, minimum=0, error=PlanError)
+    page_address = check_int("page_address", page_address, minimum=0, error=PlanError)
+    heads = check_int("heads", heads, minimum=1, error=PlanError)
+    tokens = check_int("tokens", tokens, minimum=1, error=PlanError)
+    cell = check_int("cell_bytes", cell_bytes, minimum=1, error=PlanError)
+    start = check_int("from_token", from_token, minimum=0, error=PlanError)
+    if start >= tokens:
+        return []
+    if local_order == "LBNHC":
+        return [(d_rank, page_address + start * heads * cell, (tokens - start) * heads * cell)]
+    if local_order != "LBHNC":
+        raise PlanError("local_order", f"unknown page order {value_text(local_order, 60)}",
+                        actual=value_text(local_order, 60), expected=list(VLLM_PAGE_ORDERS),
+                        fix="D's resolved kv_cache_layout: LBHNC or LBNHC")
+    return [(d_rank, page_address + (h * tokens + start) * cell, (tokens - start) * cell) for h in range(heads)]
