@@ -2,7 +2,7 @@
 
 vLLM 0.32's ``cpu_attn.py`` views each layer's ``[B, H, N, 2 * hd]`` cache as ``[B, H, 2N, hd]`` and
 chunks it: per head, N K rows then N V rows. Inside a block the K rows are tiled by 32 tokens (token
-``32j + i`` in K row ``i * N/32 + j``, V rows plain; /work/shared/reference/vllm-cpu.md), so at N = 32
+``32j + i`` in K row ``i * N/32 + j``, V rows plain; docs/design.md §10.2), so at N = 32
 the page is plain and at 64 and above K and V have different token orders. kvgeom describes N = 32 and
 refuses larger pages until a per-plane token layout (docs/design.md §3) is wired into
 ``kvgeom.building.vllm_layouts.cpu_attn_layout``: when it is, the refusal test below becomes the
