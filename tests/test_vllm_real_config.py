@@ -43,6 +43,7 @@ EXPECTED = {  # name: (regions, page bytes, kernel tokens, ppl, strides of each 
     # Nemotron-H-like TP2: 16-token kernel pages of 1 KV head of 128 bf16 (2 * 16 * 256 = 8192 B); the
     # state (288 x 3 x 2 + 4 x 64 x 16 x 4 = 18,112 B) needs 3 of them: blocks of 48 tokens, ppl 3
     "nemotron-h-tp2": (2, 2 * 16 * 256, 16, 3, [[256, 16 * 512, 512]]),
+    "nemotron-h-tp2-sd": (2, 2 * 16 * 256, 16, 3, [[256, 16 * 512, 512]]),  # conv (kernel - 1, dim): state_major
 }
 
 
@@ -77,6 +78,10 @@ def test_the_model_read_from_the_specs(result: dict[str, Any]) -> None:
     sections = [["x", 512, 2, 3], ["B", 32, 2, 3], ["C", 32, 2, 3], ["ssm", 8, 64 * 16 * 4, 1]]
     assert [m for m in nemo["model"] if m[1] == "state"] == [["mamba0", "state", sections], ["mamba1", "state", sections]]
     assert nemo["groups"] == ["MambaSpec", "MambaSpec", "FullAttentionSpec"]
+    assert nemo["strides"][:2] == ["channel_major"] * 2
+    sd = cases["nemotron-h-tp2-sd"]
+    assert sd["strides"][:2] == ["state_major"] * 2 and [m for m in sd["model"] if m[1] == "state"] == [
+        ["mamba0", "state", sections], ["mamba1", "state", sections]]
 
 
 def test_block_outer_layers_sit_at_their_offsets(result: dict[str, Any]) -> None:

@@ -74,10 +74,11 @@ def case_specs(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     if name == "deepseek-v3-mla-tp8":  # latent 512 + rope 64 = 576 bf16, replicated on every rank
         return {f"model.layers.{i}.self_attn.attn": MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576,
                                                                      dtype=BF16) for i in range(3)}, {"tp": 8}
-    if name == "nemotron-h-tp2":  # Mamba2 (scaled: 8 heads of 64, state 16, 2 groups, conv 4) + 2 KV-head GQA
+    if name.startswith("nemotron-h-tp2"):  # Mamba2 (scaled: 8 heads of 64, state 16, 2 groups, conv 4) + GQA
         tp = 2
         conv_dim = 512 + 2 * 2 * 16
-        shapes = ((conv_dim // tp, 3), (8 // tp, 64, 16))
+        sd = name.endswith("-sd")  # VLLM_SSM_CONV_STATE_LAYOUT=SD: (kernel - 1, dim), vLLM's default
+        shapes = ((3, conv_dim // tp) if sd else (conv_dim // tp, 3), (8 // tp, 64, 16))
         state = conv_dim // tp * 3 * 2 + 8 // tp * 64 * 16 * 4
         per_16 = 2 * 16 * (2 // tp) * 128 * 2  # a 16-token attention page on this rank
         pages = -(-state // per_16)
@@ -87,7 +88,7 @@ def case_specs(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
                                                       mamba_type=MambaAttentionBackendEnum.MAMBA2)
                  for i in (0, 1, 3, 4)}
         specs.update({f"model.layers.{i}.mixer.attn": attn(block, 2 // tp, 128) for i in (2, 5)})
-        return specs, {"tp": tp, "state": state, "kernel": 16, "ppl": pages}
+        return specs, {"tp": tp, "state": state, "kernel": 16, "ppl": pages, "conv": "SD" if sd else "DS"}
     raise KeyError(name)
 
 
@@ -100,6 +101,7 @@ CASES = [  # (name, attention backend, layout, hybrid manager)
     ("gemma2-no-hybrid", "CPU_ATTN", "LBHNC", False),
     ("deepseek-v3-mla-tp8", "FLASHMLA", "LBHNC", True),
     ("nemotron-h-tp2", "FLASH_ATTN", "LBHNC", True),
+    ("nemotron-h-tp2-sd", "FLASH_ATTN", "LBHNC", True),
 ]
 
 
@@ -161,7 +163,8 @@ def run_case(name: str, backend: str, layout: str, hybrid: bool, describe_as: st
     try:
         geo = engine_from_vllm_config(cfg, tp=facts["tp"], attention_backend=describe_backend or backend,
                                       kernel_block_size=kernel,
-                                      kv_cache_layout=describe_as, conv_state_layout="DS", name=name)
+                                      kv_cache_layout=describe_as, conv_state_layout=facts.get("conv", "DS"),
+                                      name=name)
     except GeometryError as e:
         out.update(refused=e.path, error=str(e))
         return out
@@ -172,7 +175,8 @@ def run_case(name: str, backend: str, layout: str, hybrid: bool, describe_as: st
     for ln in sorted(order, key=lambda n: order.index(n)):
         spec = spec_of[ln]
         if isinstance(spec, MambaSpec):
-            layers.append(LayerTensors(kgroup[ln], {"x B C": "page channel row", "ssm": "page channel hd st"},
+            conv_axes = "page row channel" if facts.get("conv") == "SD" else "page channel row"
+            layers.append(LayerTensors(kgroup[ln], {"x B C": conv_axes, "ssm": "page channel hd st"},
                                        mamba_views(spec, kv[ln]), name=ln))
         else:
             axes, tensors = backend_views(backend, spec, kv[ln])
@@ -180,7 +184,8 @@ def run_case(name: str, backend: str, layout: str, hybrid: bool, describe_as: st
     # the layers in kvgeom's group order (from_tensors numbers layers per group in the order given)
     layers.sort(key=lambda lt: [g.name for g in geo.model.groups].index(lt.group))
     try:
-        ten = EngineGeometry.from_tensors(geo.model, tp=facts["tp"], layers=layers, name=name)
+        ten = EngineGeometry.from_tensors(geo.model, tp=facts["tp"], layers=layers, name=name,
+                                          state_layout=None if facts.get("conv") != "SD" else "state_major")
     except GeometryError as e:
         out.update(tensors_error=str(e))
         return out
