@@ -85,6 +85,7 @@ def test_permute_as_a_rearrange_passes_and_the_tail_is_its_own_kind() -> None:
     assert not unresolved and len(rows.copies) == 8 and len(rows.rearranges) == 2
     masked = check_connector(PAIR, REQUEST, rows, beyond_computed="any")
     assert masked.ok and masked.beyond_computed == "any", str(masked)
+    assert "beyond_computed x4" in str(masked) and "beyond_computed='any'" in str(masked)
     # the tail vLLM leaves: tokens 14, 15 of both heads and both layers = 2 regions x 2 heads x 2 cells
     assert masked.ignored[ViolationKind.BEYOND_COMPUTED] == 4
     assert masked.report.bytes_bad[ViolationKind.BEYOND_COMPUTED] <= 4 * 2 * CELL

@@ -113,7 +113,9 @@ class ConformanceReport:
     def __str__(self) -> str:
         if self.ok:
             extra = "; ignored: " + ", ".join(f"{k.value} x{n}" for k, n in self.ignored.items()) if self.ignored else ""
-            return f"conforms: {self.report.bytes_checked} D bytes checked{extra}"
+            policy = "; tokens past M may hold anything (beyond_computed='any')" \
+                if self.beyond_computed == "any" else ""
+            return f"conforms: {self.report.bytes_checked} D bytes checked{extra}{policy}"
         parts = [f"{k.value} x{n} ({self.bytes_bad.get(k, 0)} B differ)" for k, n in self.counts.items() if n]
         return "\n".join([f"does not conform: {', '.join(parts)}"] + [f"  {v}" for v in self.violations])
 
