@@ -37,7 +37,7 @@ region of 10 pages x 32,768 B with ``token_stride = 2048``, ``head_stride = 512`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import GeometryError, value_text
@@ -73,8 +73,10 @@ _PATH = "kv_cache_config"
 
 
 def _is_layered(tensor: Any) -> bool:
-    """vLLM 0.32's field set (``layers``) rather than the older ``shared_by``."""
-    return field(tensor, "layers", "", None) is not None
+    """vLLM 0.32's field set (``layers``, ``layer_stride``) rather than the older ``shared_by``."""
+    if isinstance(tensor, Mapping):
+        return "layers" in tensor or "layer_stride" in tensor
+    return hasattr(tensor, "layers") or hasattr(tensor, "layer_stride")
 
 
 def _tensor_layers(t: Any, tpath: str, key: str, limit: int) -> list[str]:

@@ -317,9 +317,9 @@ def read_group(group: Any, gpath: str, gi: int, *, tp: int, mla_backend: bool, c
                             fix="pass the backend of that group")
     max_shards = field(spec, "max_tp_shards", spath, None)
     if total_num_kv_heads is not None:
-        total = check_int("total_num_kv_heads", total_num_kv_heads)
+        total = check_int("total_num_kv_heads", total_num_kv_heads, minimum=1)
     elif max_shards is not None:  # vLLM 0.32: TP ranks beyond max_tp_shards hold replicas
-        total = heads * min(tp, check_int(f"{spath}.max_tp_shards", max_shards))
+        total = heads * min(tp, check_int(f"{spath}.max_tp_shards", max_shards, minimum=1))
     else:
         total = heads * tp
     window = field(spec, "sliding_window", spath, None) if tname == "SlidingWindowSpec" else None
