@@ -13,7 +13,7 @@ lists -- and never from the planner. :func:`simulate` strings the package's modu
     apply                       copies, then rearranges, then packed chunks (packs, wire rows,
                                 unpacks; kvgeom.checking.staging), then zeros (the rows in bounds)
     content                     every D byte against the expected bytes: MISSING, NOT_ZEROED,
-                                WRONG_DATA, CLOBBERED
+                                WRONG_DATA, CLOBBERED, BEYOND_COMPUTED (the tail past M, its policy)
     report                      counts exact, at most LIST_LIMIT violations listed per kind
 
     P memory --copies--> D memory --rearranges--> --zeros--> compare with expected D, byte by byte
