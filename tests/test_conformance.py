@@ -54,11 +54,12 @@ def test_vllm_pre_fix_stale_tail_is_caught_in_vllm_terms() -> None:
     for r, v in enumerate(stale):
         assert (v.block, v.tokens, v.layer, v.group, v.rows) == (3, (32, 47), r, "mla", ())
     # and vLLM copies whole P pages: P page 17 (P block 8, tokens 28..31) was never computed (M = 28), so
-    # D page 9 slots 4..7 receive P's garbage where zeros belong: 4 tokens * 12 B = 48 B per region
-    wrong = report.of_kind(ViolationKind.WRONG_DATA)
-    assert [(v.offset, v.nbytes, v.tokens) for v in wrong] == [(9 * D_PAGE + 4 * 12, 48, (28, 31))] * 2
-    assert wrong[0].rows == ("read 0 local 19 remote 17",) and wrong[1].rows == ("read 0 local 67 remote 41",)
-    assert set(report.counts) == {ViolationKind.NOT_ZEROED, ViolationKind.WRONG_DATA}
+    # D page 9 slots 4..7 receive P's garbage where kvgeom wants zeros: 4 tokens * 12 B = 48 B per region,
+    # reported as its own kind (the tail past M), never as WRONG_DATA
+    tail = report.of_kind(ViolationKind.BEYOND_COMPUTED)
+    assert [(v.offset, v.nbytes, v.tokens) for v in tail] == [(9 * D_PAGE + 4 * 12, 48, (28, 31))] * 2
+    assert tail[0].rows == ("read 0 local 19 remote 17",) and tail[1].rows == ("read 0 local 67 remote 41",)
+    assert set(report.counts) == {ViolationKind.NOT_ZEROED, ViolationKind.BEYOND_COMPUTED}
     assert report.ignored == {ViolationKind.NOT_MINIMAL: report.report.counts[ViolationKind.NOT_MINIMAL]}
     assert "not_zeroed: decode rank 0 region 1 bytes [960, 1152): mla layer 1 block 3 tokens 32..47" in str(report)
 
@@ -69,7 +70,27 @@ def test_vllm_post_fix_zeroing_clears_the_stale_pages() -> None:
     rows, _ = rows_from_descriptors(PAIR, prefill_bases=P_BASES, decode_bases=D_BASES, reads=[vllm_read()],
                                     zeros=zeros)
     report = check_connector(PAIR, REQUEST, rows)
-    assert set(report.counts) == {ViolationKind.WRONG_DATA}  # only P's uncomputed tokens 28..31 remain
+    assert set(report.counts) == {ViolationKind.BEYOND_COMPUTED}  # only P's uncomputed tokens 28..31 remain
+    # an engine whose attention masks by length (vLLM's) holds no contract on them: the same rows conform
+    masked = check_connector(PAIR, REQUEST, rows, beyond_computed="any")
+    assert masked.ok and masked.ignored[ViolationKind.BEYOND_COMPUTED] == 2
+
+
+def test_under_any_the_pre_fix_tail_is_masked_but_wrong_bytes_are_not() -> None:
+    """Pre-fix, everything vLLM got wrong lies at or past M = 28 (stale pages 10, 11 and P's tokens 28..31):
+    under "any" it conforms. Control: the same READ with two remote ids swapped puts P tokens 0..3 at D
+    tokens 4..7 (before M), WRONG_DATA under either policy."""
+    rows, _ = rows_from_descriptors(PAIR, prefill_bases=P_BASES, decode_bases=D_BASES, reads=[vllm_read()])
+    masked = check_connector(PAIR, REQUEST, rows, beyond_computed="any")
+    assert masked.ok and set(masked.ignored) == {ViolationKind.NOT_MINIMAL, ViolationKind.BEYOND_COMPUTED}
+    read = vllm_read()
+    ids = read.remote_ids.copy()
+    ids[[0, 1]] = ids[[1, 0]]
+    swapped = Read(0, 0, read.local, read.local_ids, read.remote, ids)
+    rows, _ = rows_from_descriptors(PAIR, prefill_bases=P_BASES, decode_bases=D_BASES, reads=[swapped])
+    for policy in ("zero", "any"):
+        wrong = check_connector(PAIR, REQUEST, rows, beyond_computed=policy).of_kind(ViolationKind.WRONG_DATA)
+        assert wrong and wrong[0].tokens == (0, 7) and wrong[0].region == 0
 
 
 def test_kvgeoms_own_plan_conforms() -> None:

@@ -260,11 +260,13 @@ def test_partial_block_passes() -> None:
     assert_ok(simulate(tiny_pair(), tiny_request(M=10), whole_plan(PARTIAL, TAIL_ZEROS)))
 
 
-def test_whole_last_page_copied_is_wrong_data() -> None:
-    # copying all of P's page 6 brings P's tokens >= M (garbage) into bytes that must be zero
-    report = simulate(tiny_pair(), tiny_request(M=10), whole_plan(WHOLE))
-    assert kinds(report) == {V.WRONG_DATA}
-    assert report.bytes_bad[V.WRONG_DATA] >= 2 * 2 * 4 * 2 * TOK - 2 * 2 * 4 * 2  # a few bytes may match by chance
+def test_whole_last_page_copied_is_beyond_computed() -> None:
+    # copying all of P's page 6 brings P's tokens >= M (garbage) into bytes that must be zero: its own kind
+    # (docs/design.md §7), not WRONG_DATA; under beyond_computed="any" the same bytes are BEYOND_COMPUTED too
+    for policy in ("zero", "any"):
+        report = simulate(tiny_pair(), tiny_request(M=10), whole_plan(WHOLE), beyond_computed=policy)
+        assert kinds(report) == {V.BEYOND_COMPUTED}
+        assert report.bytes_bad[V.BEYOND_COMPUTED] >= 2 * 2 * 4 * 2 * TOK - 2 * 2 * 4 * 2  # a few may match by chance
 
 
 def test_dropped_zero_is_not_zeroed() -> None:

@@ -9,6 +9,7 @@ numbers against arithmetic done here.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import pytest
@@ -219,3 +220,156 @@ def test_objects_with_attributes_work_like_dicts() -> None:
               kv_cache_groups=[Obj(layer_names=["l0"], kv_cache_spec=FullAttentionSpec())])
     geo = engine_from_vllm_config(cfg, tp=2, attention_backend="FLASHINFER", kv_cache_layout="HND")
     assert geo.regions == (Region(9, page),)
+
+
+# ---- vLLM 0.32's field set: KVCacheTensor(size, layers, layer_stride, block_stride, offset) ---------------
+
+def layered(num_blocks: int, groups: list[tuple[dict[str, Any], list[str]]], page: int, layout: str,
+            block_outer: bool = False, **cfg: Any) -> dict[str, Any]:
+    """vLLM 0.32's get_kv_cache_config_from_groups: groups alias from byte 0; layer-outer layers one after the
+    other (layer_stride = page * num_blocks), block-outer pages side by side in a block row."""
+    depth = max(len(names) for _, names in groups)
+    row = depth * page
+    tensors = [{"size": num_blocks * row, "layers": names, "layer_stride": page if block_outer else page * num_blocks,
+                "block_stride": row if block_outer else page, "offset": 0, "host_resident": False}
+               for _, names in groups]
+    return {"num_blocks": num_blocks, "kv_cache_tensors": tensors, "kv_cache_layout": layout,
+            "kv_cache_groups": [{"layer_names": names, "kv_cache_spec": spec} for spec, names in groups], **cfg}
+
+
+CELL = (128 + 128) * 2  # K | V of one (head, token) cell, bf16
+
+
+@pytest.mark.parametrize("layout, head_stride, token_stride", [("LBNHC", CELL, 4 * CELL), ("NHD", CELL, 4 * CELL),
+                                                               ("LBHNC", 16 * CELL, CELL), ("HND", 16 * CELL, CELL)])
+def test_llama3_8b_tp2_0_32_one_region_per_layer_kv_in_each_cell(layout: str, head_stride: int,
+                                                                 token_stride: int) -> None:
+    page = 16 * 4 * CELL  # 32768: vLLM 0.32's page_size_bytes, 16 tokens x 4 heads x 512 B
+    geo = engine_from_vllm_config(layered(10, [(attn_spec(16, 4), LLAMA_LAYERS)], page, layout), tp=2,
+                                  attention_backend="FLASH_ATTN")
+    assert geo.regions == (Region(10, page),) * 32
+    g = geo.groups[0]
+    assert isinstance(g, AttentionGroupGeometry)
+    assert g.layout == PageLayout(kv_stride=256, head_stride=head_stride, token_stride=token_stride)
+    assert [v.regions for v in g.views] == [(i, i) for i in range(32)]  # K and V planes in the layer's region
+
+
+def test_block_outer_layouts_one_region_layers_at_offsets() -> None:
+    page = 16 * 4 * CELL
+    geo = engine_from_vllm_config(layered(5, [(attn_spec(16, 4), LLAMA_LAYERS[:3])], page, "BLNHC", True), tp=2,
+                                  attention_backend="TRITON_ATTN")
+    assert geo.regions == (Region(5, 3 * page),)
+    g = geo.groups[0]
+    assert isinstance(g, AttentionGroupGeometry) and [v.offset for v in g.views] == [0, page, 2 * page]
+    assert (g.layout.head_stride, g.layout.token_stride) == (CELL, 4 * CELL)
+    # BHLNC: [B][H][L][N][C]: a head's rows of every layer in turn, so head_stride = 3 layers x 16 x 512
+    # and layer l at l * 16 * 512 (vLLM's layer_stride = N * C)
+    cfg = layered(5, [(attn_spec(16, 4), LLAMA_LAYERS[:3])], page, "BHLNC", True)
+    cfg["kv_cache_tensors"][0]["layer_stride"] = 16 * CELL
+    geo = engine_from_vllm_config(cfg, tp=2, attention_backend="FLASH_ATTN")
+    g = geo.groups[0]
+    assert isinstance(g, AttentionGroupGeometry)
+    assert (g.layout.head_stride, g.layout.token_stride, g.layout.kv_stride) == (3 * 16 * CELL, CELL, 256)
+    assert [v.offset for v in g.views] == [0, 16 * CELL, 2 * 16 * CELL]
+
+
+def test_0_32_hybrid_overlay_and_kernel_pages() -> None:
+    """Nemotron-H-like TP1 with 16-token kernel pages: groups alias from byte 0, layer i of every group in region i;
+    the logical block is ppl = 65 kernel pages (docs/design.md §3.2's numbers)."""
+    kernel_page = 2 * 8 * 16 * 256
+    ppl = 65
+    block, page = ppl * 16, ppl * kernel_page
+    mamba = {**nemotron_mamba(1, block, page), "mamba_type": "mamba2"}
+    cfg = layered(2, [(attn_spec(block, 8), ["a.4", "a.11"]), (mamba, ["m.0", "m.2"])], page, "LBHNC")
+    geo = engine_from_vllm_config(cfg, tp=1, attention_backend="FLASH_ATTN", kernel_block_size=16,
+                                  group_names=["attn", "mamba"], model_name="nemotron-h-8b-like")
+    assert geo.regions == (Region(2 * ppl, kernel_page),) * 2 and geo.blocks_per_logical == ppl
+    a, m = geo.groups
+    assert isinstance(a, AttentionGroupGeometry) and isinstance(m, StateGroupGeometry)
+    assert [v.regions[0] for v in a.views] == [0, 1] and [v.region for v in m.views] == [0, 1]
+    assert a.layout == PageLayout(kv_stride=256, head_stride=16 * 512, token_stride=512)
+    assert geo.model == get_preset("nemotron-h-tp1-tp4").factory(2, 2, 2)[0].model
+
+
+def test_0_32_spec_fields_vllm_objects_carry() -> None:
+    """head_size_v = 0 for MLA, the enum mamba_type, max_tp_shards for replicated heads, UniformTypeKVCacheSpecs."""
+
+    class MambaAttentionBackendEnum(enum.Enum):
+        MAMBA2 = "vllm.v1.attention.backends.mamba2_attn.Mamba2AttentionBackend"
+
+    mla = {"type": "MLAAttentionSpec", "block_size": 64, "num_kv_heads": 1, "head_size": 576, "head_size_v": 0,
+           "dtype": "torch.bfloat16"}
+    geo = engine_from_vllm_config(layered(3, [(mla, ["l0", "l1"])], 64 * 1152, "LBHNC"), tp=8,
+                                  attention_backend="FLASHMLA")
+    assert geo.model.groups[0].kind == "mla" and geo.groups[0].layout.token_stride == 1152  # type: ignore[union-attr]
+    block, page = 65 * 16, 65 * 65536
+    spec = {**nemotron_mamba(1, block, page), "mamba_type": MambaAttentionBackendEnum.MAMBA2}
+    geo = engine_from_vllm_config(layered(2, [(attn_spec(block, 8), ["a"]), (spec, ["m"])], page, "LBHNC"), tp=1,
+                                  attention_backend="FLASH_ATTN", kernel_block_size=16)
+    assert [s.name for s in geo.model.groups[1].sections] == ["x", "B", "C", "ssm"]  # type: ignore[union-attr]
+    # 1 KV head replicated over TP4 (max_tp_shards 1): the model has 1 head, not 4
+    geo = engine_from_vllm_config(layered(2, [(attn_spec(16, 1, max_tp_shards=1), ["l0"])], 16 * CELL, "LBHNC"),
+                                  tp=4, attention_backend="FLASH_ATTN")
+    assert geo.model.groups[0].num_kv_heads == 1  # type: ignore[union-attr]
+    uniform = {"type": "UniformTypeKVCacheSpecs", "block_size": 16,
+               "kv_cache_specs": {"l0": attn_spec(16, 4), "l1": attn_spec(16, 4)}}
+    geo = engine_from_vllm_config(layered(2, [(uniform, ["l0", "l1"])], 16 * 4 * CELL, "LBHNC"), tp=2,
+                                  attention_backend="FLASH_ATTN")
+    assert geo.model.groups[0].num_kv_heads == 8  # type: ignore[union-attr]
+
+
+def test_0_32_refusals_name_the_field() -> None:
+    page = 16 * 4 * CELL
+    good = layered(4, [(attn_spec(16, 4), LLAMA_LAYERS[:2])], page, "LBHNC")
+    t0 = good["kv_cache_tensors"][0]
+
+    def with_tensor(**kw: Any) -> dict[str, Any]:
+        return {**good, "kv_cache_tensors": [{**t0, **kw}]}
+
+    mixed = {"type": "UniformTypeKVCacheSpecs", "block_size": 16,
+             "kv_cache_specs": {"l0": attn_spec(16, 4), "l1": attn_spec(16, 4, head_size=64)}}
+    cases: list[tuple[dict[str, Any], dict[str, Any], str]] = [
+        (with_tensor(host_resident=True), {}, "kv_cache_config.kv_cache_tensors[0].host_resident"),
+        ({**good, "kv_cache_layout": None}, {}, "kv_cache_config.kv_cache_layout"),
+        ({**good, "kv_cache_layout": "LHBNC"}, {}, "kv_cache_config.kv_cache_layout"),
+        (good, {"kv_cache_layout": "XYZ"}, "kv_cache_layout"),
+        (with_tensor(block_stride=page - 1), {}, "kv_cache_config.kv_cache_tensors[0].block_stride"),
+        (with_tensor(size=page), {}, "kv_cache_config.kv_cache_tensors[0].size"),
+        (with_tensor(layer_stride=page), {}, "kv_cache_config.kv_cache_tensors[0].offset"),  # layers overlap partly
+        (with_tensor(layers=["nope"]), {}, "kv_cache_config.kv_cache_tensors[0].layers"),
+        (layered(4, [(attn_spec(16, 4), LLAMA_LAYERS[:2])], page, "BLHNC", True), {"kernel_block_size": 8},
+         "kernel_block_size"),
+        (layered(4, [(attn_spec(16, 4, head_size_v=64), LLAMA_LAYERS[:2])], page, "LBHNC"), {},
+         "kv_cache_config.kv_cache_groups[0].kv_cache_spec.head_size_v"),
+        (layered(4, [(attn_spec(16, 4, num_head_slots=2), LLAMA_LAYERS[:2])], page, "LBHNC"), {},
+         "kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_head_slots"),
+        (layered(4, [(mixed, ["l0", "l1"])], page, "LBHNC"), {},
+         "kv_cache_config.kv_cache_groups[0].kv_cache_spec.kv_cache_specs"),
+        (good, {"attention_backend": "FLASHMLA"}, "attention_backend"),
+        (config(9, [(attn_spec(16, 4), LLAMA_LAYERS[:2])], 2 * page), {"attention_backend": "CPU_ATTN"},
+         "attention_backend"),  # the older shared_by set has no CPU backend
+    ]
+    for cfg, extra, path in cases:
+        kw: dict[str, Any] = {"tp": 2, "attention_backend": "FLASH_ATTN", **extra}
+        with pytest.raises(GeometryError) as err:
+            engine_from_vllm_config(cfg, **kw)
+        assert err.value.path == path, (path, str(err.value))
+    # two tensors of different backing sizes
+    two = layered(4, [(attn_spec(16, 4), LLAMA_LAYERS[:2]), (attn_spec(16, 4), LLAMA_LAYERS[2:4])], page, "LBHNC")
+    two["kv_cache_tensors"][1] = {**two["kv_cache_tensors"][1], "size": 3 * 4 * page}
+    with pytest.raises(GeometryError) as err:
+        engine_from_vllm_config(two, tp=2, attention_backend="FLASH_ATTN")
+    assert err.value.path == "kv_cache_config.kv_cache_tensors"
+
+
+def test_0_32_geometries_plan_and_simulate() -> None:
+    """P: Llama-3-8B-like TP2 FLASH_ATTN LBNHC; D: TP4 LBHNC with 8-token kernel pages of 16-token blocks."""
+    layers = LLAMA_LAYERS[:4]
+    P = engine_from_vllm_config(layered(9, [(attn_spec(16, 4), layers)], 16 * 4 * CELL, "LBNHC"), tp=2,
+                                attention_backend="FLASH_ATTN", name="prefill")
+    D = engine_from_vllm_config(layered(14, [(attn_spec(16, 2), layers)], 16 * 2 * CELL, "LBHNC"), tp=4,
+                                attention_backend="FLASH_ATTN", kernel_block_size=8, name="decode")
+    assert pairable(P, D) and D.blocks_per_logical == 2
+    request = fresh_request(Pair(P, D), 100, decode_tokens=101)
+    from kvgeom import simulate
+    assert simulate(Pair(P, D), request, plan_transfer(P, D, request)).ok

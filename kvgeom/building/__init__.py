@@ -27,7 +27,10 @@ from .vllm_config import (
     MAMBA_SECTIONS,
     VLLM_BACKENDS,
     VLLM_DTYPE_BYTES,
+    VLLM_KV_CACHE_LAYOUTS,
+    VLLM_LEGACY_BACKENDS,
     engine_from_vllm_config,
+    vllm_region_layers,
 )
 
 __all__ = [
@@ -47,4 +50,7 @@ __all__ = [
     "VLLM_BACKENDS",
     "VLLM_DTYPE_BYTES",
     "MAMBA_SECTIONS",
+    "VLLM_LEGACY_BACKENDS",
+    "VLLM_KV_CACHE_LAYOUTS",
+    "vllm_region_layers",
 ]

@@ -8,7 +8,7 @@ job each, are listed in :mod:`kvgeom.checking.simulator`'s docstring.
 from __future__ import annotations
 
 from .apply import apply_plan
-from .content import check_decode
+from .content import BEYOND_COMPUTED_POLICIES, check_decode
 from .describe import ByteCoordinate, describe, locate_byte
 from .fill import fill_decode, fill_prefill
 from .hashing import attention_hash, coordinate_hash, pattern_bytes, state_hash
@@ -38,5 +38,6 @@ __all__ = [
     "apply_plan",
     "check_plan",
     "check_decode",
+    "BEYOND_COMPUTED_POLICIES",
     "simulate",
 ]

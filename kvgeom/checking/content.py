@@ -18,13 +18,19 @@ blocks, ``M`` computed tokens, ``S`` prefix-hit tokens; docs/design.md §3.4)::
   D rank ``d``'s section slices of a paired slot is needed.
 * **must be zero** (attention only): tokens ``[max(S, d0), d1)`` outside ``[lo, hi)``, all of D's
   heads, planes and layers (head-vector bytes only, not padding): docs/design.md §4.2 (invariant 4).
+  Those at or past ``M`` (P never computed them) are kept apart, under the policy
+  ``beyond_computed``: ``"zero"`` (kvgeom's contract) holds them to zero, a stale run being
+  NOT_ZEROED and a written one BEYOND_COMPUTED (never WRONG_DATA); ``"any"`` (an engine whose
+  attention masks by length) lets them hold anything, and any non-zero run there is
+  BEYOND_COMPUTED, which the caller may ignore (docs/design.md §7, §10.4).
 * **keep**: everything else in D (the prefix ``[d0, S)``, padding, other blocks, unpaired state
   slots) must keep the value ``fill_decode`` gave it (docs/design.md §4.2, invariant 4).
 
 A difference is reported per run of bad bytes of one category; bad bytes at most ``_GAP`` bytes apart
 join one run, since a wrong byte equals the right one with probability 1/256. A run of needed
 bytes that all still hold D's stale pattern is MISSING, of must-be-zero bytes NOT_ZEROED, any other
-bad needed or must-be-zero run WRONG_DATA, and a bad keep run CLOBBERED. A run also ends where the
+bad needed or must-be-zero run before ``M`` WRONG_DATA (past ``M``: see above), and a bad keep run
+CLOBBERED. A run also ends where the
 bad bytes change from stale to written (or back), so a stale tail next to wrongly written bytes is
 reported as what it is; a stale stretch spanning fewer than ``_MIN_STALE`` bytes inside written
 bytes is a coincidence (each byte matches the pattern with probability 1/256) and stays written.
@@ -42,6 +48,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..arith.tokens import window_start
+from ..errors import PlanError, value_text
 from ..values.model import AttentionSpec
 from ..values.pair import CheckedEngines
 from ..values.request import Request
@@ -52,11 +59,22 @@ from .memory import Memory, check_memory
 from .report import Sink, Violation, ViolationKind
 from .walk import attention_vectors, check_request, listing, state_units, vector_index
 
-__all__ = ["check_decode"]
+__all__ = ["check_decode", "BEYOND_COMPUTED_POLICIES", "check_beyond_computed"]
 
-_KEEP, _NEEDED, _ZERO = 0, 1, 2
+_KEEP, _NEEDED, _ZERO, _BEYOND = 0, 1, 2, 3  # _BEYOND: must be zero, at or past M
+BEYOND_COMPUTED_POLICIES = ("zero", "any")
+"""What D tokens at or past ``M`` in listed D blocks may hold: zeros, or anything (masked by length)."""
 _GAP = 4  # bad bytes at most this far apart form one run
 _MIN_STALE = 8  # a stale stretch shorter than this inside written bytes is a coincidence
+
+
+def check_beyond_computed(value: object) -> str:
+    """``value`` if it is one of :data:`BEYOND_COMPUTED_POLICIES`, else a :class:`PlanError`."""
+    if not isinstance(value, str) or value not in BEYOND_COMPUTED_POLICIES:
+        raise PlanError("beyond_computed", f"unknown policy {value_text(value, 60)}", actual=value_text(value, 60),
+                        expected=list(BEYOND_COMPUTED_POLICIES),
+                        fix='"zero" (tokens past M must be zero) or "any" (attention masks them by length)')
+    return value
 
 
 def _expected_decode(pair: CheckedEngines, request: Request) -> tuple[Memory, list[list[np.ndarray]]]:
@@ -75,12 +93,16 @@ def _expected_decode(pair: CheckedEngines, request: Request) -> tuple[Memory, li
                 start = max(S, d0)
                 lo, hi = max(start, p0, window_start(M, spec.window_tokens)), min(M, d1, p1)
                 spans = [(lo, hi, _NEEDED)] if lo < hi else []
-                spans += [(start, min(lo, d1), _ZERO), (max(hi, start), d1, _ZERO)] if lo < hi else [(start, d1, _ZERO)]
+                if lo < hi:
+                    spans += [(start, min(lo, d1), _ZERO), (max(hi, start), min(M, d1), _ZERO)]
+                else:
+                    spans.append((start, min(M, d1), _ZERO))
+                spans.append((max(M, start), d1, _BEYOND))
                 for a, b, what in spans:
                     for layer, plane, region, starts, tokens, heads in attention_vectors(D, g, rank, dl, a, b):
                         idx = vector_index(starts, D.attention_vector_bytes(g, plane))
                         cat[rank][region][idx] = what
-                        exp.buffers[rank][region][idx] = 0 if what == _ZERO else attention_hash(
+                        exp.buffers[rank][region][idx] = 0 if what != _NEEDED else attention_hash(
                             g, layer, plane, tokens[:, None], heads[None, :], spec.head_bytes)
             else:
                 p_tokens = set(pl.tokens)
@@ -112,9 +134,11 @@ def _stale_stretches(at: np.ndarray, stale: np.ndarray) -> np.ndarray:
     return out
 
 
-def content_checks(pair: CheckedEngines, request: Request, dmem: Memory, sink: Sink) -> int:
+def content_checks(pair: CheckedEngines, request: Request, dmem: Memory, sink: Sink, *,
+                   beyond_computed: str = "zero") -> int:
     """Compare every byte of ``dmem`` with the expected D memory into ``sink`` (package-internal);
     returns the number of D bytes compared."""
+    any_tail = check_beyond_computed(beyond_computed) == "any"
     D = pair.decode
     check_memory(dmem, D, "decode")
     exp, cat = _expected_decode(pair, request)
@@ -140,8 +164,10 @@ def content_checks(pair: CheckedEngines, request: Request, dmem: Memory, sink: S
             all_stale = np.minimum.reduceat(stale.astype(np.uint8), first).astype(bool)
             run_cat = category[first]
             codes = np.where(run_cat == _KEEP, 0, np.where(all_stale, np.where(run_cat == _NEEDED, 1, 2), 3))
+            # past M: a written run is BEYOND_COMPUTED, a stale one too when the policy lets the tail hold anything
+            codes = np.where((run_cat == _BEYOND) & ((codes == 3) | any_tail), 4, codes)
             for code, kind in enumerate((ViolationKind.CLOBBERED, ViolationKind.MISSING, ViolationKind.NOT_ZEROED,
-                                         ViolationKind.WRONG_DATA)):
+                                         ViolationKind.WRONG_DATA, ViolationKind.BEYOND_COMPUTED)):
                 runs = np.flatnonzero(codes == code)
 
                 def make(i: int, runs: np.ndarray = runs, kind: ViolationKind = kind, rank: int = rank,
@@ -161,18 +187,19 @@ def content_checks(pair: CheckedEngines, request: Request, dmem: Memory, sink: S
 
 
 def check_decode(pair: CheckedEngines, request: Request, dmem: Memory, *,
-                 max_per_kind: int | None = None) -> tuple[list[Violation], int]:
+                 max_per_kind: int | None = None, beyond_computed: str = "zero") -> tuple[list[Violation], int]:
     """Content invariants on D memory after a plan ran on :func:`fill_prefill` /
     :func:`fill_decode` memory. Every D byte is compared with the expected bytes; a difference is
     reported per run of consecutive bytes of one category:
 
     * needed bytes: MISSING when every byte of the run still holds the stale pattern, else WRONG_DATA;
-    * must-be-zero bytes: NOT_ZEROED when the run is all stale, else WRONG_DATA;
+    * must-be-zero bytes: NOT_ZEROED when the run is all stale, else WRONG_DATA; at or past M,
+      BEYOND_COMPUTED when written (``beyond_computed="zero"``) or whenever non-zero (``"any"``);
     * every other byte: CLOBBERED.
 
     Returns the violations and the number of D bytes compared.
     """
     check_request(pair, request)
     sink = Sink(max_per_kind)
-    checked = content_checks(pair, request, dmem, sink)
+    checked = content_checks(pair, request, dmem, sink, beyond_computed=beyond_computed)
     return sink.items, checked

@@ -12,7 +12,8 @@ million objects::
 
 The kinds map onto the invariants of docs/design.md §4.2: OUT_OF_BOUNDS, FOREIGN_WRITE and
 FOREIGN_READ break invariant 1 (confined), OVERLAPPING_WRITE invariant 2, MISSING and WRONG_DATA
-invariant 3, NOT_ZEROED and CLOBBERED (and WRONG_DATA on a must-be-zero byte) invariant 4, NOT_MINIMAL
+invariant 3, NOT_ZEROED and CLOBBERED (and WRONG_DATA on a must-be-zero byte) invariant 4 (BEYOND_COMPUTED
+too: a must-be-zero byte at or past M holding written bytes, under the ``beyond_computed`` policy), NOT_MINIMAL
 invariant 5, NONDETERMINISTIC invariant 6, and the staging kinds of packed plans
 (STAGING_OUT_OF_SLOT, STAGING_OVERLAP, STALE_STAGING) invariant 7 (an OUT_OF_BOUNDS row leaves the
 engines altogether and is not applied).
@@ -52,6 +53,7 @@ class ViolationKind(str, enum.Enum):
     MISSING = "missing"  # a needed byte still holds D's stale pattern
     NOT_ZEROED = "not_zeroed"  # a must-be-zero byte still holds D's stale pattern
     CLOBBERED = "clobbered"  # a byte that must stay untouched changed
+    BEYOND_COMPUTED = "beyond_computed"  # a D token at or past M (never computed by P) holds non-zero bytes
 
     def __str__(self) -> str:
         return self.value

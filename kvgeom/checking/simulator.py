@@ -13,7 +13,7 @@ lists -- and never from the planner. :func:`simulate` strings the package's modu
     apply                       copies, then rearranges, then packed chunks (packs, wire rows,
                                 unpacks; kvgeom.checking.staging), then zeros (the rows in bounds)
     content                     every D byte against the expected bytes: MISSING, NOT_ZEROED,
-                                WRONG_DATA, CLOBBERED
+                                WRONG_DATA, CLOBBERED, BEYOND_COMPUTED (the tail past M, its policy)
     report                      counts exact, at most LIST_LIMIT violations listed per kind
 
     P memory --copies--> D memory --rearranges--> --zeros--> compare with expected D, byte by byte
@@ -48,7 +48,7 @@ from ..values.pair import CheckedEngines
 from ..values.plan import Rearrange, TransferPlan
 from ..values.request import Request
 from .apply import apply_plan
-from .content import content_checks
+from .content import check_beyond_computed, content_checks
 from .fill import fill_decode, fill_prefill
 from .memory import Memory
 from .plan_checks import run_plan_checks
@@ -58,13 +58,17 @@ from .walk import check_request
 __all__ = ["simulate"]
 
 
-def simulate(pair: CheckedEngines, request: Request, plan: TransferPlan, *, replan: TransferPlan | None = None) -> Report:
+def simulate(pair: CheckedEngines, request: Request, plan: TransferPlan, *, replan: TransferPlan | None = None,
+             beyond_computed: str = "zero") -> Report:
     """Check ``plan`` against every invariant of docs/design.md §4.2 and return a :class:`Report`.
 
     Allocates both engines' memory, fills it, runs the plan-level checks, applies the plan
     (without OUT_OF_BOUNDS rows, which are reported instead, with a ``ROWS_NOT_APPLIED`` note)
-    and compares every D byte.
+    and compares every D byte. ``beyond_computed`` is the policy for D tokens at or past M in
+    listed D blocks (:data:`~kvgeom.checking.content.BEYOND_COMPUTED_POLICIES`): ``"zero"``
+    (kvgeom's contract) or ``"any"`` (BEYOND_COMPUTED for whatever is there, for the caller to weigh).
     """
+    check_beyond_computed(beyond_computed)
     check_request(pair, request)
     Memory.check_size(pair.prefill)  # before any per-rank work: a hostile rank count is refused in O(regions)
     Memory.check_size(pair.decode)
@@ -82,5 +86,5 @@ def simulate(pair: CheckedEngines, request: Request, plan: TransferPlan, *, repl
     fill_prefill(pair, request, pmem)
     fill_decode(pair, request, dmem)
     apply_plan(plan, pmem, dmem, packed_masks=packed_masks)
-    checked = content_checks(pair, request, dmem, sink)
+    checked = content_checks(pair, request, dmem, sink, beyond_computed=beyond_computed)
     return sink.report(checked)

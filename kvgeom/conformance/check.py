@@ -6,6 +6,12 @@
          --> ConformanceReport: ok, counts, ConnectorViolation("not_zeroed: decode rank 0 region 1
              bytes [960, 1152): mla layer 1 block 3 tokens 32..47; no row writes these bytes")
 
+The connector states what D tokens at or past M (P never computed them) in its last listed D
+blocks may hold, ``beyond_computed``: ``"zero"`` (kvgeom's contract, the default) or ``"any"`` (an
+engine whose attention masks by sequence length, such as vLLM, which copies P's whole last page).
+Whatever a connector leaves there is reported as its own kind, BEYOND_COMPUTED, never WRONG_DATA:
+counted under ``"zero"`` (stale bytes there stay NOT_ZEROED), put under ``ignored`` under ``"any"``.
+
 The connector is held to kvgeom's invariants (docs/design.md §4.2) except minimality (invariant 5):
 a connector may post one descriptor per block and leave merging to NIXL, so ``NOT_MINIMAL``
 findings are counted under ``ignored`` unless ``require_minimal=True``. Rows with ranks outside
@@ -26,6 +32,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from ..checking.content import check_beyond_computed
 from ..checking.describe import locate_byte
 from ..checking.report import Report, Violation, ViolationKind
 from ..checking.simulator import simulate
@@ -85,7 +92,8 @@ class ConformanceReport:
 
     ``counts`` / ``bytes_bad`` are exact per kind (``ignored``: kinds not held against the
     connector, e.g. NOT_MINIMAL); ``violations`` lists at most 20 per kind (the simulator's limit);
-    ``report`` is the simulator's own :class:`~kvgeom.checking.report.Report`.
+    ``report`` is the simulator's own :class:`~kvgeom.checking.report.Report`;
+    ``beyond_computed`` the policy the tail past M was held to.
     """
 
     violations: tuple[ConnectorViolation, ...]
@@ -93,6 +101,7 @@ class ConformanceReport:
     bytes_bad: dict[ViolationKind, int]
     ignored: dict[ViolationKind, int]
     report: Report
+    beyond_computed: str = "zero"
 
     @property
     def ok(self) -> bool:
@@ -104,7 +113,9 @@ class ConformanceReport:
     def __str__(self) -> str:
         if self.ok:
             extra = "; ignored: " + ", ".join(f"{k.value} x{n}" for k, n in self.ignored.items()) if self.ignored else ""
-            return f"conforms: {self.report.bytes_checked} D bytes checked{extra}"
+            policy = "; tokens past M may hold anything (beyond_computed='any')" \
+                if self.beyond_computed == "any" else ""
+            return f"conforms: {self.report.bytes_checked} D bytes checked{extra}{policy}"
         parts = [f"{k.value} x{n} ({self.bytes_bad.get(k, 0)} B differ)" for k, n in self.counts.items() if n]
         return "\n".join([f"does not conform: {', '.join(parts)}"] + [f"  {v}" for v in self.violations])
 
@@ -143,12 +154,14 @@ def _translate(pair: CheckedEngines, request: Request, rows: ConnectorRows, v: V
 
 def check_connector(pair: CheckedEngines, request: Request, rows: ConnectorRows, *,
                     unresolved: Sequence[Unresolved] = (), require_minimal: bool = False,
+                    beyond_computed: str = "zero",
                     max_rows: int | None = MAX_CONNECTOR_ROWS) -> ConformanceReport:
     """Run the connector's rows through the reference simulator and report in its terms.
 
     ``rows``: :meth:`ConnectorRows.from_rows`, :meth:`ConnectorRows.from_plan` or
     :func:`~kvgeom.conformance.rows.rows_from_descriptors` (whose unresolved descriptors go in
-    ``unresolved``). Raises :class:`~kvgeom.errors.RequestError` when the request does not fit the
+    ``unresolved``). ``beyond_computed``: ``"zero"`` or ``"any"``, what D tokens at or past M in
+    listed D blocks may hold (see the module). Raises :class:`~kvgeom.errors.RequestError` when the request does not fit the
     pair (the request itself, not the connector, is wrong then), :class:`~kvgeom.errors.PlanError`
     for arguments of the wrong kind, and :class:`~kvgeom.errors.PlanBudgetExceeded` before
     simulating more than ``max_rows`` copy plus zero rows (plus unresolved descriptors;
@@ -161,6 +174,7 @@ def check_connector(pair: CheckedEngines, request: Request, rows: ConnectorRows,
         raise PlanError("require_minimal", f"must be a bool, got {value_text(require_minimal, 60)}",
                         actual=value_text(require_minimal, 60), expected="True or False")
     limit = check_max_rows(max_rows)
+    policy = check_beyond_computed(beyond_computed)
     if isinstance(unresolved, (str, bytes)) or not isinstance(unresolved, Sequence):
         raise PlanError("unresolved", f"expected a sequence of Unresolved, got {type(unresolved).__name__}",
                         actual=value_text(unresolved, 60), expected="a tuple of Unresolved",
@@ -195,8 +209,10 @@ def check_connector(pair: CheckedEngines, request: Request, rows: ConnectorRows,
                         zero_ids=rows.zero_ids[zkeep])
     plan = TransferPlan(P.tp, D.tp, kept.copies, kept.zeros, kept.rearranges, prefill_ranks=P.num_ranks,
                         decode_ranks=D.num_ranks)
-    report = simulate(pair, request, plan)
+    report = simulate(pair, request, plan, beyond_computed=policy)
     ignored_kinds = set() if require_minimal else {ViolationKind.NOT_MINIMAL}
+    if policy == "any":
+        ignored_kinds.add(ViolationKind.BEYOND_COMPUTED)
     counts = {k: n for k, n in report.counts.items() if k not in ignored_kinds}
     bytes_bad = {k: n for k, n in report.bytes_bad.items() if k not in ignored_kinds}
     if outside:
@@ -206,7 +222,7 @@ def check_connector(pair: CheckedEngines, request: Request, rows: ConnectorRows,
     violations = tuple(extra) + tuple(_translate(pair, request, kept, v) for v in report.violations
                                       if v.kind not in ignored_kinds)
     ignored = {k: n for k, n in report.counts.items() if k in ignored_kinds and n}
-    out = ConformanceReport(violations, counts, bytes_bad, ignored, report)
+    out = ConformanceReport(violations, counts, bytes_bad, ignored, report, policy)
     logger.debug("connector check: %d copy rows, %d zero rows: %s", len(c), len(z),
                  "conforms" if out.ok else ", ".join(f"{k.value} x{n}" for k, n in counts.items() if n))
     return out

@@ -358,12 +358,17 @@ def rows_from_descriptors(
     decode_bases: Any,
     reads: Sequence[Read],
     zeros: Sequence[tuple[int, int, int]] = (),
+    rearranges: Sequence[Rearrange] = (),
     max_rows: int | None = MAX_CONNECTOR_ROWS,
 ) -> tuple[ConnectorRows, tuple[Unresolved, ...]]:
-    """vLLM-style READs and zero ranges as :class:`ConnectorRows` (ids: read, local id, remote id).
+    """vLLM-style READs, receive-side page permutes and zero ranges as :class:`ConnectorRows`
+    (ids: read, local id, remote id).
 
     ``*_bases[rank][region]`` is the address of each region of each rank. ``zeros`` are
-    ``(d_rank, address, nbytes)``. Descriptor pairs of different lengths, ids outside their tables,
+    ``(d_rank, address, nbytes)`` in D's final layout; ``rearranges`` are D's receive-side
+    permutes as :class:`~kvgeom.values.plan.Rearrange` records (vLLM's block-size regrouping:
+    :func:`~kvgeom.conformance.receive.regroup_rearrange`), applied after the READs and before the
+    zeros, as vLLM's receive step does. Descriptor pairs of different lengths, ids outside their tables,
     ranks outside the engines and values that are not ints in ``[0, 2**48]`` raise
     :class:`~kvgeom.errors.PlanError` (NIXL would refuse them); bytes outside every region are
     returned as :class:`Unresolved` (the report lists them). More than ``max_rows`` READs, READ
@@ -448,6 +453,6 @@ def rows_from_descriptors(
     copies = np.concatenate(cols) if cols else np.zeros((0, 7), np.int64)
     copy_ids = np.concatenate(ids) if ids else np.zeros((0, 3), np.int64)
     rows = ConnectorRows.from_rows(copies, zcols, copy_ids=copy_ids, zero_ids=zok.astype(np.int64),
-                                   id_names=("read", "local", "remote"),
+                                   id_names=("read", "local", "remote"), rearranges=rearranges,
                                    max_rows=max_rows)
     return rows, tuple(unresolved)
