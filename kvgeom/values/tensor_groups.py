@@ -99,8 +99,10 @@ def _attention_group(gi: int, spec: AttentionSpec, entries: list[LayerTensors], 
         given = list(tensors) if pair else [tensors]
         facts = [tensor_facts(t, f"{name}.{_label(entry, spec.name, layer)}.tensors[{i}]") for i, t in
                  enumerate(given)]
+        # split head vectors only from (k, v) pairs (per-plane views, docs/design.md §3.5): one tensor keeps
+        # the contiguity check, which catches a description with two axes swapped
         axes = [_read_axes(f, entry.axes, sizes, f"{name}.{_label(entry, spec.name, layer)}", allowed,
-                           split_vectors=True) for f in facts]
+                           split_vectors=pair) for f in facts]
         first = axes[0]
         n_layers = first.named.get("layer", (1, 0))[0]
         if "layer" in first.named and (len(entries) != 1 or n_layers != spec.num_layers):
