@@ -35,9 +35,10 @@ EXPECTED = {  # name: (regions, page bytes, kernel tokens, ppl, strides of each 
     "llama3-8b-tp2-hnd": (4, 16 * 4 * 512, 16, 1, [[256, 16 * 512, 512]]),  # LBHNC: head stride = tokens * cell
     "llama3-8b-tp2-blhnc": (1, 4 * 16 * 4 * 512, 16, 1, [[256, 16 * 512, 512]]),  # one block row of 4 layers
     # CPU_ATTN, 2 heads of 64 float32 (256 B), 32 tokens: per head [K rows 32 x 256][V rows 32 x 256]
-    "mistral-sliding": (3, 32 * 2 * 512, 32, 1, [[32 * 256, 2 * 32 * 256, 256]]),
-    "gemma2-hybrid": (2, 32 * 2 * 512, 32, 1, [[32 * 256, 2 * 32 * 256, 256]] * 2),  # 2 groups overlay 2 regions
-    "gemma2-no-hybrid": (4, 32 * 2 * 512, 32, 1, [[32 * 256, 2 * 32 * 256, 256]]),  # one group of 4 layers
+    # (a per-plane layout, docs/design.md §3.5: no single strides; its addresses are checked below)
+    "mistral-sliding": (3, 32 * 2 * 512, 32, 1, []),
+    "gemma2-hybrid": (2, 32 * 2 * 512, 32, 1, []),  # 2 groups overlay 2 regions
+    "gemma2-no-hybrid": (4, 32 * 2 * 512, 32, 1, []),  # one group of 4 layers
     # DeepSeek-V3 MLA: one latent of 576 bf16 = 1152 B per token, 64-token pages (one plane)
     "deepseek-v3-mla-tp8": (3, 64 * 1152, 64, 1, [[64 * 1152, 64 * 1152, 1152]]),
     # Nemotron-H-like TP2: 16-token kernel pages of 1 KV head of 128 bf16 (2 * 16 * 256 = 8192 B); the
@@ -60,6 +61,13 @@ def test_config_geometry_equals_the_tensors_vllm_allocates(result: dict[str, Any
     # vLLM's own page_size_bytes is the logical block: the kernel pages of a layer-outer region
     if not name.endswith("blhnc"):
         assert set(case["spec_page_size_bytes"]) == {page * ppl}
+
+
+@pytest.mark.parametrize("name", ["mistral-sliding", "gemma2-hybrid", "gemma2-no-hybrid"])
+def test_cpu_attn_addresses_by_hand(result: dict[str, Any], name: str) -> None:
+    # 2 heads of 64 float32, 32-token pages: head 1 at 2 * 32 * 256 = 16,384; K transposed ([64][32]):
+    # token 5 starts at 16384 + 5 * 4; V after K's 32 * 256 = 8,192 B: token 5 at 16384 + 8192 + 5 * 256
+    assert by_name(result)[name]["cpu_probe"] == [16384 + 5 * 4, 16384 + 8192 + 5 * 256]
 
 
 def test_the_model_read_from_the_specs(result: dict[str, Any]) -> None:
@@ -100,6 +108,10 @@ def test_controls_are_caught(result: dict[str, Any]) -> None:
 
 def test_what_kvgeom_cannot_describe_is_refused_by_field(result: dict[str, Any]) -> None:
     refused = {(r["backend"], r["layout"]): r for r in result["refused"]}
+    # CPU_ATTN at block 64 is described (docs/design.md §3.5): 2 heads of 64 float32 (256 B), a head
+    # is 2 * 64 * 256 = 32,768 B; K is transposed ([hd][64]): token 37 starts at 32768 + 37 * 4;
+    # V rows follow K's 64 * 256 = 16,384 B: token 37 at 32768 + 16384 + 37 * 256
     cpu64 = refused[("CPU_ATTN", None)]
-    assert cpu64["refused"] == "kernel_block_size" and "tiled by 32 tokens" in cpu64["error"]
+    assert cpu64["refused"] is None, cpu64
+    assert cpu64["probe"] == [32768 + 37 * 4, 32768 + 16384 + 37 * 256]
     assert refused[("FLASH_ATTN", "LHBNC")]["refused"] == "kv_cache_layout"

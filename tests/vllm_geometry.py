@@ -110,8 +110,12 @@ def backend_views(backend: str, spec: Any, cache: torch.Tensor) -> tuple[str, An
     if isinstance(spec, MLAAttentionSpec):
         return "page head token dim", cache  # one latent per (head slot, token)
     if backend == "CPU_ATTN":  # vllm/v1/attention/backends/cpu_attn.py, do_kv_cache_update
-        b, h, n, _ = cache.size()
-        key, value = cache.view((b, h, n * 2, -1)).chunk(2, dim=2)
+        # V: the second half of each head's (2N, hd) rows, token order. K: the first half holds K
+        # transposed for the vec kernel (float32 here), [hd][N] -- read as a (token, dim) view of it
+        b, h, n, c = cache.size()
+        hd = c // 2
+        value = cache.view((b, h, n * 2, hd)).chunk(2, dim=2)[1]
+        key = cache.view((b, h, 2, hd, n))[:, :, 0].transpose(-1, -2)
         return "page head token dim", (key, value)
     # flash_attn.py / triton_attn.py forward: kv_cache.transpose(1, 2).split(head_size, dim=-1)
     key, value = cache.transpose(1, 2).split(spec.head_size, dim=-1)
@@ -190,6 +194,10 @@ def run_case(name: str, backend: str, layout: str, hybrid: bool, describe_as: st
         out.update(tensors_error=str(e))
         return out
     out["diff"] = compare(geo, ten)
+    if backend == "CPU_ATTN":  # where kvgeom says head 1's K and V of token 5 (layer 0, page 0) start
+        out["cpu_probe"] = [geo.attention_address(0, 0, plane, 0, 5, 1)[1].item()
+                            if hasattr(geo.attention_address(0, 0, plane, 0, 5, 1)[1], "item")
+                            else int(geo.attention_address(0, 0, plane, 0, 5, 1)[1]) for plane in (0, 1)]
     # NIXL's registration (register_kv_caches): per layer base data_ptr(), block_len page_size_bytes // ratio
     # (a mamba page whole), block stride stride(0); layers at one base share one NIXL region
     storage = next(iter(kv.values())).untyped_storage().data_ptr()
@@ -253,8 +261,9 @@ def main() -> None:
     cfg64.kv_cache_layout = "LBHNC"
     for backend, layout in (("CPU_ATTN", None), ("FLASH_ATTN", "LHBNC")):
         try:
-            engine_from_vllm_config(cfg64, tp=1, attention_backend=backend, kv_cache_layout=layout)
-            refused.append({"backend": backend, "layout": layout, "refused": None})
+            g = engine_from_vllm_config(cfg64, tp=1, attention_backend=backend, kv_cache_layout=layout)
+            probe = [int(g.attention_address(0, 0, plane, 0, 37, 1)[1]) for plane in (0, 1)]
+            refused.append({"backend": backend, "layout": layout, "refused": None, "probe": probe})
         except GeometryError as e:
             refused.append({"backend": backend, "layout": layout, "refused": e.path, "error": str(e)})
     print(json.dumps({"cases": results, "controls": [control, control_cpu], "refused": refused}))

@@ -54,6 +54,7 @@ from ..values.layout import (
     StateView,
 )
 from ..values.model import MAX_GROUPS, MAX_LAYERS, MAX_SECTIONS, ModelSpec
+from ..values.planes import PlanesLayout
 from .vllm_layouts import (
     VLLM_BACKENDS,
     VLLM_KV_CACHE_LAYOUTS,
@@ -85,8 +86,8 @@ def _tensor_layers(t: Any, tpath: str, key: str, limit: int) -> list[str]:
 
 
 def _layered(cfg_tensors: tuple[Any, ...], groups: list[VllmGroup], layer_group: dict[str, tuple[int, int]], *,
-             num_blocks: int, K: int, ppl: int, order: tuple[int, ...], backend: str, layout_name: str
-             ) -> tuple[list[Region], list[dict[int, Any]], list[PageLayout | None]]:
+             num_blocks: int, K: int, ppl: int, order: tuple[int, ...], backend: str, layout_name: str, cpu_isa: str = "vec"
+             ) -> tuple[list[Region], list[dict[int, Any]], list[PageLayout | PlanesLayout | None]]:
     """Regions, per-group views and attention page layouts from vLLM 0.32's tensors."""
     block_outer = order[0] == 1
     if block_outer and ppl != 1:
@@ -96,7 +97,7 @@ def _layered(cfg_tensors: tuple[Any, ...], groups: list[VllmGroup], layer_group:
     regions: list[Region] = []
     starts: dict[int, int] = {}  # layer-outer: region start in the backing -> region index
     views: list[dict[int, Any]] = [{} for _ in groups]
-    layouts: list[PageLayout | None] = [None] * len(groups)
+    layouts: list[PageLayout | PlanesLayout | None] = [None] * len(groups)
     sizes: set[int] = set()
     ranges: list[tuple[int, int, int]] = []  # (start, end, region)
     for ti, t in enumerate(cfg_tensors):
@@ -129,6 +130,7 @@ def _layered(cfg_tensors: tuple[Any, ...], groups: list[VllmGroup], layer_group:
                                 fix="pass vLLM's KVCacheConfig and the kernel block size")
         page = bs // ppl
         if g.kind != "state":
+            lay: PageLayout | PlanesLayout
             cell = 2 * g.head_bytes if g.kind == "attention" else g.head_bytes
             hs, ns = inner_strides(order, layers=len(names), heads=g.heads, tokens=K, cell=cell, layer_stride=ls)
             if g.kind == "mla":
@@ -136,7 +138,7 @@ def _layered(cfg_tensors: tuple[Any, ...], groups: list[VllmGroup], layer_group:
                                   planes=1)
             elif VLLM_BACKENDS[backend] == "cpu":
                 lay = cpu_attn_layout(heads=g.heads, tokens=K, head_bytes=g.head_bytes, head_stride=hs,
-                                      token_stride=ns)
+                                      token_stride=ns, element_bytes=VLLM_DTYPE_BYTES[g.dtype], isa=cpu_isa)
             else:
                 lay = cell_layout(heads=g.heads, tokens=K, head_bytes=g.head_bytes, head_stride=hs, token_stride=ns,
                                   planes=2)
@@ -277,6 +279,7 @@ def engine_from_vllm_config(
     group_names: Sequence[str] | None = None,
     model_name: str = "vllm-model",
     name: str = "engine",
+    cpu_isa: str = "vec",
 ) -> EngineGeometry:
     """One vLLM worker's cache as an :class:`EngineGeometry` (see the module for the rules).
 
@@ -286,7 +289,9 @@ def engine_from_vllm_config(
     ``kv_cache_layout``: a name of :data:`VLLM_KV_CACHE_LAYOUTS` (default: the config's
     ``kv_cache_layout``; for the older field set ``"NHD"``). ``kernel_block_size``: the backend's
     page (default: the spec's block size). ``conv_state_layout``: ``VLLM_SSM_CONV_STATE_LAYOUT``
-    (``"DS"``, which NIXL transfers need, or ``"SD"``, vLLM's default). ``group_names`` name the
+    (``"DS"``, which NIXL transfers need, or ``"SD"``, vLLM's default). ``cpu_isa``: CPU_ATTN's kernel
+    (vLLM's ``layer.isa``: ``vec`` for float32 on x86, ``amx``/``vec16`` for bf16), which orders the
+    bytes inside K and V (:func:`kvgeom.cpu_attn_layout`). ``group_names`` name the
     kvgeom groups (default ``full0``, ``mamba1``, ...). Raises :class:`~kvgeom.errors.GeometryError`
     naming the config field.
     """
@@ -341,6 +346,7 @@ def engine_from_vllm_config(
                             expected=f"a divisor of {block_size}", fix="pass the backend's kernel block size")
     ppl = block_size // K
     hybrid = any(g.kind == "state" for g in groups)
+    layouts: Sequence[PageLayout | PlanesLayout | None]
     if layered:
         if attention_backend not in VLLM_BACKENDS:
             raise GeometryError("attention_backend", f"{attention_backend} is not one of vLLM 0.32's backends kvgeom "
@@ -354,7 +360,7 @@ def engine_from_vllm_config(
         path = "kv_cache_layout" if kv_cache_layout is not None else f"{_PATH}.kv_cache_layout"
         order = layout_order(name_of(lname, path), path)
         regions, views, layouts = _layered(raw_tensors, groups, layer_group, num_blocks=num_blocks, K=K, ppl=ppl,
-                                           order=order, backend=attention_backend, layout_name=lname)
+                                           order=order, backend=attention_backend, layout_name=lname, cpu_isa=cpu_isa)
     else:
         legacy = {"NHD": "NHD", "HND": "HND", "LBNHC": "NHD", "LBHNC": "HND"}
         lname = "NHD" if kv_cache_layout is None else kv_cache_layout

@@ -17,7 +17,8 @@ The backend reads the cell (``C = (head_size + head_size_v) * dtype bytes``):
     FLASH_ATTN, FLASHINFER, TRITON_ATTN   K | V side by side in each (head, token) cell:
                                           kv_stride = head_size * dtype bytes
     CPU_ATTN                              [B, H, N, 2*hd] viewed as [B, H, 2N, hd] and chunked:
-                                          each head is [K rows: N x hd][V rows: N x hd]
+                                          each head is [K: N x hd][V: N x hd]; inside K and V the
+                                          kernel's order (K transposed for vec): a per-plane layout
     MLA backends                          one latent per token (head_size_v = 0)
 
 The older field set (``KVCacheTensor(size, shared_by)``, before the layout descriptor) placed
@@ -36,6 +37,8 @@ from typing import Literal
 
 from ..errors import GeometryError, value_text
 from ..values.layout import PageLayout
+from ..values.planes import PlanesLayout
+from ..values.planes import cpu_attn_layout as planes_cpu_attn_layout
 
 __all__ = ["VLLM_BACKENDS", "VLLM_LEGACY_BACKENDS", "VLLM_KV_CACHE_LAYOUTS", "layout_order", "inner_strides",
            "cell_layout", "cpu_attn_layout", "legacy_layout", "CPU_ATTN_K_TILE"]
@@ -104,32 +107,27 @@ def cell_layout(*, heads: int, tokens: int, head_bytes: int, head_stride: int, t
     return PageLayout(kv_stride=kv, head_stride=head_stride, token_stride=token_stride)
 
 
-def cpu_attn_layout(*, heads: int, tokens: int, head_bytes: int, head_stride: int, token_stride: int) -> PageLayout:
-    """The CPU backend's page (vLLM 0.32 ``cpu_attn.py``): each head's ``N x 2hd`` cells read as K rows
-    ``[0, N)`` then V rows ``[N, 2N)``, so ``kv_stride = N * hd`` and ``token_stride = hd``.
+def cpu_attn_layout(*, heads: int, tokens: int, head_bytes: int, head_stride: int, token_stride: int,
+                    element_bytes: int, isa: str = "vec") -> PlanesLayout:
+    """The CPU backend's page (vLLM 0.32 ``cpu_attn.py``) as a per-plane layout (docs/design.md §3.5).
 
-    Its K rows are tiled by 32 tokens (token ``32j + i`` in K row ``i * N/32 + j``; V rows plain):
-    at N = 32 that is token order and both planes are plain. A larger page needs the per-plane
-    layout of docs/design.md §3 and is refused until kvgeom models it.
+    vLLM views each layer's ``[B, H, N, 2 * hd]`` cache as ``[B, H, 2N, hd]`` and chunks it: per head,
+    N K rows then N V rows. The config says only the head and cell strides; the order of the bytes
+    inside K and V is the kernel's (:func:`kvgeom.cpu_attn_layout`: ``vec``/``vec16`` store K
+    transposed, ``[hd][N]``, at every block size, 32 included; ``amx`` tiles 16 tokens). So the config
+    must be LBHNC-like (a head's ``2N`` rows together, cells of ``2 * hd`` elements), and the kernel
+    (``isa``, vLLM's ``layer.isa``: ``vec`` for float32 on x86) decides the rest.
     """
     if tokens < CPU_ATTN_K_TILE or tokens % CPU_ATTN_K_TILE:
         raise GeometryError("kernel_block_size", f"CPU_ATTN pages are a multiple of {CPU_ATTN_K_TILE} tokens, got "
                             f"{tokens}", actual=tokens, expected=f"a multiple of {CPU_ATTN_K_TILE}",
                             fix="pass vLLM's block size (the CPU backend does not split blocks)")
-    if tokens > CPU_ATTN_K_TILE:
-        raise GeometryError("kernel_block_size", f"CPU_ATTN's K rows are tiled by {CPU_ATTN_K_TILE} tokens; a "
-                            f"{tokens}-token page puts token 32j + i in K row i * {tokens // CPU_ATTN_K_TILE} + j "
-                            "while its V rows stay in token order. That needs the per-plane layout of "
-                            "docs/design.md §3, which kvgeom does not model yet",
-                            actual=tokens, expected=CPU_ATTN_K_TILE,
-                            fix="run vLLM's CPU backend with --block-size 32, or read the geometry with "
-                                "EngineGeometry.from_tensors once per-plane layouts exist")
-    if token_stride != 2 * head_bytes or head_stride < 2 * tokens * head_bytes:
+    if token_stride != 2 * head_bytes or head_stride != 2 * tokens * head_bytes:
         raise GeometryError("kv_cache_layout", "CPU_ATTN reads each head's cells as one [2N, hd] range: the "
                             "layout must keep a head's tokens together", actual=(head_stride, token_stride),
-                            expected=f"token stride {2 * head_bytes}", fix="vLLM's CPU backend runs LBHNC")
-    del heads  # the head count sets nothing inside one head's range
-    return PageLayout(kv_stride=tokens * head_bytes, head_stride=head_stride, token_stride=head_bytes)
+                            expected=(2 * tokens * head_bytes, 2 * head_bytes), fix="vLLM's CPU backend runs LBHNC")
+    return planes_cpu_attn_layout(heads=heads, block_size=tokens, head_bytes=head_bytes,
+                                  element_bytes=element_bytes, isa=isa)
 
 
 def legacy_layout(kind: str, *, heads: int, tokens: int, head_bytes: int,
