@@ -42,7 +42,9 @@ CELLS = [
     ("llama", "t", "a"),  # TP2 -> TP1
     ("mistral-sw", "a", "b"),  # sliding window 128, block 32 -> 32
 ]
-CONNECTORS = ["nixl"]
+CONNECTORS = ["nixl", "kvgeom"]
+# kvgeom_nixl.vllm refuses sliding windows on CPU_ATTN for now (docs/design.md §15.3): no kvgeom cell there.
+RUNS = [(cell, conn) for cell in CELLS for conn in CONNECTORS if not (conn == "kvgeom" and cell[0] == "mistral-sw")]
 
 
 def cell_id(cell: tuple[str, str, str]) -> str:
@@ -68,7 +70,7 @@ class Fleet:
         logs = self.root / "logs"
         logs.mkdir(exist_ok=True)
         self.instances[("none", "mono")] = Instance(f"{model}-mono", path, log_dir=logs)
-        for conn in CONNECTORS:
+        for conn in sorted({c for (m, _, _), c in RUNS if m == model}):
             for name, (block, tp) in INSTANCES[model].items():
                 self.instances[(conn, name)] = Instance(f"{model}-{conn}-{name}", path, block_size=block, tp=tp,
                                                         connector=conn, log_dir=logs)
@@ -106,8 +108,7 @@ def must_differ(c: Comparison, what: str) -> None:
     assert not c.ok, f"{what}: the corrupted transfer still matched the monolithic run ({c.reason})"
 
 
-@pytest.mark.parametrize("connector", CONNECTORS)
-@pytest.mark.parametrize("cell", CELLS, ids=cell_id)
+@pytest.mark.parametrize("cell, connector", RUNS, ids=[f"{cell_id(c)}-{k}" for c, k in RUNS])
 def test_pd_equals_monolithic(fleet: Fleet, cell: tuple[str, str, str], connector: str) -> None:
     model, pn, dn = cell
     fleet.use(model)

