@@ -44,7 +44,9 @@ CELLS = [
 ]
 CONNECTORS = ["nixl", "kvgeom"]
 # kvgeom_nixl.vllm refuses sliding windows on CPU_ATTN for now (docs/design.md §15.3): no kvgeom cell there.
-RUNS = [(cell, conn) for cell in CELLS for conn in CONNECTORS if not (conn == "kvgeom" and cell[0] == "mistral-sw")]
+# Ordered by model, then connector: each (model, connector) starts its instances once.
+RUNS = [(cell, conn) for model in INSTANCES for conn in CONNECTORS for cell in CELLS
+        if cell[0] == model and not (conn == "kvgeom" and model == "mistral-sw")]
 
 
 def cell_id(cell: tuple[str, str, str]) -> str:
@@ -54,43 +56,61 @@ def cell_id(cell: tuple[str, str, str]) -> str:
 
 
 class Fleet:
-    """The vLLM instances of the model under test, started together and reused by every cell."""
+    """The vLLM instances of the (model, connector) under test, started together and reused by its cells.
+
+    The monolithic instance lives as long as its model; the P/D instances of one connector are
+    closed before the next connector's start (memory: each instance holds ~1.5 GB here).
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.model: str | None = None
-        self.instances: dict[tuple[str, str], Instance] = {}
+        self.connector: str | None = None
+        self.path: Path | None = None
+        self.mono: Instance | None = None
+        self.instances: dict[str, Instance] = {}
         self.refs: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
 
-    def use(self, model: str) -> None:
-        if model == self.model:
+    def use(self, model: str, connector: str) -> None:
+        if (model, connector) == (self.model, self.connector):
             return
-        self.close()
-        self.model, path = model, write_model(self.root / model, model, seed=0)
+        self._close_pd()
         logs = self.root / "logs"
         logs.mkdir(exist_ok=True)
-        self.instances[("none", "mono")] = Instance(f"{model}-mono", path, log_dir=logs)
-        for conn in sorted({c for (m, _, _), c in RUNS if m == model}):
-            for name, (block, tp) in INSTANCES[model].items():
-                self.instances[(conn, name)] = Instance(f"{model}-{conn}-{name}", path, block_size=block, tp=tp,
-                                                        connector=conn, log_dir=logs)
-        for inst in self.instances.values():
+        if model != self.model:
+            if self.mono is not None:
+                self.mono.close()
+            self.path = write_model(self.root / model, model, seed=0)
+            self.mono = Instance(f"{model}-mono", self.path, log_dir=logs)
+        assert self.path is not None and self.mono is not None
+        self.model, self.connector = model, connector
+        for name, (block, tp) in INSTANCES[model].items():
+            self.instances[name] = Instance(f"{model}-{connector}-{name}", self.path, block_size=block, tp=tp,
+                                            connector=connector, log_dir=logs)
+        for inst in [self.mono, *self.instances.values()]:
             inst.wait_ready()
 
-    def get(self, connector: str, name: str) -> Instance:
-        return self.instances[(connector, name)]
+    def get(self, name: str) -> Instance:
+        return self.instances[name]
 
     def reference(self, prompt: list[int]) -> dict[str, Any]:
         key = (str(self.model), tuple(prompt))
         if key not in self.refs:
-            self.refs[key] = self.get("none", "mono").generate(prompt, MAX_TOKENS)
+            assert self.mono is not None
+            self.refs[key] = self.mono.generate(prompt, MAX_TOKENS)
         return self.refs[key]
 
-    def close(self) -> None:
+    def _close_pd(self) -> None:
         for inst in self.instances.values():
             inst.close()
         self.instances.clear()
-        self.model = None
+        self.connector = None
+
+    def close(self) -> None:
+        self._close_pd()
+        if self.mono is not None:
+            self.mono.close()
+        self.mono, self.model = None, None
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +128,12 @@ def must_differ(c: Comparison, what: str) -> None:
     assert not c.ok, f"{what}: the corrupted transfer still matched the monolithic run ({c.reason})"
 
 
+@pytest.mark.timeout(1800)  # the first cell of a (model, connector) includes its instances' start-up
 @pytest.mark.parametrize("cell, connector", RUNS, ids=[f"{cell_id(c)}-{k}" for c, k in RUNS])
 def test_pd_equals_monolithic(fleet: Fleet, cell: tuple[str, str, str], connector: str) -> None:
     model, pn, dn = cell
-    fleet.use(model)
-    p, d = fleet.get(connector, pn), fleet.get(connector, dn)
+    fleet.use(model, connector)
+    p, d = fleet.get(pn), fleet.get(dn)
     seed = 10 * CELLS.index(cell) + CONNECTORS.index(connector) * 1000  # fresh prompts: no stray cache hits
     short, long, hit, c1, c2, other, hit2 = prompts([LENGTHS[0], LENGTHS[1], PREFIX + 61, LENGTHS[0], LENGTHS[1],
                                                      LENGTHS[0], PREFIX + 61], seed=seed)

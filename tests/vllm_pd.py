@@ -18,6 +18,7 @@ import collections
 import json
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -36,20 +37,29 @@ MARK = "@@kvgeom "
 SCRIPT = ROOT / "tests" / "vllm_instance.py"
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(count: int = 2) -> int:
-    """A port ``p`` with ``p .. p + count - 1`` free on 127.0.0.1 (kvgeom's P rank r listens on p + r)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + count > 65535:
+    """A port ``p`` with ``p .. p + count - 1`` free on 127.0.0.1 (kvgeom's P rank r listens on p + r).
+
+    Drawn below Linux's ephemeral range (32768-60999), where vLLM's own ``get_open_port`` (TP
+    rendezvous, ZMQ) and the kernel pick theirs, and never the same twice in this process: an
+    instance binds its side channel only once its workers are up, long after the port was chosen.
+    """
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(20000, 32000 - count)
+        ports = range(base, base + count)
+        if _HANDED_OUT.intersection(ports):
             continue
         try:
-            for port in range(base + 1, base + count):
+            for port in ports:
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", port))
         except OSError:
             continue
+        _HANDED_OUT.update(ports)
         return base
     raise RuntimeError(f"no {count} consecutive free ports")
 

@@ -83,7 +83,12 @@ class SideChannelServer:
         self._payload = base64.b64encode(payload).decode()
         self._lock = threading.Lock()
         self._released: dict[str, tuple[float, int, set[int]]] = {}  # request -> (first seen, d_tp, d ranks)
-        self._sock = socket.create_server((host, port), reuse_port=False)
+        try:
+            self._sock = socket.create_server((host, port), reuse_port=False)
+        except OSError as e:
+            raise SideChannelError("KVGEOM_SIDE_CHANNEL_PORT", f"cannot listen on {host}:{port}: {e}", actual=port,
+                                   fix="give each engine its own port (TP rank r listens on port + r), "
+                                   "outside the ephemeral range") from None
         self._sock.settimeout(0.5)
         self.address = self._sock.getsockname()[:2]
         self._stop = threading.Event()
