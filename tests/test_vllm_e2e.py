@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_models import prompts, write_model
+from vllm_models import model_config, prompts, write_model
 from vllm_pd import Comparison, Instance, compare, disaggregated
 
 MAX_TOKENS = 8
@@ -147,11 +147,13 @@ def test_pd_equals_monolithic(fleet: Fleet, cell: tuple[str, str, str], connecto
     # D prefix-cache hit: D runs the first PREFIX tokens itself, then pulls only the rest from P. P's ids
     # of those prefix blocks are handed over permuted: D must not read them (its own blocks hold them),
     # and a D that did would not match. The tail control below shows the rest does come from P.
-    blocks_hit = PREFIX // p.block_size
+    # (A sliding-window P lists only its window's blocks, whose head D may still need: not permuted.)
+    pulled = -(-len(hit) // p.block_size) - PREFIX // p.block_size  # blocks D pulls: the last ids P lists
     d.generate(hit[:PREFIX], 1)
     params = p.generate(hit, 1, {"do_remote_decode": True})["kv_transfer_params"]
     ids = params["remote_block_ids"][0]
-    head_permuted = {**params, "remote_block_ids": [ids[:blocks_hit][::-1] + ids[blocks_hit:]]}
+    head = [] if "sliding_window" in model_config(model) else ids[:-pulled]
+    head_permuted = {**params, "remote_block_ids": [head[::-1] + ids[len(head):]]}
     c = compare(fleet.reference(hit), d.generate(hit, MAX_TOKENS, head_permuted))
     must_match(c, "D prefix-cache hit (P's prefix block ids permuted, unread)")
     diffs.append(c.max_diff)
@@ -170,7 +172,7 @@ def test_pd_equals_monolithic(fleet: Fleet, cell: tuple[str, str, str], connecto
     d.generate(hit2[:PREFIX], 1)
     params = p.generate(hit2, 1, {"do_remote_decode": True})["kv_transfer_params"]
     ids = params["remote_block_ids"][0]
-    tail_permuted = {**params, "remote_block_ids": [ids[:blocks_hit] + ids[blocks_hit:][::-1]]}
+    tail_permuted = {**params, "remote_block_ids": [ids[:-pulled] + ids[-pulled:][::-1]]}
     out_d = d.generate(hit2, MAX_TOKENS, tail_permuted)
     must_differ(compare(fleet.reference(hit2), out_d), "control: D prefix-cache hit, pulled block ids permuted")
     print(f"{connector} {cell_id(cell)}: max |logprob diff| {max(diffs):.3g}")

@@ -120,3 +120,8 @@ def test_an_unreachable_p_is_a_side_channel_error() -> None:
         port = s.getsockname()[1]  # bound, not listening: refused
         with pytest.raises(SideChannelError, match="unreachable"):
             fetch_handshake("127.0.0.1", port, timeout_s=2)
+
+
+def test_a_taken_port_is_refused_by_name(server: SideChannelServer) -> None:
+    with pytest.raises(SideChannelError, match="KVGEOM_SIDE_CHANNEL_PORT"):
+        SideChannelServer("127.0.0.1", server.address[1], b"x")

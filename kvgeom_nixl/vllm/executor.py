@@ -87,7 +87,9 @@ class ConnectorExecutor:
     def pull(self, link: Link, request_id: str, request: Request) -> None:
         """Post this rank's READs for ``request``; its outcome comes from :meth:`poll`."""
         attempt = f"{request_id}#{next(self._attempts)}"  # GAP: a fresh id per attempt, made here
-        self._pulls[attempt] = (request_id, link.pull(attempt, request, timeout_s=self.timeout_s, strategy="auto"))
+        # strategy "direct": auto may choose staged, whose receive-side rearranges move token rows by
+        # kvgeom's page model, which is not CPU_ATTN's inside the K plane (docs/design.md §15.3).
+        self._pulls[attempt] = (request_id, link.pull(attempt, request, timeout_s=self.timeout_s, strategy="direct"))
 
     def poll(self) -> list[PullOutcome]:
         """Advance both endpoints; the pulls that settled since the last call (never raises for one)."""

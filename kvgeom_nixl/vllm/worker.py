@@ -17,7 +17,6 @@ the side channel that serves this rank's handshake payload. Per step:
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
@@ -29,8 +28,6 @@ from .scheduler import DEFAULT_PORT, KvgeomMetadataFields, Pull, Release
 from .side_channel import SideChannelError, SideChannelServer, fetch_handshake, send_release
 
 __all__ = ["KvgeomWorker", "engine_from_kv_caches", "CPU_ATTN_PLAIN_BLOCK"]
-
-logger = logging.getLogger(__name__)
 
 CPU_ATTN_PLAIN_BLOCK = 32
 """The only block size the connector runs today: CPU_ATTN blocks above 32 tokens tile K by 32 tokens
@@ -96,6 +93,9 @@ class KvgeomWorker:
 
     def __init__(self, vllm_config: Any, engine_id: str) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.logger import init_logger
+
+        self.log = init_logger("vllm.kvgeom_connector")  # vLLM's handlers (kvgeom_nixl's logger has none here)
 
         self.vllm_config = vllm_config
         self.engine_id = engine_id
@@ -117,10 +117,10 @@ class KvgeomWorker:
         geo, tensors = engine_from_kv_caches(
             kv_caches, block_size=int(self.vllm_config.cache_config.block_size), tp=self.tp,
             total_kv_heads=int(mc.get_total_num_kv_heads()), window=int(window) if window else None,
-            name=f"{self.engine_id}-rank{self.rank}")
+            name=str(self.engine_id))  # one name for every rank: a peer checks its ranks advertise one geometry
         self.executor = ConnectorExecutor(geo, self.rank, tensors)
         self.server = SideChannelServer(self.host, self.port, self.executor.handshake())
-        logger.info("kvgeom connector rank %d: %s, side channel %s:%d", self.rank, geo.summary(), self.host,
+        self.log.info("kvgeom connector rank %d: %s, side channel %s:%d", self.rank, geo.summary(), self.host,
                     self.port)
 
     # ---- per step --------------------------------------------------------------------------
@@ -137,7 +137,7 @@ class KvgeomWorker:
                                                    pull.local_blocks, pull.prefix_hit_tokens)
                 self._executor().pull(link, pull.request_id, request)
             except (KvGeomError, SideChannelError, ExecutorError, ValueError) as e:
-                logger.error("kvgeom connector: pull of %s refused: %s", pull.request_id, e)
+                self.log.error("kvgeom connector: pull of %s refused: %s", pull.request_id, e)
                 self._fail(pull)
                 continue
             self._recving[pull.request_id] = pull
@@ -174,7 +174,7 @@ class KvgeomWorker:
             try:
                 send_release(rel.remote_host, rel.remote_port + p, rel.remote_request_id, self.rank, self.tp)
             except SideChannelError as e:  # P gone: its lease frees the blocks
-                logger.warning("kvgeom connector: release of %s to P rank %d failed: %s", rel.remote_request_id, p, e)
+                self.log.warning("kvgeom connector: release of %s to P rank %d failed: %s", rel.remote_request_id, p, e)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         import time
@@ -186,7 +186,7 @@ class KvgeomWorker:
                 if pull is None:
                     continue
                 if not out.ok:
-                    logger.error("kvgeom connector: pull of %s failed: %s", out.request_id, out.reason)
+                    self.log.error("kvgeom connector: pull of %s failed: %s", out.request_id, out.reason)
                     bad = {b for ids in out.invalid_blocks.values() for b in ids}
                     self._invalid.update(bad or {b for g in pull.local_blocks for b in g})
                 done_recv.add(out.request_id)
@@ -197,7 +197,7 @@ class KvgeomWorker:
             released = self.server is not None and self.server.released(rid)
             if released or now > expiry:
                 if not released:
-                    logger.warning("kvgeom connector: lease of %s expired before every D rank released it", rid)
+                    self.log.warning("kvgeom connector: lease of %s expired before every D rank released it", rid)
                     if self.server is not None:
                         self.server.forget(rid)
                 done_send.add(rid)
