@@ -23,7 +23,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ..errors import ExecutorError
+from kvgeom_nixl.errors import ExecutorError
+
 from .scheduler import KvgeomMetadataFields, KvgeomScheduler
 from .worker import KvgeomWorker
 

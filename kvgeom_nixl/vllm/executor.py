@@ -26,10 +26,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvgeom import EngineGeometry, Pair, Request, request_from_block_tables
-
-from ..endpoint import Endpoint, Link
-from ..errors import TransferFailed
-from ..transfer import Transfer
+from kvgeom_nixl.endpoint import Endpoint, Link
+from kvgeom_nixl.errors import TransferFailed
+from kvgeom_nixl.transfer import Transfer
 
 __all__ = ["ConnectorExecutor", "PullOutcome"]
 

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-from ..errors import ExecutorError
+from kvgeom_nixl.errors import ExecutorError
 
 __all__ = ["MAX_FRAME", "MAX_PENDING", "SideChannelError", "SideChannelServer", "fetch_handshake", "send_release"]
 

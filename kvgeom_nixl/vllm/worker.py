@@ -21,8 +21,8 @@ import os
 from typing import Any
 
 from kvgeom import AttentionSpec, EngineGeometry, KvGeomError, LayerTensors, ModelSpec
+from kvgeom_nixl.errors import ExecutorError
 
-from ..errors import ExecutorError
 from .executor import ConnectorExecutor
 from .scheduler import DEFAULT_PORT, KvgeomMetadataFields, Pull, Release
 from .side_channel import SideChannelError, SideChannelServer, fetch_handshake, send_release
