@@ -32,6 +32,7 @@ __all__ = ["MAX_FRAME", "MAX_PENDING", "SideChannelError", "SideChannelServer", 
 MAX_FRAME = 16 << 20  # a handshake payload of a large engine is ~100 KB; 16 MiB bounds a hostile one
 MAX_PENDING = 100_000  # release entries kept for requests P has not yet been told about
 PENDING_TTL_S = 3600.0
+IO_TIMEOUT_S = 60.0  # generous: on a loaded host a worker thread can stall for seconds
 _LEN = struct.Struct("!I")
 
 
@@ -104,7 +105,7 @@ class SideChannelServer:
             except OSError:
                 return
             with conn:
-                conn.settimeout(10.0)
+                conn.settimeout(IO_TIMEOUT_S)
                 try:
                     write_frame(conn, self._answer(read_frame(conn)))
                 except (SideChannelError, OSError) as e:  # a hostile or broken peer: drop it, keep serving
@@ -177,7 +178,7 @@ def _call(host: str, port: int, msg: dict[str, Any], timeout_s: float) -> dict[s
     return reply
 
 
-def fetch_handshake(host: str, port: int, timeout_s: float = 10.0) -> bytes:
+def fetch_handshake(host: str, port: int, timeout_s: float = IO_TIMEOUT_S) -> bytes:
     """The handshake payload the P rank listening on ``host:port`` serves."""
     reply = _call(host, port, {"op": "handshake"}, timeout_s)
     payload = reply.get("payload")
@@ -189,6 +190,6 @@ def fetch_handshake(host: str, port: int, timeout_s: float = 10.0) -> bytes:
         raise SideChannelError("handshake.payload", f"not base64: {e}") from None
 
 
-def send_release(host: str, port: int, request: str, d_rank: int, d_tp: int, timeout_s: float = 5.0) -> None:
+def send_release(host: str, port: int, request: str, d_rank: int, d_tp: int, timeout_s: float = IO_TIMEOUT_S) -> None:
     """Tell the P rank on ``host:port`` that D rank ``d_rank`` of ``d_tp`` is done with ``request``."""
     _call(host, port, {"op": "release", "request": request, "d_rank": d_rank, "d_tp": d_tp}, timeout_s)
