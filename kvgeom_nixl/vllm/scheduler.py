@@ -1,0 +1,151 @@
+"""The scheduler side of ``KvgeomConnector`` (docs/design.md §15.2): which tokens D loads, and P's delayed frees.
+
+It runs in vLLM's scheduler process and plans nothing: it only decides, from the request's
+``kv_transfer_params`` (the fields vLLM's P/D proxies already pass), what D pulls and what P keeps,
+and hands that to the workers in :class:`KvgeomMetadata`. The workers plan with kvgeom.
+
+vLLM's calls, in the order a request sees them (``vllm.distributed.kv_transfer.kv_connector.v1.base``):
+
+* ``get_num_new_matched_tokens(request, num_computed_tokens)`` on D: a request with
+  ``do_remote_prefill`` can load ``min(remote_num_tokens, prompt) - num_computed_tokens`` tokens
+  (the local prefix-cache hit ``num_computed_tokens`` is kept: D pulls only the rest),
+  asynchronously (``True``). vLLM recomputes the last prompt token itself to sample.
+* ``update_state_after_alloc(request, blocks, n)``: D's blocks are allocated; the blocks without a
+  hash (the ones the prefix cache did not supply) receive the pull. ``n == 0`` (a full local hit)
+  pulls nothing but still releases P. Either way ``do_remote_prefill`` is cleared: one transfer
+  per request.
+* ``build_connector_meta(scheduler_output)``: everything decided since the last step, for the workers.
+* ``request_finished(request, block_ids)`` on P: a finished ``do_remote_decode`` request keeps its
+  blocks (``True``) until the workers report it in ``finished_sending`` (every D rank released it,
+  or ``kv_lease_duration`` passed), and returns the params D needs. On D, a request finished before
+  its blocks were allocated (aborted) releases P without a pull.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Pull", "Release", "KvgeomMetadataFields", "KvgeomScheduler", "DEFAULT_PORT", "DEFAULT_LEASE_S"]
+
+DEFAULT_PORT = 5700  # KVGEOM_SIDE_CHANNEL_PORT: P rank r listens on port + r
+DEFAULT_LEASE_S = 120.0
+REQUIRED = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+
+@dataclass(frozen=True)
+class Release:
+    """Tell P's ranks that D is done with P's request ``remote_request_id`` (no pull, or after one)."""
+
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    remote_tp: int
+
+
+@dataclass(frozen=True)
+class Pull:
+    """One D request to pull: D's blocks for tokens [prefix_hit_tokens, computed_tokens), P's from 0."""
+
+    request_id: str
+    local_blocks: tuple[tuple[int, ...], ...]
+    remote_blocks: tuple[tuple[int, ...], ...]
+    computed_tokens: int
+    prefix_hit_tokens: int
+    remote_engine_id: str
+    release: Release
+
+
+@dataclass
+class KvgeomMetadataFields:
+    """What one scheduler step hands the workers (the connector's metadata class carries these)."""
+
+    pulls: list[Pull] = field(default_factory=list)
+    releases: list[Release] = field(default_factory=list)
+    sends: dict[str, float] = field(default_factory=dict)  # P request -> monotonic expiry
+
+
+def _release_of(params: dict[str, Any]) -> Release:
+    return Release(str(params["remote_request_id"]), str(params["remote_host"]), int(params["remote_port"]),
+                   int(params.get("tp_size") or 1))
+
+
+def _lists(value: Any) -> tuple[tuple[int, ...], ...]:
+    """``remote_block_ids`` as per-group tuples (vLLM's proxies pass one list per group, or one flat list)."""
+    if value and all(isinstance(v, int) for v in value):
+        return (tuple(int(v) for v in value),)
+    return tuple(tuple(int(v) for v in group) for group in value)
+
+
+class KvgeomScheduler:
+    """Scheduler-side state of one vLLM engine (both roles: ``kv_both``)."""
+
+    def __init__(self, vllm_config: Any, engine_id: str) -> None:
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        self.engine_id = engine_id
+        self.host = os.environ.get("KVGEOM_SIDE_CHANNEL_HOST", "127.0.0.1")
+        self.port = int(os.environ.get("KVGEOM_SIDE_CHANNEL_PORT", DEFAULT_PORT))
+        self.tp = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.lease_s = float(extra.get("kv_lease_duration", DEFAULT_LEASE_S))
+        self._local_hit: dict[str, int] = {}
+        self._step = KvgeomMetadataFields()
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or not all(k in params for k in REQUIRED):
+            return 0, False
+        remote = int(params.get("remote_num_tokens") or request.num_prompt_tokens)
+        count = min(remote, request.num_prompt_tokens) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._local_hit[request.request_id] = num_computed_tokens
+        return count, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request
+        if not all(k in params for k in REQUIRED):
+            return
+        release = _release_of(params)
+        hit = self._local_hit.pop(request.request_id, 0)
+        if num_external_tokens <= 0:
+            self._step.releases.append(release)  # a full local hit: nothing to pull, P may free now
+            return
+        local = tuple(tuple(ids) for ids in blocks.get_unhashed_block_ids_all_groups())
+        self._step.pulls.append(Pull(request.request_id, local, _lists(params["remote_block_ids"]),
+                                     hit + num_external_tokens, hit, str(params["remote_engine_id"]), release))
+
+    def build_connector_meta(self) -> KvgeomMetadataFields:
+        step, self._step = self._step, KvgeomMetadataFields()
+        return step
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        self._local_hit.pop(request.request_id, None)
+        if params.get("do_remote_prefill"):  # D: finished before its blocks were allocated (aborted)
+            params["do_remote_prefill"] = False
+            if all(k in params for k in REQUIRED):
+                self._step.releases.append(_release_of(params))
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted on P: free now, nothing to send
+        groups = _lists(block_ids) if block_ids else ()
+        if not any(groups):
+            return False, None
+        self._step.sends[request.request_id] = time.monotonic() + self.lease_s
+        return True, {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_block_ids": [list(g) for g in groups], "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id, "remote_host": self.host, "remote_port": self.port,
+            "tp_size": self.tp, "remote_num_tokens": int(request.num_computed_tokens),
+        }

@@ -1,0 +1,97 @@
+"""One vLLM instance serving requests from stdin, for the end-to-end tests (runs under the vLLM venv).
+
+    <venv>/bin/python tests/vllm_instance.py --model DIR --block-size 32 --tp 1 --connector nixl
+
+Starts an offline ``vllm.LLM`` once (float32, eager, greedy, token-id prompts, no tokenizer), prints
+``@@kvgeom {"ready": ...}`` and then answers one JSON line per request read from stdin with one
+``@@kvgeom <json>`` line on stdout (vLLM's own logging shares stdout; the marker tells them apart):
+
+* ``{"op": "generate", "prompt": [ids], "max_tokens": n, "kv_transfer_params": {...} | null}`` ->
+  ``{"tokens", "logprobs" (per step: {token id: logprob}), "finish_reason", "kv_transfer_params",
+  "num_cached_tokens"}``. A P request is ``max_tokens=1`` with ``{"do_remote_decode": true}``; a D
+  request passes the params P returned.
+* ``{"op": "quit"}`` -> exits.
+
+One process serves many requests so that a test pays vLLM's start-up (20-50 s here) once per
+instance, not once per prompt. ``--connector`` is ``none`` (monolithic), ``nixl`` (vLLM's own
+NixlConnector) or ``kvgeom`` (``kvgeom_nixl.vllm.KvgeomConnector``); both sides use ``kv_both``
+with CPU buffers. vLLM is imported only here, never in the pytest process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from typing import Any
+
+MARK = "@@kvgeom "
+
+
+def emit(obj: Any) -> None:
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def transfer_config(connector: str, extra: dict[str, Any]) -> Any:
+    from vllm.config import KVTransferConfig
+
+    if connector == "none":
+        return None
+    if connector == "nixl":
+        # P frees a pending send after the lease; D may start long after P here, so raise it.
+        return KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device="cpu",
+                                kv_connector_extra_config={"kv_lease_duration": 300, **extra})
+    if connector == "kvgeom":
+        return KVTransferConfig(kv_connector="KvgeomConnector", kv_connector_module_path="kvgeom_nixl.vllm",
+                                kv_role="kv_both", kv_buffer_device="cpu", kv_connector_extra_config=extra)
+    raise SystemExit(f"unknown --connector {connector!r} (none, nixl, kvgeom)")
+
+
+def result(out: Any) -> dict[str, Any]:
+    comp = out.outputs[0]
+    steps = [{str(t): float(lp.logprob) for t, lp in step.items()} for step in (comp.logprobs or [])]
+    return {"tokens": [int(t) for t in comp.token_ids], "logprobs": steps, "finish_reason": comp.finish_reason,
+            "kv_transfer_params": out.kv_transfer_params, "num_cached_tokens": out.num_cached_tokens}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--connector", default="none")
+    ap.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+              block_size=args.block_size, tensor_parallel_size=args.tp, seed=args.seed,
+              max_model_len=args.max_model_len, enable_prefix_caching=True,
+              kv_transfer_config=transfer_config(args.connector, json.loads(args.extra)))
+    emit({"ready": True, "block_size": args.block_size, "tp": args.tp, "connector": args.connector})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            msg = json.loads(line)
+            if msg["op"] == "quit":
+                break
+            params = msg.get("kv_transfer_params")
+            sp = SamplingParams(max_tokens=int(msg["max_tokens"]), temperature=0.0, logprobs=5, ignore_eos=True,
+                                detokenize=False,
+                                extra_args={"kv_transfer_params": params} if params is not None else None)
+            outs = llm.generate([TokensPrompt(prompt_token_ids=msg["prompt"])], sp, use_tqdm=False)
+            emit(result(outs[0]))
+        except Exception:  # reported to the test, which fails with the traceback; the instance lives on
+            emit({"error": traceback.format_exc()})
+    emit({"bye": True})
+
+
+if __name__ == "__main__":
+    main()

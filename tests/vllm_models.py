@@ -1,0 +1,104 @@
+"""Tiny checkpoints for real vLLM, written by the tests themselves (no hub, no ``load_format="dummy"``).
+
+A model directory is ``config.json`` plus ``model.safetensors`` with random float32 weights drawn
+from a fixed seed, so every process that loads it (monolithic, P, D, any TP size) runs the same
+model. ``load_format="dummy"`` is avoided on purpose: it gives degenerate repeating tokens (a wrong
+KV cache can still produce "equal" tokens) and seeds each TP shard on its own.
+
+The safetensors file is written here with numpy (the format is an 8-byte little-endian header
+length, a JSON header naming each tensor's dtype, shape and byte range, then the raw bytes), so
+this module needs neither torch nor the ``safetensors`` package and runs in the test process.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["MODELS", "model_config", "write_model", "write_safetensors", "prompts"]
+
+#: The tiny models the end-to-end tests run: 2 layers, hidden 256, 8 query heads, 4 KV heads of 32,
+#: vocabulary 1024. ``mistral-sw`` is the same shape with a sliding window on every layer (vLLM gives
+#: it a ``SlidingWindowSpec`` KV group), smaller than the longer prompts so the window matters.
+MODELS: dict[str, dict[str, Any]] = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+    "mistral-sw": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 128},
+}
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS, FFN = 256, 8, 4, 32, 1024, 2, 512
+
+
+def model_config(kind: str) -> dict[str, Any]:
+    """The HF ``config.json`` of the tiny model ``kind`` (a key of :data:`MODELS`)."""
+    if kind not in MODELS:
+        raise ValueError(f"unknown tiny model {kind!r}; known: {sorted(MODELS)}")
+    return {
+        **MODELS[kind],
+        "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+        "vocab_size": VOCAB, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32",
+        "bos_token_id": 1, "eos_token_id": 2, "attention_bias": False, "mlp_bias": False,
+    }
+
+
+def _weights(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+
+    def w(*shape: int) -> np.ndarray:
+        return rng.normal(0.0, 0.06, size=shape).astype(np.float32)
+
+    out = {"model.embed_tokens.weight": w(VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.q_proj.weight"] = w(HEADS * HEAD_DIM, HIDDEN)
+        out[p + "self_attn.k_proj.weight"] = w(KV_HEADS * HEAD_DIM, HIDDEN)
+        out[p + "self_attn.v_proj.weight"] = w(KV_HEADS * HEAD_DIM, HIDDEN)
+        out[p + "self_attn.o_proj.weight"] = w(HIDDEN, HEADS * HEAD_DIM)
+        out[p + "mlp.gate_proj.weight"] = w(FFN, HIDDEN)
+        out[p + "mlp.up_proj.weight"] = w(FFN, HIDDEN)
+        out[p + "mlp.down_proj.weight"] = w(HIDDEN, FFN)
+        out[p + "input_layernorm.weight"] = (1.0 + w(HIDDEN)).astype(np.float32)
+        out[p + "post_attention_layernorm.weight"] = (1.0 + w(HIDDEN)).astype(np.float32)
+    out["model.norm.weight"] = (1.0 + w(HIDDEN)).astype(np.float32)
+    out["lm_head.weight"] = w(VOCAB, HIDDEN)
+    return out
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """Write float32 ``tensors`` as one safetensors file (header, then the C-order bytes of each)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    blobs, offset = [], 0
+    for name, arr in tensors.items():
+        if arr.dtype != np.float32:
+            raise ValueError(f"{name}: dtype {arr.dtype}, only float32 is written here")
+        data = np.ascontiguousarray(arr).tobytes()
+        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for b in blobs:
+            f.write(b)
+
+
+def write_model(directory: Path, kind: str = "llama", seed: int = 0) -> Path:
+    """Write the tiny model ``kind`` into ``directory`` (made if needed); return the directory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(model_config(kind), indent=1))
+    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    write_safetensors(directory / "model.safetensors", _weights(seed))
+    return directory
+
+
+def prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
+    """Token-id prompts of the given lengths, drawn from ``seed`` (ids 3..VOCAB-1: no BOS/EOS inside)."""
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, VOCAB, size=n)] for n in lengths]
