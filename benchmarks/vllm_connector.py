@@ -3,7 +3,7 @@
     python -m benchmarks.vllm_connector [--tokens 1000] [--requests 5]
 
 Per connector: one P and one D vLLM instance (tiny float32 Llama, block 32, TP1, separate processes
-on 127.0.0.1, the harness of tests/test_vllm_e2e.py), a warm-up request (handshake, compile), then
+on 127.0.0.1, the harness of tests/vllm_e2e_cells.py), a warm-up request (handshake, compile), then
 ``--requests`` prompts of ``--tokens`` tokens and as many 1-token-prefill requests whose first
 ``--tokens`` tokens D already holds (a D prefix-cache hit: the pull is one block). Printed per
 connector: the median wall time of D's request (time to first token: the pull, then one decode

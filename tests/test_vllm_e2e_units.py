@@ -1,7 +1,7 @@
 """The parts of ``KvgeomConnector`` that run without vLLM: its side channel, its geometry reader, its
 block rounding (docs/design.md §15.3), checked against hand arithmetic and hostile peers.
 
-The end-to-end proof is tests/test_vllm_e2e.py (real vLLM); these pin the pieces it is made of.
+The end-to-end cells are tests/vllm_e2e_cells.py (real vLLM; not collected yet); these pin the pieces it is made of.
 """
 
 from __future__ import annotations
