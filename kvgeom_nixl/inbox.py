@@ -53,6 +53,7 @@ class Inbox:
         self.by_id: dict[str, Any] = {}  # live attempts by request id (one per id and endpoint)
         self.pending: OrderedDict[tuple[str, str], tuple[float, Message]] = OrderedDict()
         self.cancelled: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self.tombs: OrderedDict[str, tuple[float, frozenset[str]]] = OrderedDict()  # P: failed ids, for a while
         self.counts: Counter[str] = Counter()
 
     # ---- attempts --------------------------------------------------------------------------
@@ -67,9 +68,16 @@ class Inbox:
                     t.on_message(entry[1])
 
     def settle(self, t: Any) -> None:
-        """``t`` settled: its id may be used again (its nonce still routes, until :meth:`forget`)."""
+        """``t`` settled: its id may be used again (its nonce still routes, until :meth:`forget`). A
+        failed P attempt leaves a tombstone for ``t.resend_s``: a D rank's req for the id that arrives
+        meanwhile (P failed before it heard of D's attempt) is answered ``cancel``, not kept."""
         if self.by_id.get(t.request_id) is t:
             del self.by_id[t.request_id]
+            if not self.on_decode and t.failure is not None:
+                self.tombs[t.request_id] = (time.monotonic() + t.resend_s, frozenset(t.peers))
+                self.tombs.move_to_end(t.request_id)
+                while len(self.tombs) > _CANCELLED_MAX:
+                    self.tombs.popitem(last=False)
 
     def forget(self, t: Any) -> None:
         """``t`` is fenced: nothing routes to it any more."""
@@ -112,6 +120,11 @@ class Inbox:
             elif m.kind == "req":
                 if (m.sender, m.d_nonce) in self.cancelled:
                     self.counts["stale"] += 1
+                    return
+                tomb = self.tombs.get(m.request_id)
+                if tomb is not None and now < tomb[0] and m.sender in tomb[1]:
+                    self.counts["refused"] += 1
+                    reply(m.sender, "cancel", m.request_id, m.d_nonce, 0)
                     return
                 key = (m.request_id, m.sender)
                 self.pending[key] = (now, m)
@@ -167,6 +180,7 @@ class Inbox:
     def clear(self) -> None:
         self.pending.clear()
         self.cancelled.clear()
+        self.tombs.clear()
         self.by_nonce.clear()
         self.by_id.clear()
         self.keys.clear()

@@ -45,7 +45,7 @@ from kvgeom_nixl import (  # noqa: E402
     encode_rank,
     wait_all,
 )
-from kvgeom_nixl.agent import notification  # noqa: E402
+from kvgeom_nixl.protocol import encode  # noqa: E402
 from kvgeom_nixl.local import (  # noqa: E402
     LocalDeployment,
     allocate_caches,
@@ -189,8 +189,18 @@ def test_a_slot_number_outside_the_peers_ring_is_refused() -> None:
     p_caches, d_caches = allocate_caches(pair.prefill, "cpu"), allocate_caches(pair.decode, "cpu")
     with LocalDeployment(pair, p_caches, d_caches, staging_bytes=slot_bytes_for(plan)) as dep:
         t = dep.d_links[0].pull("evil", request, plan=plan, timeout_s=5)
+        d0 = dep.d[0].name
+
+        def say(p: Any, kind: str, *args: int) -> None:  # a P rank's signed message for D's attempt
+            p.rank_agent.send(d0, encode(p.inbox.keys[d0], p.name, d0, kind, "evil", t.nonce, 7, *args))
+
+        for p in dep.p:  # both P ranks ask for chunk 0: D grants a slot
+            say(p, "want", 0)
+        for _ in range(50):
+            for ep in dep.endpoints:
+                ep.progress()
         for p in dep.p:  # both P ranks claim chunk 0 sits in slot 9
-            p.rank_agent.send(dep.d[0].name, notification("packed", "evil", 0, 9))
+            say(p, "packed", 0, 9)
         with pytest.raises(TransferFailed) as ei:
             t.wait(peers=dep.endpoints)  # P's agents progress (their notifications go out); no P transfer
         assert ei.value.reason == "plan_error" and "slot 9" in str(ei.value)
@@ -309,17 +319,16 @@ def wait_all_settled(ts: list[Any], dep: LocalDeployment) -> None:
 
 
 def _close_and_check(dep: LocalDeployment) -> None:
-    """Settle what is in flight (abandoned transfers end at their deadline), wait out quarantines,
-    then every slot of every open ring must be free."""
+    """Settle what is in flight (abandoned transfers end at their deadline) and every fence (no timer
+    frees a slot: each is freed once NIXL and the peer have let go of it), then every slot of every
+    open ring must be free."""
     deadline = time.perf_counter() + 10
-    while any(ep.in_flight for ep in dep.endpoints if not ep.closed):
+    while any(ep.in_flight or ep.fencing for ep in dep.endpoints if not ep.closed):
         for ep in dep.endpoints:
             ep.progress()
-        assert time.perf_counter() < deadline
-    time.sleep(0.06)  # the quarantine grace
+        assert time.perf_counter() < deadline, [ep.fencing for ep in dep.endpoints if not ep.closed]
     for ep in dep.endpoints:
         if ep.closed or ep.staging is None:
             continue
-        ep.staging.tick()
         assert ep.staging.free() == ep.staging.slots, (ep.name, ep.staging.owner)
     dep.close()
