@@ -384,10 +384,11 @@ class Endpoint:
         return encode(self.inbox.keys.get(agent, b""), self.name, agent, kind, t.request_id, d, p, *args)
 
     def say(self, t: Transfer, agent: str, kind: str, *args: int) -> bool:
-        """Send ``t``'s message to ``agent``; False when the peer is gone (then ``t`` learns it at once)."""
+        """Send ``t``'s message to ``agent``; False when the peer is gone (disconnected or removed; its
+        transfers learn it in this progress call); any other NIXL error is raised."""
         if agent in self.dead or agent not in self.inbox.keys or self.closed:
             return False
-        return self._send(agent, self.signed(t, agent, kind, *args))
+        return self._send(agent, self.signed(t, agent, kind, *args), raising=True)
 
     def _reply(self, agent: str, kind: str, request_id: str, d_nonce: int, p_nonce: int) -> None:
         """The inbox's answer to a message of an attempt this rank no longer has."""
@@ -395,12 +396,14 @@ class Endpoint:
         if key is not None and agent not in self.dead:
             self._send(agent, encode(key, self.name, agent, kind, request_id, d_nonce, p_nonce))
 
-    def _send(self, agent: str, message: bytes) -> bool:
+    def _send(self, agent: str, message: bytes, raising: bool = False) -> bool:
         try:
             self.rank_agent.send(agent, message)
         except nixl_errors() as e:
             if classify(e) == "peer_disconnected":
                 self._mark_dead(agent, "peer_disconnected", f"NIXL refused a notification: {type(e).__name__}")
+            elif raising:
+                raise
             return False
         return True
 

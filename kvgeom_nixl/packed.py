@@ -74,6 +74,8 @@ class PackedTransfer(Transfer):
     regions and returns a CUDA event or None.
     """
 
+    direct = False
+
     def __init__(self, endpoint: Messenger, agent: RankAgent, kind: str, request_id: str, request: Request | None,
                  plan: TransferPlan, timeout_s: float, *, role: str, rank: int, buffer: StagingBuffer,
                  peers: dict[int, RankInfo], run_steps: Callable[[Any, int, bool], Any],
@@ -125,13 +127,6 @@ class PackedTransfer(Transfer):
                                 expected=f"<= {info.staging[3]}")
 
     # ---- messages -------------------------------------------------------------------------------------
-    def start(self) -> None:
-        if self.settled or not self.on_decode:
-            return
-        for a in self.peers:
-            self.contacted.add(a)
-            self._say(a, "req", 0)
-
     def _chunk_of(self, m: Message) -> tuple[_Chunk, int] | None:
         ch = self.by_index.get(m.args[0]) if m.args else None
         rank = self.peers[m.sender]
@@ -206,8 +201,11 @@ class PackedTransfer(Transfer):
         if slot is None:
             return False
         ch.slot, ch.phase = slot, "granted"
-        for p in ch.peers:
-            self._say(self.infos[p].agent, "slot", ch.index, slot)
+        try:
+            for p in ch.peers:
+                self._say(self.infos[p].agent, "slot", ch.index, slot)
+        except Exception as e:  # noqa: BLE001 - a NIXL error: the transfer fails, the slot is fenced
+            self.fail("nixl_error", f"granting a slot: {type(e).__name__}: {e}")
         return True
 
     # ---- the state machine ----------------------------------------------------------------------------

@@ -120,6 +120,8 @@ class Transfer:
     D ranks must confirm before a hold is done (``None``: as the D ranks say).
     """
 
+    direct = True  # packed plans fence per staging slot instead
+
     def __init__(self, endpoint: Messenger, agent: RankAgent, kind: str, request_id: str, request: Request | None,
                  plan: TransferPlan | None, mode: str, timeout_s: float, *, role: str, rank: int,
                  peers: Mapping[str, int] | None = None, posters: Mapping[str, Poster] | None = None,
@@ -224,11 +226,16 @@ class Transfer:
         """The attempt's first messages (a D rank's ``req`` to every P rank it needs)."""
         if self.settled or not self.on_decode:
             return
-        for a in self.peers:
-            self.contacted.add(a)
-            if self.kind == "accept_push":
-                self.touching.add(a)  # from now on that P rank may WRITE into this rank's blocks
-            self._say(a, "req", self.consumers.get(a, 0))
+        try:
+            for a in self.peers:
+                self.contacted.add(a)
+                if self.kind == "accept_push" and self.direct:
+                    self.touching.add(a)  # from now on that P rank may WRITE into this rank's blocks
+                if not self._say(a, "req", self.consumers.get(a, 0)):
+                    self.fail("peer_disconnected", f"peer {a} is gone (NIXL refused the request's first message)")
+                    return
+        except nixl_errors() as e:
+            self.fail(classify(e), f"sending req: {type(e).__name__}: {e}")
 
     def fail(self, reason: str, detail: str) -> None:
         """Settle as failed (no-op once settled): tell the peers, keep what NIXL still has in progress
@@ -249,7 +256,16 @@ class Transfer:
     def _cancel_peers(self) -> None:
         self._last_cancel = time.perf_counter()
         for a in sorted(self.contacted | self.touching):
-            self._say(a, "cancel")
+            self._tell(a, "cancel")
+
+    def _tell(self, agent: str, kind: str) -> None:
+        """Best effort (a failure's messages): a peer NIXL cannot reach is told nothing."""
+        try:
+            self._say(agent, kind)
+        except nixl_errors():
+            pass
+        except Exception:  # noqa: BLE001,S110 - the agent may be closed already
+            pass
 
     def peer_gone(self, agent: str, reason: str, detail: str) -> None:
         """The peer died or was removed: it can touch nothing any more; a live attempt fails."""
@@ -276,7 +292,7 @@ class Transfer:
             if not self._ended_sent:
                 self._ended_sent = True
                 for a in sorted(self.contacted):
-                    self._say(a, "ended")
+                    self._tell(a, "ended")
             return
         if self.touching and time.perf_counter() - self._last_cancel > self.resend_s:
             logger.warning("%s %r on %s rank %d: still fenced on %s", self.kind, self.request_id, self.role,
@@ -322,6 +338,8 @@ class Transfer:
             self.fail(classify(e), f"{type(e).__name__}: {e}")
         except KvGeomError as e:
             self.fail("plan_error", f"{type(e).__name__}: {e}")
+        except RuntimeError as e:  # NIXL refused to post a request
+            self.fail("nixl_error", f"{type(e).__name__}: {e}")
 
     def advance(self) -> None:
         """One non-blocking step; never raises (failures are recorded)."""
@@ -390,7 +408,7 @@ class Transfer:
         if self.kind == "accept_push" and m.kind == "pushed":
             self.touching.discard(m.sender)
         elif self.kind in ("serve_pull", "hold") and m.kind == "pulled":
-            self._say(m.sender, "cancel")  # a READ after this attempt ended: D must not call it done
+            self._tell(m.sender, "cancel")  # a READ after this attempt ended: D must not call it done
 
     def _post_to(self, a: str, notif_kind: str) -> None:
         poster = self.posters.pop(a, None)
