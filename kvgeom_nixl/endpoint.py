@@ -181,6 +181,7 @@ class Endpoint:
         self.inbox = Inbox(self.name, role, inbox_ttl_s, inbox_max)
         self.dead: set[str] = set()  # peer agents NIXL refused a send to (disconnected)
         self._newly_dead: list[tuple[str, str, str]] = []
+        self._deferred: list[Transfer] = []  # retries whose first messages wait for an earlier attempt's fence
         self._last_ping = 0.0
         # packed plans (docs/design.md §12.5): one staging ring on the cache's device, registered with the regions
         self.staging = StagingBuffer(self.memory, staging_bytes, staging_slots) if staging_bytes else None
@@ -292,7 +293,10 @@ class Endpoint:
             self._settled(transfer)
             return transfer
         self.inbox.add(transfer)
-        transfer.start()
+        if any(f.request_id == transfer.request_id for f in self._fencing):
+            self._deferred.append(transfer)  # a retry waits for the failed attempt's fence (same blocks)
+        else:
+            transfer.start()
         self._inflight.append(transfer)
         return transfer
 
@@ -343,6 +347,12 @@ class Endpoint:
                 for t in done:
                     self.inbox.forget(t)
                     self._finished.append(t)
+        if self._deferred:
+            fencing = {f.request_id for f in self._fencing}
+            ready = [t for t in self._deferred if t.request_id not in fencing or t.settled]
+            self._deferred = [t for t in self._deferred if t not in ready]
+            for t in ready:
+                t.start()
 
     def _settled(self, t: Transfer) -> None:
         self.inbox.settle(t)

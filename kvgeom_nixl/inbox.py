@@ -115,8 +115,8 @@ class Inbox:
             return
         if m.p_nonce == 0:  # D does not know P's attempt yet: its req, or its cancel before a grant
             t = self.by_id.get(m.request_id)
-            if t is not None and m.sender in t.peers:
-                t.on_message(m)
+            if t is not None and m.sender in t.peers and t.peer_nonce.get(m.sender, m.d_nonce) == m.d_nonce:
+                t.on_message(m)  # (a req of another D attempt waits for P's next attempt of the id)
             elif m.kind == "req":
                 if (m.sender, m.d_nonce) in self.cancelled:
                     self.counts["stale"] += 1
