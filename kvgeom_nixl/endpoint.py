@@ -383,6 +383,12 @@ class Endpoint:
     def collected(self, t: Transfer) -> None:
         """A wait or poll reported ``t``'s end: get_finished will not report it again."""
 
+    def rebind(self, t: Transfer, agent: str) -> None:
+        """``t`` forgot ``agent``'s cancelled attempt: hand it that agent's newer req, if one is kept."""
+        entry = self.inbox.pending.pop((t.request_id, agent), None)
+        if entry is not None:
+            t.on_message(entry[1])
+
     def count(self, what: str) -> None:
         """Count a dropped message (``stale``: of another attempt)."""
         self.inbox.counts[what] += 1

@@ -77,6 +77,8 @@ class Messenger(Driver, Protocol):
 
     def count(self, what: str) -> None: ...
 
+    def rebind(self, t: Transfer, agent: str) -> None: ...
+
     def collected(self, t: Transfer) -> None: ...
 
 
@@ -326,7 +328,11 @@ class Transfer:
                 self.fail("aborted", f"peer {a} ended its attempt")
             return
         if m.kind == "cancel":
-            if not self.settled:
+            if not self.settled and self.kind in ("serve_pull", "hold") and a not in self.confirmed:
+                self.granted.discard(a)  # that D attempt gave up; P still holds: a retry may ask again
+                self.peer_nonce.pop(a, None)
+                self.endpoint.rebind(self, a)
+            elif not self.settled:
                 self.fail("aborted", f"peer {a} gave up on the request")
             return
         try:

@@ -251,7 +251,7 @@ def test_an_id_in_flight_is_refused_and_a_retry_after_a_failure_is_safe() -> Non
         assert isinstance(DuplicateRequest("a", "b"), ExecutorError)
         with pytest.raises(TransferFailed):
             t.wait()
-        _scribble(d_caches, 0x22)
+        fill_caches(PAIR, REQUEST, allocate_caches(PAIR.prefill), d_caches)  # D's blocks back to stale bytes
         dep.run("dup", REQUEST, PLAN, timeout_s=10)  # the same id again, after the failure: every byte right
         assert _wrong(d_caches) == 0
 
@@ -290,3 +290,43 @@ def test_hold_counts_the_consumers_d_announces_on_a_tp2_decode() -> None:
         assert not hold.settled and hold.expect_count == 2  # D rank 0 said 2 D ranks read from P rank 0
         wait_all([dep.d_links[1].pull("c2", request, timeout_s=10), hold], peers=dep.endpoints)
         assert check_caches(pair, request, d)[0] == []
+
+
+# ---- no storm from posting order (packed, P TP1 -> D TP2) ------------------------------------------------
+
+@pytest.mark.parametrize("push", [False, True])
+def test_packed_requests_posted_in_different_orders_all_complete(push: bool) -> None:
+    """40 packed requests, D rank 1 posting them with one adjacent swap (and, pushing, P in reverse
+    order): before issue 19 33 of 40 pulls timed out (each D ring held slots for the request it had
+    posted first, P waited for the other rank's). P now decides the order and D rings grant first
+    come first served: all complete, in about the time of the in-order run."""
+    from kvgeom_nixl.local import slot_bytes_for
+
+    m = ModelSpec("m", [AttentionSpec("attn", "full", 4, 4, 64)])
+    pair = Pair(EngineGeometry.build(m, tp=1, kernel_block_tokens=16, num_blocks=8, name="prefill"),
+                EngineGeometry.build(m, tp=2, kernel_block_tokens=16, num_blocks=8, name="decode", layout="NHD"))
+    request = fresh_request(pair, 60, prefill_first_block=1, decode_first_block=2)
+    whole = pair.plan(request, strategy="packed", staging_bytes=1 << 20)
+    slot = max(slot_bytes_for(whole) // 4, 4096)
+    plan = pair.plan(request, strategy="packed", staging_bytes=slot)
+    assert len(plan.chunks) >= 3
+    p, d = allocate_caches(pair.prefill), allocate_caches(pair.decode)
+    fill_caches(pair, request, p, d)
+    ids = [f"s{i}" for i in range(40)]
+    swapped = ids[:10] + [ids[11], ids[10]] + ids[12:]
+    with LocalDeployment(pair, p, d, staging_bytes=slot_bytes_for(plan)) as dep:
+        ts = []
+        if push:
+            ts += [dep.p_links[0].push(i, request, plan=plan, timeout_s=20) for i in reversed(ids)]
+            ts += [dep.d_links[0].accept_push(i, request, plan=plan, timeout_s=20) for i in ids]
+            ts += [dep.d_links[1].accept_push(i, request, plan=plan, timeout_s=20) for i in swapped]
+        else:
+            ts += [dep.d_links[0].pull(i, request, plan=plan, timeout_s=20) for i in ids]
+            ts += [dep.d_links[1].pull(i, request, plan=plan, timeout_s=20) for i in swapped]
+            ts += [dep.p_links[0].serve_pull(i, request, plan=plan, timeout_s=20) for i in ids]
+        t0 = time.perf_counter()
+        wait_all(ts, peers=dep.endpoints)
+        assert time.perf_counter() - t0 < 15
+        assert all(t.done for t in ts)
+        assert all(ep.staging is not None and ep.staging.free() == ep.staging.slots for ep in dep.endpoints)
+    assert check_caches(pair, request, d)[0] == []
