@@ -35,7 +35,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import signal
 import statistics
 import sys
 import time
@@ -88,6 +87,8 @@ class _Bench:
         fill_caches(self.pair, self.request, self.p, self.d)
         self.dep = LocalDeployment(self.pair, self.p, self.d)
         self.worst = 0.0
+        self.evil: Any = None  # an impostor agent (forged notifications), made on first use
+        self.flooder: Any = None
 
     def refill(self) -> None:
         from kvgeom_nixl.local import fill_caches
@@ -207,7 +208,7 @@ def _forged(b: _Bench, row: Row, r: random.Random) -> None:
     from nixl._api import nixl_agent, nixl_agent_config
 
     dep = b.dep
-    if not hasattr(b, "evil"):
+    if b.evil is None:
         b.evil = nixl_agent(dep.p[0].name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
         b.evil.add_remote_agent(dep.d[0].rank_agent.metadata())
     rid = f"f{row.tried}"
@@ -253,7 +254,7 @@ def _flood(b: _Bench, row: Row, r: random.Random) -> None:
 
     dep = b.dep
     p0, d0 = dep.p[0], dep.d[0]
-    if not hasattr(b, "flooder"):
+    if b.flooder is None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         b.flooder = nixl_agent(f"made-up-{r.getrandbits(32)}", nixl_agent_config(backends=["UCX"],
@@ -349,12 +350,10 @@ def campaign(counts: dict[str, int], seed: int = 19) -> list[Row]:
 
 def _kill_one(mode: str) -> float:
     """A child P process SIGKILLed while this D rank waits in ``mode``: ms from the kill to the failure."""
-    from kvgeom import dump_pair_file, plan_pair
+    from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, dump_pair_file, fresh_request, plan_pair
     from kvgeom_nixl import Endpoint, TransferFailed
     from kvgeom_nixl.local import allocate_caches, rank_buffers
     from kvgeom_nixl.testing import engine_process
-
-    from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, fresh_request
 
     m = ModelSpec("m", [AttentionSpec("attn", "full", 2, 4, 128)])
     pair = Pair(EngineGeometry.build(m, tp=2, kernel_block_tokens=16, num_blocks=16, name="prefill"),
@@ -384,7 +383,7 @@ def _kill_one(mode: str) -> float:
             t = link.accept_push("k", request, plan=plan, timeout_s=20)
         for _ in range(20):
             ep.progress()
-        os.kill(proc.pid, signal.SIGKILL)
+        proc.kill()  # SIGKILL
         proc.join(10)
         t0 = time.perf_counter()
         try:

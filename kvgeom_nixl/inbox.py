@@ -71,7 +71,7 @@ class Inbox:
         """``t`` settled: its id may be used again (its nonce still routes, until :meth:`forget`). A
         failed P attempt leaves a tombstone for ``t.resend_s``: a D rank's req for the id that arrives
         meanwhile (P failed before it heard of D's attempt) is answered ``cancel``, not kept."""
-        if self.by_id.get(t.request_id) is t:
+        if self.by_id.get(t.request_id) == t:  # (identity: transfers have no __eq__)
             del self.by_id[t.request_id]
             if not self.on_decode and t.failure is not None:
                 self.tombs[t.request_id] = (time.monotonic() + t.resend_s, frozenset(t.peers))
@@ -82,7 +82,7 @@ class Inbox:
     def forget(self, t: Any) -> None:
         """``t`` is fenced: nothing routes to it any more."""
         self.settle(t)
-        if self.by_nonce.get(t.nonce) is t:
+        if self.by_nonce.get(t.nonce) == t:
             del self.by_nonce[t.nonce]
 
     # ---- routing ---------------------------------------------------------------------------

@@ -330,3 +330,21 @@ def test_packed_requests_posted_in_different_orders_all_complete(push: bool) -> 
         assert all(t.done for t in ts)
         assert all(ep.staging is not None and ep.staging.free() == ep.staging.slots for ep in dep.endpoints)
     assert check_caches(pair, request, d)[0] == []
+
+
+def test_the_fault_campaign_quick_slice() -> None:
+    """One scenario of each case of ``python -m benchmarks.faults`` (the kill rows are above and in
+    test_nixl_crossprocess.py): 0 false done, 0 wrong bytes, nothing leaked, the inbox bounded."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks import faults
+
+    rows = faults.campaign({name: 1 for name in faults.CASES if "order" not in name})
+    assert len(rows) == len(faults.CASES) and all(r.ok() for r in rows), faults.render(rows)
+    assert sum(r.tried for r in rows) == len(faults.CASES) - 2
+    broken = faults.Row("control", tried=1, false_done=1)  # the check can fail
+    assert not broken.ok()

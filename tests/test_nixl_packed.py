@@ -45,7 +45,6 @@ from kvgeom_nixl import (  # noqa: E402
     encode_rank,
     wait_all,
 )
-from kvgeom_nixl.protocol import encode  # noqa: E402
 from kvgeom_nixl.local import (  # noqa: E402
     LocalDeployment,
     allocate_caches,
@@ -53,6 +52,7 @@ from kvgeom_nixl.local import (  # noqa: E402
     fill_caches,
     slot_bytes_for,
 )
+from kvgeom_nixl.protocol import encode  # noqa: E402
 from kvgeom_nixl.testing import requested_device, run_local  # noqa: E402
 
 DEVICE = requested_device()
