@@ -44,7 +44,7 @@ from kvgeom import (  # noqa: E402
 )
 from kvgeom.building import fresh_shape, get_preset  # noqa: E402
 from kvgeom.planning import budget as budget_module  # noqa: E402
-from kvgeom.planning import min_staging_bytes  # noqa: E402
+from kvgeom.planning import estimate_packed, min_staging_bytes  # noqa: E402
 from kvgeom.tools import strategies as kst  # noqa: E402
 
 TRANSFERS = kst.transfers(pairs=kst.pairs(mismatch_probability=0.0, max_tokens=96), max_tokens=96)
@@ -112,7 +112,7 @@ def test_the_packed_estimate_is_an_upper_bound_of_the_real_plan(t: Any) -> None:
 def test_the_packed_estimate_counted_on_windows_is_an_upper_bound(t: Any) -> None:
     """Classes counted on a head and a tail window of long token ranges (every estimate counts them)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(budget_module, "REFINE_STEPS", 0)
+        mp.setattr(estimate_packed, "REFINE_STEPS", 0)
         _packed_bound(t)
 
 
@@ -183,7 +183,7 @@ def test_the_default_budget_admits_packed_presets_at_128k_tokens() -> None:
 def test_the_compile_estimate_bounds_the_compiled_patterns(gp: Any) -> None:
     """The rows a compile builds (every alignment class of a D page, both landings, every side cut at
     each kernel page) are at most what ``estimate_compile`` counts."""
-    from kvgeom.planning.compiled import _Source
+    from kvgeom.planning.compile_step import _Source
 
     pair = Pair(gp.prefill, gp.decode)
     est = budget_module.estimate_compile(pair)

@@ -292,7 +292,8 @@ def test_every_engine_path_plans_the_same(knob: str, monkeypatch: pytest.MonkeyP
     """The compiled planner picks between expanding streams one pass (flat) and by families, and
     merges shared streams by sorting or by insertion, on sizes; force each choice on the presets
     (hybrid overlays included) and on drawn transfers."""
-    from kvgeom.planning import compiled as engine
+    from kvgeom.planning import assembly
+    from kvgeom.planning import compiled_request as engine
 
     if knob == "flat":
         monkeypatch.setattr(engine, "FAMILY_LIMIT", 0)
@@ -300,7 +301,7 @@ def test_every_engine_path_plans_the_same(knob: str, monkeypatch: pytest.MonkeyP
     elif knob == "families":
         monkeypatch.setattr(engine, "FAMILY_LIMIT", 1 << 30)
     else:
-        monkeypatch.setattr(engine, "MERGE_ROWS", 0)
+        monkeypatch.setattr(assembly, "MERGE_ROWS", 0)
     for name in ("nemotron-h-tp1-tp4", "qwen3-next-tp2-tp4", "kimi-linear-tp8-tp1", "deepseek-v3-tp8-dcp8",
                  "qwen-swa-tp2-tp4", "llama3-70b-pp2tp4-tp8"):
         preset = get_preset(name)

@@ -29,7 +29,7 @@ from kvgeom import (  # noqa: E402
 )
 from kvgeom.tools import parse_pair_file  # noqa: E402
 from kvgeom.tools.cli import main  # noqa: E402
-from kvgeom.tools.strategies import GeometryPair  # noqa: E402
+from kvgeom.tools.strategies import DrawnPair  # noqa: E402
 
 
 def gqa(head_bytes: int = 8) -> ModelSpec:
@@ -181,7 +181,7 @@ def test_failures_of_unpairable_pairs_are_printable() -> None:
     P, D = engines(gqa(8), gqa(16))
     req = fresh_request(Pair(P, P.with_name("decode")), 5)
     f = kfuzz.Failure(kfuzz.Outcome("wrong_rejection", strategy="direct", error="x"), kfuzz.kst.Transfer(
-        GeometryPair(P, D), req))
+        DrawnPair(P, D), req))
     d = json.loads(f.reproducer())
     assert d["prefill"]["model"]["groups"][0]["head_bytes"] == 8 and d["decode"]["model"]["groups"][0]["head_bytes"] == 16
 

@@ -20,6 +20,9 @@ import kvgeom
 HEAVY = ("torch", "nixl", "matplotlib", "hypothesis")
 OPTIONAL = {
     "kvgeom.tools.strategies": "hypothesis strategies (the testing extra)",
+    "kvgeom.tools.engine_strategies": "hypothesis strategies (the testing extra)",
+    "kvgeom.tools.pair_strategies": "hypothesis strategies (the testing extra)",
+    "kvgeom.tools.request_strategies": "hypothesis strategies (the testing extra)",
     "kvgeom.tools.fuzz": "the fuzz command, built on hypothesis",
     "kvgeom.__main__": "runs the command line when imported",
 }

@@ -119,7 +119,7 @@ def test_layout_changes_inside_partial_blocks(strategy: str) -> None:
 
 @FAST
 @given(kst.unpairable_pairs())
-def test_unpairable_pairs_are_rejected_by_pairable_and_by_pair(gp: kst.GeometryPair) -> None:
+def test_unpairable_pairs_are_rejected_by_pairable_and_by_pair(gp: kst.DrawnPair) -> None:
     compat = pairable(*gp)
     assert not compat.ok
     with pytest.raises(IncompatibleGeometry) as err:
@@ -156,7 +156,7 @@ def test_drawn_requests_fit_their_pair(t: kst.Transfer) -> None:
 
 @FAST
 @given(kst.pairs())
-def test_pairs_share_a_model_and_shard_every_axis(gp: kst.GeometryPair) -> None:
+def test_pairs_share_a_model_and_shard_every_axis(gp: kst.DrawnPair) -> None:
     assert gp.prefill.model == gp.decode.model
     assert (gp.prefill.name, gp.decode.name) == ("prefill", "decode")
     for e in gp:
@@ -199,7 +199,7 @@ def test_features_are_reachable() -> None:
         S = t.request.prefix_hit_tokens
         return S > 0 and any(isinstance(g.decode, BlockList) and g.decode.first_token < S for g in t.request.groups)
 
-    def gqa_replicas(p: kst.GeometryPair) -> bool:
+    def gqa_replicas(p: kst.DrawnPair) -> bool:
         return any(isinstance(s, AttentionSpec) and s.kind.value == "full" and p.decode.tp > s.num_kv_heads
                    for s in p.decode.model.groups)
 
@@ -256,7 +256,7 @@ def test_requests_for_a_too_small_pool_name_the_limit() -> None:
     # one full group, B = 4 tokens, 5 blocks: the longest request of M tokens lists ceil(M/4) + 1 blocks,
     # so M <= 16 fits and M = 17 (6 blocks) does not
     e = EngineGeometry.build(M1, tp=1, kernel_block_tokens=4, num_blocks=5)
-    gp = kst.GeometryPair(e.with_name("prefill"), e.with_name("decode"))
+    gp = kst.DrawnPair(e.with_name("prefill"), e.with_name("decode"))
     kst.requests(gp, max_tokens=16)
     with pytest.raises(InvalidArgument) as err:
         kst.requests(gp, max_tokens=17)
@@ -269,7 +269,7 @@ def test_requests_for_a_too_small_pool_name_the_limit() -> None:
 @given(st.data())
 def test_requests_default_max_tokens_follows_the_pool(data: st.DataObject) -> None:
     e = EngineGeometry.build(M1, tp=1, kernel_block_tokens=4, num_blocks=5)
-    req = data.draw(kst.requests(kst.GeometryPair(e, e)))
+    req = data.draw(kst.requests(kst.DrawnPair(e, e)))
     assert req.computed_tokens <= 16
 
 

@@ -23,7 +23,7 @@ from ..arith.tokens import window_start
 from ..errors import RequestError
 from ..values.fields import check_int
 from ..values.model import AttentionSpec, StateSpec
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 from ..values.request import BlockList, GroupRequest, ListingShape, Request, RequestShape, SideBlocks, StateSlots
 
 __all__ = ["fresh_request", "fresh_span", "fresh_shape"]
@@ -44,7 +44,7 @@ def fresh_span(spec: AttentionSpec, block_tokens: int, computed_tokens: int, lo:
     return first, (ceil_div(hi - first, B) if hi > first else 0)
 
 
-def _listings(pair: EnginePair, computed_tokens: int, decode_tokens: int | None,
+def _listings(pair: CheckedEngines, computed_tokens: int, decode_tokens: int | None,
               prefix_hit_tokens: int) -> list[tuple[ListingShape, ListingShape] | None]:
     """Per group, the (P, D) listing shapes of a fresh request; ``None`` for a state group (one running slot)."""
     M = check_int("computed_tokens", computed_tokens, minimum=0, error=RequestError)
@@ -61,7 +61,7 @@ def _listings(pair: EnginePair, computed_tokens: int, decode_tokens: int | None,
     return out
 
 
-def _fits(pair: EnginePair, gi: int, side: str, first: int, count: int) -> None:
+def _fits(pair: CheckedEngines, gi: int, side: str, first: int, count: int) -> None:
     """Refuse, before any id is made, a fresh listing that runs past the side's block pool."""
     eng = pair.side(side)
     pool = min(eng.num_logical_blocks(r) for r in eng.group_regions(gi))
@@ -73,7 +73,7 @@ def _fits(pair: EnginePair, gi: int, side: str, first: int, count: int) -> None:
                            fix="request fewer tokens, or give the engine more blocks")
 
 
-def fresh_shape(pair: EnginePair, computed_tokens: int, *, decode_tokens: int | None = None,
+def fresh_shape(pair: CheckedEngines, computed_tokens: int, *, decode_tokens: int | None = None,
                 prefix_hit_tokens: int = 0) -> RequestShape:
     """The shape of :func:`fresh_request` (token ranges and block counts, no ids), in O(groups): what
     the work budget checks before a request of ``computed_tokens`` is built (docs/design.md §14)."""
@@ -84,7 +84,7 @@ def fresh_shape(pair: EnginePair, computed_tokens: int, *, decode_tokens: int | 
 
 
 def fresh_request(
-    pair: EnginePair,
+    pair: CheckedEngines,
     computed_tokens: int,
     *,
     decode_tokens: int | None = None,

@@ -36,7 +36,7 @@ from ..arith.ints import MAX_INT, ceil_div
 from ..errors import IncompatibleGeometry, RequestError, value_text
 from ..values.fields import check_instance, check_int, check_str
 from ..values.model import AttentionSpec
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 from ..values.request import MAX_LISTED, BlockList, GroupRequest, Request, SideBlocks, StateSlots
 
 __all__ = ["request_from_block_tables", "state_slot_tokens"]
@@ -132,7 +132,7 @@ def _overrides(label: str, mapping: Any, names: list[str]) -> Mapping[str, Any]:
 
 
 def request_from_block_tables(
-    pair: EnginePair,
+    pair: CheckedEngines,
     computed_tokens: int,
     prefill_blocks: Sequence[Sequence[int]],
     decode_blocks: Sequence[Sequence[int]],
@@ -153,11 +153,11 @@ def request_from_block_tables(
     group name, ``null_block`` (vLLM: 0) is skipped at the head of sliding-window lists.
 
     Raises :class:`~kvgeom.errors.RequestError` for anything
-    :meth:`~kvgeom.values.pair.EnginePair.check_request` refuses, in particular a list that does
+    :meth:`~kvgeom.values.pair.CheckedEngines.check_request` refuses, in particular a list that does
     not cover its side's needed tokens (too short, too long, misplaced), naming the group, the
     side, the tokens listed and the tokens needed. ``partial=True`` accepts such lists on purpose.
     """
-    check_instance("pair", pair, EnginePair, error=IncompatibleGeometry, fix="build the pair with kvgeom.Pair(P, D)")
+    check_instance("pair", pair, CheckedEngines, error=IncompatibleGeometry, fix="build the pair with kvgeom.Pair(P, D)")
     M = check_int("computed_tokens", computed_tokens, minimum=0, error=RequestError)
     S = check_int("prefix_hit_tokens", prefix_hit_tokens, minimum=0, error=RequestError)
     N = M if decode_tokens is None else check_int("decode_tokens", decode_tokens, minimum=M, error=RequestError)

@@ -16,13 +16,13 @@ from ..checking.report import Report
 from ..checking.simulator import simulate
 from ..planning.choose import Strategy
 from ..planning.transfer import plan_pair
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 from ..values.request import Request
 
 __all__ = ["verify"]
 
 
-def verify(pair: EnginePair, request: Request, *, strategy: Strategy = "direct") -> Report:
+def verify(pair: CheckedEngines, request: Request, *, strategy: Strategy = "direct") -> Report:
     """Plan ``request`` twice and simulate the first plan (the second checks determinism)."""
     first = plan_pair(pair, request, strategy=strategy)
     second = plan_pair(pair, request, strategy=strategy)

@@ -43,7 +43,7 @@ import numpy as np
 
 from ..arith.tokens import window_start
 from ..values.model import AttentionSpec
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 from ..values.request import Request
 from .describe import describe
 from .fill import fill_decode
@@ -59,7 +59,7 @@ _GAP = 4  # bad bytes at most this far apart form one run
 _MIN_STALE = 8  # a stale stretch shorter than this inside written bytes is a coincidence
 
 
-def _expected_decode(pair: EnginePair, request: Request) -> tuple[Memory, list[list[np.ndarray]]]:
+def _expected_decode(pair: CheckedEngines, request: Request) -> tuple[Memory, list[list[np.ndarray]]]:
     """D's bytes after a correct transfer, and each byte's category (keep, needed, must be zero)."""
     P, D = pair.prefill, pair.decode
     exp = Memory.allocate(D)
@@ -112,7 +112,7 @@ def _stale_stretches(at: np.ndarray, stale: np.ndarray) -> np.ndarray:
     return out
 
 
-def content_checks(pair: EnginePair, request: Request, dmem: Memory, sink: Sink) -> int:
+def content_checks(pair: CheckedEngines, request: Request, dmem: Memory, sink: Sink) -> int:
     """Compare every byte of ``dmem`` with the expected D memory into ``sink`` (package-internal);
     returns the number of D bytes compared."""
     D = pair.decode
@@ -160,7 +160,7 @@ def content_checks(pair: EnginePair, request: Request, dmem: Memory, sink: Sink)
     return checked
 
 
-def check_decode(pair: EnginePair, request: Request, dmem: Memory, *,
+def check_decode(pair: CheckedEngines, request: Request, dmem: Memory, *,
                  max_per_kind: int | None = None) -> tuple[list[Violation], int]:
     """Content invariants on D memory after a plan ran on :func:`fill_prefill` /
     :func:`fill_decode` memory. Every D byte is compared with the expected bytes; a difference is

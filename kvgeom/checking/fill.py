@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from ..values.engine import EngineGeometry
 from ..values.model import AttentionSpec
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 from ..values.request import Request
 from .hashing import SALT_DECODE, SALT_PREFILL, attention_hash, fill_pattern, state_hash
 from .memory import Memory, check_memory
@@ -43,7 +43,7 @@ def _fill_background(mem: Memory, engine: EngineGeometry, side: str, salt: int) 
             fill_pattern(buf, salt, rank, ri)
 
 
-def fill_prefill(pair: EnginePair, request: Request, mem: Memory) -> None:
+def fill_prefill(pair: CheckedEngines, request: Request, mem: Memory) -> None:
     """P memory: the garbage pattern everywhere, then the coordinate hash in computed tokens
     ``[p0, min(p1, M))`` of every listed block and in every listed state slot (with its tokens)."""
     engine = pair.prefill
@@ -65,7 +65,7 @@ def fill_prefill(pair: EnginePair, request: Request, mem: Memory) -> None:
                             g, layer, si, t, chans[:, None], rows[None, :], unit)
 
 
-def fill_decode(pair: EnginePair, request: Request, mem: Memory) -> None:
+def fill_decode(pair: CheckedEngines, request: Request, mem: Memory) -> None:
     """D memory before the transfer: the stale pattern everywhere, except the prefix tokens
     ``[d0, min(S, d1))`` of listed D blocks, which D already holds (the coordinate hash)."""
     engine = pair.decode

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..values.engine import EngineGeometry
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 from ..values.plan import Copies, Rearrange, TransferPlan
 from ..values.request import Request
 from .bounds import out_of_bounds
@@ -172,7 +172,7 @@ def _determinism(sink: Sink, plan: TransferPlan, replan: TransferPlan) -> None:
                                                      f"planning twice gave different plans: {diffs[i]}"))
 
 
-def run_plan_checks(pair: EnginePair, request: Request, plan: TransferPlan, replan: TransferPlan | None,
+def run_plan_checks(pair: CheckedEngines, request: Request, plan: TransferPlan, replan: TransferPlan | None,
                     sink: Sink) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Every plan-level check into ``sink`` (package-internal); returns the out-of-bounds masks over
     copies, zeros and rearranges, and over packs, unpacks and wire rows: what :func:`simulate`
@@ -227,7 +227,7 @@ def run_plan_checks(pair: EnginePair, request: Request, plan: TransferPlan, repl
     return copy_bad, zero_bad, rearr_bad, packed_masks
 
 
-def check_plan(pair: EnginePair, request: Request, plan: TransferPlan, *, replan: TransferPlan | None = None,
+def check_plan(pair: CheckedEngines, request: Request, plan: TransferPlan, *, replan: TransferPlan | None = None,
                max_per_kind: int | None = None) -> list[Violation]:
     """Plan-level invariants, on the rows alone: OUT_OF_BOUNDS, FOREIGN_WRITE, FOREIGN_READ,
     OVERLAPPING_WRITE, NOT_MINIMAL, the staging kinds of packed plans (STAGING_OUT_OF_SLOT,

@@ -44,7 +44,7 @@ from __future__ import annotations
 import attrs
 
 from ..values.notes import Note, NoteKind
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 from ..values.plan import Rearrange, TransferPlan
 from ..values.request import Request
 from .apply import apply_plan
@@ -58,7 +58,7 @@ from .walk import check_request
 __all__ = ["simulate"]
 
 
-def simulate(pair: EnginePair, request: Request, plan: TransferPlan, *, replan: TransferPlan | None = None) -> Report:
+def simulate(pair: CheckedEngines, request: Request, plan: TransferPlan, *, replan: TransferPlan | None = None) -> Report:
     """Check ``plan`` against every invariant of docs/design.md §4.2 and return a :class:`Report`.
 
     Allocates both engines' memory, fills it, runs the plan-level checks, applies the plan

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..values.engine import EngineGeometry
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 from ..values.plan import TransferPlan
 from ..values.request import Request
 from ..values.staging import StagingStep
@@ -228,7 +228,7 @@ def _d_writes(plan: TransferPlan, copy_keep: np.ndarray, unpack_bad: np.ndarray)
     return out
 
 
-def packed_checks(pair: EnginePair, request: Request, plan: TransferPlan, p_allowed: dict[int, np.ndarray],
+def packed_checks(pair: CheckedEngines, request: Request, plan: TransferPlan, p_allowed: dict[int, np.ndarray],
                   d_allowed: dict[int, np.ndarray], copy_keep: np.ndarray,
                   masks: tuple[np.ndarray, np.ndarray, np.ndarray], sink: Sink) -> None:
     """Every plan-level check of the packed parts (see the module docstring) into ``sink``."""

@@ -44,7 +44,7 @@ import numpy as np
 from ..errors import InternalError, RequestError
 from ..values.engine import EngineGeometry
 from ..values.model import AttentionSpec, StateSpec
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 from ..values.request import BlockList, Request
 from .memory import CHUNK
 
@@ -168,7 +168,7 @@ def writable_pages(engine: EngineGeometry, request: Request) -> dict[int, np.nda
     return out
 
 
-def check_request(pair: EnginePair, request: Request) -> None:
+def check_request(pair: CheckedEngines, request: Request) -> None:
     """Raise unless ``request`` fits ``pair`` and no two groups list one page of a shared region."""
     pair.check_request(request)
     listed_pages(pair.prefill, request, "prefill")

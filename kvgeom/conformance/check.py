@@ -32,7 +32,7 @@ from ..checking.simulator import simulate
 from ..errors import IncompatibleGeometry, PlanError, value_text
 from ..values.engine import EngineGeometry
 from ..values.fields import check_instance
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 from ..values.plan import TransferPlan
 from ..values.request import Request
 from .rows import MAX_CONNECTOR_ROWS, ConnectorRows, Unresolved, check_max_rows, over_budget
@@ -126,7 +126,7 @@ def _touching(side: str, v: Violation, rows: ConnectorRows) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _translate(pair: EnginePair, request: Request, rows: ConnectorRows, v: Violation) -> ConnectorViolation:
+def _translate(pair: CheckedEngines, request: Request, rows: ConnectorRows, v: Violation) -> ConnectorViolation:
     engine: EngineGeometry = pair.side(v.side)
     first = locate_byte(engine, request, v.side, v.rank, v.region, v.offset)
     last = locate_byte(engine, request, v.side, v.rank, v.region, v.offset + max(0, v.nbytes - 1))
@@ -141,7 +141,7 @@ def _translate(pair: EnginePair, request: Request, rows: ConnectorRows, v: Viola
         block=None if first is None else first.block, tokens=tokens, coordinate=v.coordinate, detail=v.detail)
 
 
-def check_connector(pair: EnginePair, request: Request, rows: ConnectorRows, *,
+def check_connector(pair: CheckedEngines, request: Request, rows: ConnectorRows, *,
                     unresolved: Sequence[Unresolved] = (), require_minimal: bool = False,
                     max_rows: int | None = MAX_CONNECTOR_ROWS) -> ConformanceReport:
     """Run the connector's rows through the reference simulator and report in its terms.
@@ -154,7 +154,7 @@ def check_connector(pair: EnginePair, request: Request, rows: ConnectorRows, *,
     simulating more than ``max_rows`` copy plus zero rows (plus unresolved descriptors;
     ``max_rows=None`` checks any size; the simulator still refuses engines beyond 4 GiB).
     """
-    check_instance("pair", pair, EnginePair, error=IncompatibleGeometry, fix="build the pair with kvgeom.Pair(P, D)")
+    check_instance("pair", pair, CheckedEngines, error=IncompatibleGeometry, fix="build the pair with kvgeom.Pair(P, D)")
     check_instance("rows", rows, ConnectorRows, error=PlanError,
                    fix="build the rows with ConnectorRows.from_rows(...) or rows_from_descriptors(...)")
     if not isinstance(require_minimal, bool):

@@ -35,7 +35,7 @@ import numpy as np
 from ..arith.ints import MAX_INT
 from ..errors import IncompatibleGeometry, PlanBudgetExceeded, PlanError, value_text
 from ..values.fields import as_int, check_instance, check_int, check_str
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 from ..values.plan import COPY_COLUMNS, ZERO_COLUMNS, Copies, Rearrange, TransferPlan, Zeros
 
 __all__ = ["ConnectorRows", "DescriptorTable", "Read", "Unresolved", "rows_from_descriptors", "MAX_CONNECTOR_ROWS",
@@ -352,7 +352,7 @@ def _outside(n: int, tp: int) -> str:
 
 
 def rows_from_descriptors(
-    pair: EnginePair,
+    pair: CheckedEngines,
     *,
     prefill_bases: Any,
     decode_bases: Any,
@@ -369,7 +369,7 @@ def rows_from_descriptors(
     returned as :class:`Unresolved` (the report lists them). More than ``max_rows`` READs, READ
     pairs or zero ranges raise :class:`~kvgeom.errors.PlanBudgetExceeded` before any is resolved.
     """
-    check_instance("pair", pair, EnginePair, error=IncompatibleGeometry, fix="build the pair with kvgeom.Pair(P, D)")
+    check_instance("pair", pair, CheckedEngines, error=IncompatibleGeometry, fix="build the pair with kvgeom.Pair(P, D)")
     limit = check_max_rows(max_rows)
     P, D = pair.prefill, pair.decode
     pb = _bases(prefill_bases, P.num_ranks, len(P.regions), "prefill_bases")

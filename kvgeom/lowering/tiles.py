@@ -35,7 +35,7 @@ from ..values.blocks import CopyBlock
 from ..values.engine import EngineGeometry
 from ..values.layout import AttentionGroupGeometry, StateGroupGeometry, StateLayout
 from ..values.model import AttentionSpec, StateSpec
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 from ..values.plan import Copies
 
 __all__ = ["tile_rows", "tile_bytes", "tile_quantities", "TileTable", "tile_table", "tile_index_pairs",
@@ -51,7 +51,7 @@ def _channel_grain(n: int, tp_a: int, tp_b: int, replicated: bool) -> int:
     return math.gcd(size_a, size_b)
 
 
-def tile_quantities(pair: EnginePair) -> tuple[tuple[str, int], ...]:
+def tile_quantities(pair: CheckedEngines) -> tuple[tuple[str, int], ...]:
     """Every byte quantity from which a copy boundary is built, named (see :func:`tile_bytes`)."""
     out: list[tuple[str, int]] = []
     sides = (("prefill", pair.prefill, pair.decode), ("decode", pair.decode, pair.prefill))
@@ -89,7 +89,7 @@ def tile_quantities(pair: EnginePair) -> tuple[tuple[str, int], ...]:
     return tuple((name, int(q)) for name, q in out)
 
 
-def tile_bytes(pair: EnginePair) -> int:
+def tile_bytes(pair: CheckedEngines) -> int:
     """The largest tile that divides every copy boundary any plan for ``pair`` can produce.
 
     The argument. A copy moves a run of whole *units* between two addresses that are each built

@@ -35,7 +35,7 @@ from ..arith.tokens import Segments, SideTokens, segments, window_start
 from ..errors import InternalError
 from ..values.model import AttentionSpec
 from ..values.notes import Note, NoteKind
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 from ..values.plan import Copies, Zeros
 from ..values.request import BlockList, Request
 from .group import GroupPlan
@@ -46,7 +46,7 @@ __all__ = ["needed_tokens", "zero_intervals", "plan_attention_group", "attention
            "source_notes", "segments_note", "nothing_note", "zeroed_note"]
 
 
-def needed_tokens(request: Request, pair: EnginePair, group: int) -> tuple[int, int]:
+def needed_tokens(request: Request, pair: CheckedEngines, group: int) -> tuple[int, int]:
     """``[lo, hi)``: the tokens D needs and P has for ``group`` (may be empty: lo >= hi).
 
     A sliding group needs nothing before its window: ``lo`` is at least
@@ -63,7 +63,7 @@ def needed_tokens(request: Request, pair: EnginePair, group: int) -> tuple[int, 
     return max(request.prefix_hit_tokens, d0, p0, window_start(M, spec.window_tokens)), min(M, d1, p1)
 
 
-def zero_intervals(request: Request, pair: EnginePair, group: int) -> list[tuple[int, int]]:
+def zero_intervals(request: Request, pair: CheckedEngines, group: int) -> list[tuple[int, int]]:
     """Token intervals of D's listing (from S on) that receive nothing and must be zeroed."""
     g = request.groups[group]
     if not isinstance(g.decode, BlockList):
@@ -148,7 +148,7 @@ def _emit(rows: Rows, sub: Segments, n: int, views: Sequence[tuple[int, SideView
     return total
 
 
-def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
+def plan_attention_group(pair: CheckedEngines, request: Request, group: int, *,
                          landing: SideView | None = None,
                          materialize: bool = True) -> GroupPlan:
     """Uncoalesced direct copies and zeros of one attention group, notes on the choices, and the
@@ -191,7 +191,7 @@ def plan_attention_group(pair: EnginePair, request: Request, group: int, *,
     return GroupPlan(copies.copies(), zeros, (), notes + zero_notes, n_copies)
 
 
-def attention_zeros(pair: EnginePair, request: Request, group: int) -> tuple[Zeros, list[Note]]:
+def attention_zeros(pair: CheckedEngines, request: Request, group: int) -> tuple[Zeros, list[Note]]:
     """The zero rows of one attention group, in D's own layout (every strategy's), with a
     ``ZEROED`` note per zeroed token interval."""
     g = request.groups[group]
@@ -207,7 +207,7 @@ def attention_zeros(pair: EnginePair, request: Request, group: int) -> tuple[Zer
     return rows.zeros(), notes
 
 
-def segments_note(pair: EnginePair, group: int, lo: int, hi: int, count: int) -> Note:
+def segments_note(pair: CheckedEngines, group: int, lo: int, hi: int, count: int) -> Note:
     """The ``SEGMENTS`` note: ``[lo, hi)`` moves in ``count`` aligned segments."""
     P, D = pair.prefill, pair.decode
     return Note(NoteKind.SEGMENTS, f"{pair.model.groups[group].name}: tokens [{lo}, {hi}) move in {count} aligned "
@@ -215,18 +215,18 @@ def segments_note(pair: EnginePair, group: int, lo: int, hi: int, count: int) ->
                 f"D K={D.kernel_block_tokens} ppl={D.blocks_per_logical})")
 
 
-def nothing_note(pair: EnginePair, group: int) -> Note:
+def nothing_note(pair: CheckedEngines, group: int) -> Note:
     """The ``NOTHING_TO_MOVE`` note of an attention group whose ``[lo, hi)`` is empty."""
     return Note(NoteKind.NOTHING_TO_MOVE,
                 f"{pair.model.groups[group].name}: no token is both listed by P (computed) and needed by D")
 
 
-def zeroed_note(pair: EnginePair, group: int, z0: int, z1: int) -> Note:
+def zeroed_note(pair: CheckedEngines, group: int, z0: int, z1: int) -> Note:
     """The ``ZEROED`` note of D tokens ``[z0, z1)``."""
     return Note(NoteKind.ZEROED, f"{pair.model.groups[group].name}: D tokens [{z0}, {z1}) receive nothing and are zeroed")
 
 
-def source_notes(pair: EnginePair, group: int) -> tuple[Note, ...]:
+def source_notes(pair: CheckedEngines, group: int) -> tuple[Note, ...]:
     """The ``SOURCES`` notes of an attention group (D ranks 0-3 and the last): which P ranks each
     reads which heads (and, on topologies, layers and tokens) from. Request-independent; a plan
     carries them when the group moves something."""
@@ -260,7 +260,7 @@ def source_notes(pair: EnginePair, group: int) -> tuple[Note, ...]:
     return tuple(notes)
 
 
-def copy_rows(pair: EnginePair, group: int, segs: Segments, p_tok: SideTokens, d_tok: SideTokens, ps: SideView,
+def copy_rows(pair: CheckedEngines, group: int, segs: Segments, p_tok: SideTokens, d_tok: SideTokens, ps: SideView,
               ds: SideView, rows: Rows | None) -> int:
     """The copy rows of ``segs`` (aligned segments of one attention group), added to ``rows`` unless
     it is None; returns their number (the count before coalescing, whole-page runs collapsed).
@@ -325,7 +325,7 @@ def copy_rows(pair: EnginePair, group: int, segs: Segments, p_tok: SideTokens, d
     return n_copies
 
 
-def zero_rows(pair: EnginePair, group: int, zsegs: Segments, z_tok: SideTokens, ds: SideView,
+def zero_rows(pair: CheckedEngines, group: int, zsegs: Segments, z_tok: SideTokens, ds: SideView,
               rows: Rows | None) -> int:
     """The zero rows of D segments ``zsegs`` (tokens that receive nothing), in D's own layout ``ds``,
     for every D rank, added to ``rows`` unless it is None; returns their number. D ranks of one

@@ -33,7 +33,7 @@ import attrs
 from ..errors import KvGeomError, StagingCapacityError, value_text
 from ..values.model import AttentionSpec
 from ..values.notes import Note, NoteKind
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 from ..values.request import Request
 from .attention import plan_attention_group
 from .coalesce import coalesce
@@ -131,7 +131,7 @@ class Posted:
     plan: GroupPlan | None = None
 
 
-def posted(pair: EnginePair, request: Request, gi: int, strategy: str, cost_model: CostModel) -> Posted:
+def posted(pair: CheckedEngines, request: Request, gi: int, strategy: str, cost_model: CostModel) -> Posted:
     """Descriptors group ``gi`` posts under ``strategy`` ("direct" or "staged"), counted without
     building rows first, then exactly when there are at most ``cost_model.exact_rows``."""
     planner = plan_attention_group if strategy == "direct" else plan_staged_group
@@ -153,7 +153,7 @@ class GroupChoice:
     note: Note | None
 
 
-def choose_group(pair: EnginePair, request: Request, gi: int, cost_model: CostModel) -> GroupChoice:
+def choose_group(pair: CheckedEngines, request: Request, gi: int, cost_model: CostModel) -> GroupChoice:
     """Group ``gi`` under auto (direct or staged; state groups are direct): the cheaper plan by
     posted descriptors, built once."""
     if not isinstance(pair.model.groups[gi], AttentionSpec):
@@ -183,7 +183,7 @@ def choose_group(pair: EnginePair, request: Request, gi: int, cost_model: CostMo
                        Note(NoteKind.AUTO_DIRECT, why + " -> direct"))
 
 
-def plan_group(pair: EnginePair, request: Request, gi: int, strategy: str,
+def plan_group(pair: CheckedEngines, request: Request, gi: int, strategy: str,
                cost_model: CostModel = DEFAULT_COST_MODEL) -> GroupPlan:
     """Group ``gi`` of ``request`` under ``strategy`` ("direct", "staged", or "auto": the cheaper of
     the two for this group; state groups are always direct). Packed plans are whole-plan
@@ -202,7 +202,7 @@ def plan_group(pair: EnginePair, request: Request, gi: int, strategy: str,
     return plan_attention_group(pair, request, gi)
 
 
-def weigh_packed(pair: EnginePair, request: Request, staging_bytes: int, unpacked: float,
+def weigh_packed(pair: CheckedEngines, request: Request, staging_bytes: int, unpacked: float,
                  cost_model: CostModel) -> tuple[bool, str]:
     """Auto's whole-plan step (docs/design.md §12.6): whether the packed plan, counted without being
     built (:func:`~kvgeom.planning.packed.count_packed`), costs less than ``unpacked`` (the chosen

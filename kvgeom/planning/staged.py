@@ -35,7 +35,7 @@ from ..values.engine import EngineGeometry
 from ..values.layout import AttentionGroupGeometry, PageLayout
 from ..values.model import AttentionSpec
 from ..values.notes import Note, NoteKind
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 from ..values.plan import Rearrange
 from ..values.request import BlockList, Request
 from .attention import needed_tokens, plan_attention_group
@@ -184,7 +184,7 @@ def staged_rearrange_shape(D: EngineGeometry, group: int, arr: Arrival) -> dict[
     return {"rearranges": out}
 
 
-def plan_staged_group(pair: EnginePair, request: Request, group: int, *,
+def plan_staged_group(pair: CheckedEngines, request: Request, group: int, *,
                       materialize: bool = True) -> GroupPlan:
     """Staged copies, zeros (final layout), rearranges, notes and the copy rows before coalescing
     of one attention group; falls back to direct (no rearranges) when staging does not apply or

@@ -30,7 +30,7 @@ from ..errors import InternalError
 from ..values.layout import StateGroupGeometry
 from ..values.model import StateSpec
 from ..values.notes import Note, NoteKind
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 from ..values.plan import Copies, Zeros
 from ..values.request import Request, StateSlots
 from .group import GroupPlan
@@ -55,7 +55,7 @@ def paired_slots(request: Request, group: int) -> tuple[list[tuple[int, int, int
     return paired, unpaired
 
 
-def state_notes(pair: EnginePair, request: Request, group: int) -> list[Note]:
+def state_notes(pair: CheckedEngines, request: Request, group: int) -> list[Note]:
     """How D slots pair with P slots (``STATE_PAIRS``) and every unpaired D slot (``STATE_UNPAIRED``)."""
     spec = pair.model.groups[group]
     paired, unpaired = paired_slots(request, group)
@@ -70,7 +70,7 @@ def state_notes(pair: EnginePair, request: Request, group: int) -> list[Note]:
     return notes
 
 
-def plan_state_group(pair: EnginePair, request: Request, group: int) -> GroupPlan:
+def plan_state_group(pair: CheckedEngines, request: Request, group: int) -> GroupPlan:
     """Uncoalesced copies of one state group, plus notes (pairing, layouts, unpaired slots); no zeros."""
     spec = pair.model.groups[group]
     if not isinstance(spec, StateSpec):
@@ -85,7 +85,7 @@ def plan_state_group(pair: EnginePair, request: Request, group: int) -> GroupPla
     return GroupPlan(rows.copies(), Zeros.empty(), (), notes, rows.count)
 
 
-def state_rows(pair: EnginePair, group: int, p_slots: np.ndarray, d_slots: np.ndarray, rows: Rows) -> None:
+def state_rows(pair: CheckedEngines, group: int, p_slots: np.ndarray, d_slots: np.ndarray, rows: Rows) -> None:
     """The copy rows of state group ``group`` for the paired slots ``p_slots[i] -> d_slots[i]``, added
     to ``rows``: per section, D rank, P stage part and source, layer-major over (layer, slot pair)."""
     spec = pair.model.groups[group]

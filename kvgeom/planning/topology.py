@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..values.engine import EngineGeometry
 from ..values.model import StateSpec
 from ..values.notes import Note, NoteKind
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 
 __all__ = ["topology_notes", "NOTE_STAGES"]
 
@@ -32,7 +32,7 @@ def _side_topology(e: EngineGeometry) -> str:
     return text
 
 
-def topology_notes(pair: EnginePair) -> tuple[Note, ...]:
+def topology_notes(pair: CheckedEngines) -> tuple[Note, ...]:
     """One ``TOPOLOGY`` note when either side has stages, DCP or replicas (docs/design.md §11.3)."""
     P, D = pair.prefill, pair.decode
     if P.topology.trivial and D.topology.trivial:

@@ -11,7 +11,7 @@ is planned whole (:mod:`kvgeom.planning.packed`)::
                                                                            chunks, zeros, notes)
             auto: per group the cheaper of direct and staged, then that whole plan against packed
 
-:class:`Pair` is the pair users build: the validated :class:`~kvgeom.values.pair.EnginePair`
+:class:`Pair` is the pair users build: the validated :class:`~kvgeom.values.pair.CheckedEngines`
 plus :meth:`Pair.plan`.
 
 Worked number: P and D both TP1, HND, K=16, one layer of 8 heads x 256 B (64 KiB pages), 64
@@ -33,7 +33,7 @@ from ..errors import IncompatibleGeometry, KvGeomError
 from ..values.engine import EngineGeometry
 from ..values.fields import check_instance, check_int
 from ..values.notes import Note, NoteKind
-from ..values.pair import EnginePair
+from ..values.pair import CheckedEngines
 from ..values.plan import Copies, TransferPlan, Zeros
 from ..values.request import Request, RequestShape
 from .budget import DEFAULT_BUDGET, PlanBudget, PlanEstimate, admit, estimate_compile, estimate_plan
@@ -65,7 +65,7 @@ class _Compiled:
         self.compiled: CompiledPair | None = None
         self.lock = threading.Lock()
 
-    def get(self, pair: EnginePair) -> CompiledPair:
+    def get(self, pair: CheckedEngines) -> CompiledPair:
         with self.lock:
             if self.compiled is None:
                 self.compiled = CompiledPair(pair)
@@ -73,7 +73,7 @@ class _Compiled:
 
 
 @attrs.frozen(repr=False)
-class Pair(EnginePair):
+class Pair(CheckedEngines):
     """Two engines that can exchange KV cache (raises :class:`~kvgeom.errors.IncompatibleGeometry`
     otherwise, naming the field), and the way to plan requests between them.
 
@@ -148,7 +148,7 @@ def _staging(staging_bytes: object) -> int:
     return check_int("staging_bytes", staging_bytes, minimum=0, error=KvGeomError)
 
 
-def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direct",
+def plan_pair(pair: CheckedEngines, request: Request, *, strategy: Strategy = "direct",
               cost_model: CostModel = DEFAULT_COST_MODEL, staging_bytes: int = DEFAULT_STAGING_BYTES,
               budget: PlanBudget | None = DEFAULT_BUDGET) -> TransferPlan:
     """:func:`plan_transfer` for an already built pair: the compiled path (docs/design.md §13) for a
@@ -174,7 +174,7 @@ def plan_pair(pair: EnginePair, request: Request, *, strategy: Strategy = "direc
     return _reference(pair, request, chosen, cost_model, staging_bytes, over)
 
 
-def plan_reference(pair: EnginePair, request: Request, *, strategy: Strategy = "direct",
+def plan_reference(pair: CheckedEngines, request: Request, *, strategy: Strategy = "direct",
                    cost_model: CostModel = DEFAULT_COST_MODEL, staging_bytes: int = DEFAULT_STAGING_BYTES,
                    budget: PlanBudget | None = DEFAULT_BUDGET) -> TransferPlan:
     """The reference planner: every group's rows built (:mod:`kvgeom.planning.attention`,
@@ -189,7 +189,7 @@ def plan_reference(pair: EnginePair, request: Request, *, strategy: Strategy = "
     return _reference(pair, request, chosen, cost_model, staging_bytes, over)
 
 
-def _arguments(pair: EnginePair, request: Request, strategy: object, cost_model: object, staging_bytes: object,
+def _arguments(pair: CheckedEngines, request: Request, strategy: object, cost_model: object, staging_bytes: object,
                budget: object) -> tuple[Strategy, int]:
     """Every argument checked (typed errors naming it) and the request checked against the pair."""
     checked = check_strategy(strategy)
@@ -197,18 +197,18 @@ def _arguments(pair: EnginePair, request: Request, strategy: object, cost_model:
     check_instance("cost_model", cost_model, CostModel, error=KvGeomError, fix="pass a kvgeom.CostModel(...)")
     if budget is not None:
         check_instance("budget", budget, PlanBudget, error=KvGeomError, fix="pass a kvgeom.PlanBudget(...) or None")
-    check_instance("pair", pair, EnginePair, error=IncompatibleGeometry, fix="build the pair with kvgeom.Pair(P, D)")
+    check_instance("pair", pair, CheckedEngines, error=IncompatibleGeometry, fix="build the pair with kvgeom.Pair(P, D)")
     pair.check_request(request)
     return checked, staging  # type: ignore[return-value]
 
 
-def _compile_fits(pair: EnginePair, budget: PlanBudget | None) -> bool:
+def _compile_fits(pair: CheckedEngines, budget: PlanBudget | None) -> bool:
     """Whether compiling ``pair`` fits ``budget`` (always without one); a pair whose compiling would
     not plans every request on the reference path (the same plans)."""
     return budget is None or budget.admits(estimate_compile(pair))
 
 
-def _reference(pair: EnginePair, request: Request, strategy: str, cost_model: CostModel, staging_bytes: int,
+def _reference(pair: CheckedEngines, request: Request, strategy: str, cost_model: CostModel, staging_bytes: int,
                over: tuple[Note, ...] = ()) -> TransferPlan:
     first = (Note(NoteKind.STRATEGY, f"strategy {strategy if not over else 'auto'}"),) + topology_notes(pair) + over
     if strategy == "packed":
@@ -227,7 +227,7 @@ def _reference(pair: EnginePair, request: Request, strategy: str, cost_model: Co
     return plan
 
 
-def check_budget(pair: EnginePair, shape: RequestShape, strategy: str = "direct", *,
+def check_budget(pair: CheckedEngines, shape: RequestShape, strategy: str = "direct", *,
                  staging_bytes: int = DEFAULT_STAGING_BYTES, budget: PlanBudget = DEFAULT_BUDGET) -> None:
     """Raise :class:`~kvgeom.errors.PlanBudgetExceeded` when planning a request of ``shape`` would
     exceed ``budget`` (what :func:`plan_pair` checks first, ``auto``'s fallbacks included), without
@@ -236,7 +236,7 @@ def check_budget(pair: EnginePair, shape: RequestShape, strategy: str = "direct"
     admit(pair, shape, check_strategy(strategy), _staging(staging_bytes), budget)
 
 
-def _auto_plan(pair: EnginePair, request: Request, cost_model: CostModel, staging_bytes: int,
+def _auto_plan(pair: CheckedEngines, request: Request, cost_model: CostModel, staging_bytes: int,
                first: tuple[Note, ...]) -> TransferPlan:
     """Per group the cheaper of direct and staged, then that plan against the packed plan, each
     counted by what it posts (docs/design.md §12.6)."""
@@ -251,7 +251,7 @@ def _auto_plan(pair: EnginePair, request: Request, cost_model: CostModel, stagin
     return _assemble(pair, groups, first, (Note(kind, why + " -> not packed"),))
 
 
-def _assemble(pair: EnginePair, groups: list[GroupPlan], first: tuple[Note, ...],
+def _assemble(pair: CheckedEngines, groups: list[GroupPlan], first: tuple[Note, ...],
               last: tuple[Note, ...] = ()) -> TransferPlan:
     copies = [g.copies for g in groups]
     zeros = [g.zeros for g in groups if len(g.zeros)] or [Zeros.empty()]

@@ -74,8 +74,8 @@ from .notes import (
     as_notes,
 )
 from .pair import (
+    CheckedEngines,
     Compatibility,
-    EnginePair,
     incompatibilities,
     pairable,
 )
@@ -184,7 +184,7 @@ __all__ = [
     "NoteKind",
     "Note",
     "as_notes",
-    "EnginePair",
+    "CheckedEngines",
     "Compatibility",
     "incompatibilities",
     "pairable",

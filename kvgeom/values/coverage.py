@@ -14,7 +14,7 @@ must cover (docs/design.md §3.4), by token position, per group::
   after ``M`` (P computed nothing there), on D a block starting after ``M`` (D allocates up to the
   block of token ``M`` itself, vLLM's ``N = M + 1`` rule for hybrids);
 * **misaligned**: a first token off its side's block boundary (checked with the other request
-  rules in :meth:`~kvgeom.values.pair.EnginePair.check_request`).
+  rules in :meth:`~kvgeom.values.pair.CheckedEngines.check_request`).
 
 A state group must list, on each side, a slot whose state has absorbed ``M`` tokens (vLLM's
 running state: P prefilled ``M = N - 1`` tokens, and D receives that state; D's slots may not
@@ -105,7 +105,7 @@ def coverage_problems(model: ModelSpec, prefill: _Side, decode: _Side, request: 
     """Every listing of ``request`` that does not cover what its side needs (empty when all do).
 
     Ignores ``request.partial`` (the caller decides); listings of the wrong kind are left to
-    :meth:`~kvgeom.values.pair.EnginePair.check_request`, which reports them first.
+    :meth:`~kvgeom.values.pair.CheckedEngines.check_request`, which reports them first.
     """
     M, S = request.computed_tokens, request.prefix_hit_tokens
     out: list[RequestError] = []

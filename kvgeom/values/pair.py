@@ -1,6 +1,6 @@
 """A prefill/decode pair: the one place that decides whether two engines can exchange KV cache.
 
-``EnginePair(prefill, decode)`` (and its planning face ``kvgeom.Pair``) runs :func:`incompatibilities` when built, before any request, and
+``CheckedEngines(prefill, decode)`` (and its planning face ``kvgeom.Pair``) runs :func:`incompatibilities` when built, before any request, and
 :func:`pairable` answers the same question without raising, from the same list of rules.
 
     prefill (P) engine ----- same model facts? ----- decode (D) engine
@@ -27,7 +27,7 @@ from .fields import check_instance
 from .model import AttentionSpec, ModelSpec, StateSpec
 from .request import BlockList, Request, StateSlots
 
-__all__ = ["EnginePair", "Compatibility", "incompatibilities", "pairable"]
+__all__ = ["CheckedEngines", "Compatibility", "incompatibilities", "pairable"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,10 +117,10 @@ def pairable(prefill: EngineGeometry, decode: EngineGeometry) -> Compatibility:
 
 
 @attrs.frozen(repr=False)
-class EnginePair:
+class CheckedEngines:
     """Two engines that can exchange KV cache; raises :class:`IncompatibleGeometry` otherwise.
 
-    The value every layer above shares: the simulator checks plans for an ``EnginePair``, and
+    The value every layer above shares: the simulator checks plans for an ``CheckedEngines``, and
     :class:`kvgeom.planning.Pair` (the same value, plus ``plan``) is what users build.
     """
 
