@@ -303,7 +303,9 @@ def test_a_thousand_requests_with_faults_end_with_every_slot_free() -> None:
     assert outcomes["dead_peer"] == 10 and outcomes["ok"] >= 20 and verified >= 5
     assert reasons["ok"] == reasons["ok_push"] == set()
     assert reasons["timeout"] >= {"timeout"} and reasons["timeout"] <= {"timeout", "aborted"}
-    assert reasons["cancel_d"] == reasons["cancel_p"] == reasons["cancel_push"] == {"closed", "aborted"}
+    for fault in ("cancel_d", "cancel_p", "cancel_push"):  # "timeout": a side cancelled before it heard of its
+        # peer's attempt, and the peer's req came after the tombstone (staging_grace_s): the peer waits its deadline
+        assert "closed" in reasons[fault] and reasons[fault] <= {"closed", "aborted", "timeout"}, reasons
     assert reasons["dead_peer"] and reasons["dead_peer"] <= {"closed", "aborted", "peer_disconnected", "nixl_error",
                                                              "timeout"}
     assert abandoned and all(t.failure is not None and t.failure.reason == "timeout" for t in abandoned)
