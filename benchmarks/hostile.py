@@ -991,6 +991,7 @@ class NixlBench:
             self.d_views.append(self.d_buffer[off:off + n])
             off += n + self.GUARD
         self.d = Endpoint(self.D, "decode", 0, self.d_views)
+        self.p_links = [e.connect([self.d.handshake()], probe=False) for e in self.p]  # P answers D's messages
         self.rnd = np.random.default_rng(seed)
         from kvgeom_nixl.probe import prober
 
@@ -1001,7 +1002,23 @@ class NixlBench:
         from kvgeom_nixl import Endpoint
 
         self.d.close()
+        for link in self.p_links:
+            link.close()
         self.d = Endpoint(self.D, "decode", 0, self.d_views)
+        self.p_links = [e.connect([self.d.handshake()], probe=False) for e in self.p]
+
+    def serve(self, request_id: str, timeout_s: float) -> list[Any]:
+        """Every honest P rank holds its blocks for ``request_id`` (a direct pull, docs/design.md §8.1)."""
+        return [link.hold(request_id, timeout_s=timeout_s) for link in self.p_links]
+
+    def settle(self, holds: list[Any]) -> None:
+        """End the holds of one case (cancelled if D never pulled) and drive every fence to its end."""
+        for h in holds:
+            h.cancel("closed", "case over")
+        deadline = time.perf_counter() + 5
+        while any(e.fencing or e.in_flight for e in self.p) and time.perf_counter() < deadline:
+            for e in [*self.p, self.d]:
+                e.progress()
 
     def fill_d(self) -> np.ndarray:
         """A fresh random pattern in all of D's buffer (guards included); returns a copy."""
@@ -1121,8 +1138,12 @@ def run_handshake(bench: NixlBench, payloads: list[bytes], label: str, r: random
             cap = min(room[0] * pair.prefill.logical_block_tokens, room[1] * pair.decode.logical_block_tokens)
             request = fresh_request(pair, max(1, min(tokens, cap)), decode_first_block=1)
             request_box[0] = request
-            t = link.pull("hs", request, timeout_s=2.0)
-            return t.wait(peers=bench.p)
+            holds = bench.serve("hs", 2.0)
+            try:
+                t = link.pull("hs", request, timeout_s=2.0)
+                return t.wait(peers=bench.p)
+            finally:
+                bench.settle(holds)
         finally:
             link.close()
 

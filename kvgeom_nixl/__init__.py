@@ -9,8 +9,9 @@ The executor never computes geometry: copies, zeros and rearranges come from the
 (:func:`kvgeom.planning.plan_pair`), the tile tables and receive-step rows from
 :mod:`kvgeom.lowering`; it imports only the public faces of kvgeom (docs/design.md §2, §8).
 
-    endpoint   Endpoint, Link: connect, pull / push / accept_push / serve_pull   (the API)
-    transfer   Transfer: posted -> landed -> receiving -> done | failed; wait_all
+    endpoint   Endpoint, Link: connect, pull / push / accept_push / serve_pull / hold, get_finished (the API)
+    transfer   Transfer: one attempt, posted -> landed -> receiving -> done | failed (-> fenced); wait_all
+    protocol   signed messages with both attempts' nonces     inbox   verify and route them, bounded
     agent      RankAgent: one rank's NIXL agent (the only module that imports NIXL)
     lowering   descriptors for the coalesced and prepped modes     receive    torch receive steps
     handshake  the versioned payload      memory    registrable regions      errors    typed errors
@@ -33,8 +34,8 @@ except ImportError as _missing:
                        expected="torch (the nixl extra)",
                        fix=f"install your engine's torch, or {_install_hint('nixl')}") from _missing
 
-from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, Link
-from .errors import ExecutorError, HandshakeError, RegistrationError, TransferFailed
+from .endpoint import DEFAULT_TIMEOUT_S, Endpoint, Finished, Link
+from .errors import DuplicateRequest, ExecutorError, HandshakeError, RegistrationError, TransferFailed
 from .handshake import HANDSHAKE_VERSION, HandshakeLimits, RankInfo, decode_rank, encode_rank
 from .lowering import MODES
 from .memory import RankMemory, RegionMemory, region_buffers
@@ -43,8 +44,10 @@ from .transfer import Transfer, TransferResult, wait_all
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "DuplicateRequest",
     "Endpoint",
     "ExecutorError",
+    "Finished",
     "HANDSHAKE_VERSION",
     "HandshakeError",
     "HandshakeLimits",

@@ -14,20 +14,12 @@ and the notifications it received::
       .post_coalesced(op, local, remote, ...)   initialize_xfer + transfer   -> handle (PROC)
       .post_prepped(op, table, idx, table, idx) make_prepped_xfer + transfer -> handle (PROC)
       .state(handle) -> "PROC" | "DONE" | ...   .descriptor_count(handle) (telemetry)   .release(handle)
-      .send(peer, message)               a standalone notification (packed transfers' slot protocol)
-      .drain()                           get_new_notifs -> inbox[(kind, request id)] = {sender: [args]}
-      .claim(kind, id) / .unclaim(kind, id) / .senders(kind, id) / .messages(kind, id) / .drop(kind, id) / .pending()
+      .send(peer, message)               a standalone notification (the protocol's messages)
+      .drain() -> [(sender, bytes)]      get_new_notifs; verified and routed by the endpoint's inbox
       .close()                           release tables, deregister
 
-Notifications carry ``kvgeom1|<kind>|<args...>|<request id>``: ``pulled`` and ``pushed`` (no args,
-direct plans); ``slot`` (chunk, slot), ``packed`` (chunk, slot), ``chunk_pulled`` and ``landed``
-(chunk) and ``abort`` (none) for packed plans (docs/design.md §12.5). Args are integers below
-2**32; anything else a peer sends is ignored. A notification no transfer has claimed yet stays in
-the inbox, for at most ``inbox_ttl_s`` (default 300 s) and among at most ``inbox_max`` (default
-4096) unclaimed entries, the oldest evicted first (logged at WARNING): a pull that P never serves
-cannot hold memory forever. Entries a transfer has claimed (it waits for them) are never evicted;
-one entry keeps at most ``INBOX_MESSAGES`` messages per sender (a peer repeating one message
-cannot grow it either).
+Messages are built, signed and verified by :mod:`kvgeom_nixl.protocol` and routed by
+:mod:`kvgeom_nixl.inbox`; this module only moves their bytes.
 
 **Loading a peer's metadata.** NIXL 1.5 loads a metadata blob in two steps, the UCX connection
 first and the memory sections second; when the second fails (a truncated or corrupted blob), the
@@ -44,9 +36,8 @@ them and :func:`classify` maps one to a failure reason (``nixlRemoteDisconnectEr
 thread by default (it busy-spins one core per agent): the executor's wait loops poll instead
 (docs/design.md §8).
 
-Worked number: a D rank that pulled request ``r1`` from P ranks 0 and 1 sends
-``b"kvgeom1|pulled|r1"`` to each; once both arrived, each P rank's inbox holds
-``{("pulled", "r1"): {"<its D agent>": [()]}}`` until its ``serve_pull`` transfer drops it.
+Worked number: a D rank that pulled request ``r1`` from P ranks 0 and 1 posts two READs, each
+carrying a signed ``pulled`` message (about 100 bytes) that NIXL delivers after the data.
 """
 
 from __future__ import annotations
@@ -54,7 +45,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 import uuid
 from typing import Any
 
@@ -67,14 +57,9 @@ from .probe import ProbeRefused, ProberUnavailable, prober
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RankAgent", "notification", "nixl_available", "nixl_api", "NIXL_PACKAGES", "make_agent", "nixl_errors", "classify",
-           "use_local_defaults", "set_nixl_log_level", "NIXL_LOG_LEVEL", "KINDS", "INBOX_TTL_S", "INBOX_MAX", "INBOX_MESSAGES"]
+__all__ = ["RankAgent", "nixl_available", "nixl_api", "NIXL_PACKAGES", "make_agent", "nixl_errors", "classify",
+           "use_local_defaults", "set_nixl_log_level", "NIXL_LOG_LEVEL"]
 
-INBOX_TTL_S = 300.0  # an unclaimed notification older than this is evicted
-INBOX_MAX = 4096  # unclaimed notifications kept at most (the oldest are evicted first)
-INBOX_MESSAGES = 1 << 16  # messages one entry keeps per sender (a packed plan sends a few per chunk)
-
-_TAG = "kvgeom1"
 _ERROR_NAMES = (
     "nixlNotFoundError", "nixlInvalidParamError", "nixlBackendError", "nixlRemoteDisconnectError",
     "nixlRepostActiveError", "nixlNoTelemetryError", "nixlNotAllowedError", "nixlNotPostedError",
@@ -194,39 +179,6 @@ def classify(exc: BaseException) -> str:
     return "nixl_error"
 
 
-KINDS = {"pulled": 0, "pushed": 0, "slot": 2, "packed": 2, "chunk_pulled": 1, "landed": 1, "abort": 0}
-"""Notification kinds and how many integer arguments each carries before the request id."""
-_MAX_ARG = 1 << 32
-
-
-def notification(kind: str, request_id: str, *args: int) -> bytes:
-    """The message of ``kind`` (:data:`KINDS`) for ``request_id`` with its integer ``args``."""
-    if KINDS.get(kind) != len(args):
-        raise ExecutorError("notification", f"kind {kind!r} takes {KINDS.get(kind)} arguments, got {len(args)}",
-                            actual=(kind, args), expected=KINDS)
-    return "|".join([_TAG, kind, *(str(int(a)) for a in args), request_id]).encode()
-
-
-def _parse(msg: bytes) -> tuple[str, str, tuple[int, ...]] | None:
-    """``(kind, request id, args)`` of a well-formed message, else None (a peer's input is hostile)."""
-    try:
-        tag, kind, rest = msg.decode("utf-8").split("|", 2)
-    except (UnicodeDecodeError, ValueError):
-        return None
-    n = KINDS.get(kind)
-    if tag != _TAG or n is None:
-        return None
-    parts = rest.split("|", n)
-    if len(parts) != n + 1:
-        return None
-    args = []
-    for a in parts[:n]:
-        if not (a.isdigit() and len(a) <= 10 and int(a) < _MAX_ARG):
-            return None
-        args.append(int(a))
-    return kind, parts[n], tuple(args)
-
-
 def _name(agent_result: Any) -> str:
     return agent_result.decode() if isinstance(agent_result, (bytes, bytearray)) else str(agent_result)
 
@@ -247,19 +199,12 @@ class RankAgent:
     """
 
     def __init__(self, name: str, regions: np.ndarray, mem_type: str, *, telemetry: bool = False,
-                 progress_thread: bool = False, inbox_ttl_s: float = INBOX_TTL_S, inbox_max: int = INBOX_MAX) -> None:
+                 progress_thread: bool = False) -> None:
         self.name = name
         self.mem_type = mem_type
         self.telemetry = telemetry
-        self.inbox_ttl_s = inbox_ttl_s
-        self.inbox_max = inbox_max
         self._tables: dict[tuple[str, int], Any] = {}  # (agent, tile) -> prepared descriptor list
-        self._inbox: dict[tuple[str, str], dict[str, list[tuple[int, ...]]]] = {}  # (kind, id) -> sender -> args
-        self._arrived: dict[tuple[str, str], float] = {}  # (kind, request id) -> first arrival (monotonic)
-        self._claimed: set[tuple[str, str]] = set()  # keys a transfer waits for: never evicted
         self._probe: Any = None  # the scratch agent peer metadata is loaded into first
-        self.evicted = 0  # unclaimed notifications evicted so far
-        self.ignored = 0  # messages beyond INBOX_MESSAGES for one entry and sender
         nixl = make_agent(name, telemetry=telemetry, progress_thread=progress_thread)
         try:
             self._reg = nixl.register_memory(regions, mem_type)
@@ -377,74 +322,20 @@ class RankAgent:
         return int(self.nixl.get_xfer_telemetry(handle).descCount)
 
     # ---- notifications ---------------------------------------------------------------------
-    def drain(self) -> None:
-        """Move every new notification into the inbox (a NIXL error reads as none)."""
-        if self.nixl is None:
-            return
-        try:
-            notifs = self.nixl.get_new_notifs()
-        except nixl_errors():
-            notifs = {}
-        now = time.monotonic()
-        for sender, msgs in notifs.items():
-            for m in msgs:
-                parsed = _parse(bytes(m))
-                if parsed is not None:
-                    kind, rid, args = parsed
-                    per_sender = self._inbox.setdefault((kind, rid), {}).setdefault(_name(sender), [])
-                    if len(per_sender) < INBOX_MESSAGES:
-                        per_sender.append(args)
-                    else:
-                        self.ignored += 1
-                    self._arrived.setdefault((kind, rid), now)
-        self._evict(now)
-
-    def _evict(self, now: float) -> None:
-        """Drop unclaimed notifications older than ``inbox_ttl_s``, then the oldest beyond ``inbox_max``."""
-        unclaimed = [k for k in self._arrived if k not in self._claimed]
-        old = [k for k in unclaimed if now - self._arrived[k] > self.inbox_ttl_s]
-        excess = len(unclaimed) - len(old) - self.inbox_max
-        if excess > 0:
-            young = sorted((k for k in unclaimed if now - self._arrived[k] <= self.inbox_ttl_s),
-                           key=lambda k: self._arrived[k])
-            old += young[:excess]
-        if old:
-            for k in old:
-                self._inbox.pop(k, None)
-                self._arrived.pop(k, None)
-            self.evicted += len(old)
-            logger.warning("%s: evicted %d unclaimed notification(s) (older than %.0f s or beyond %d entries), "
-                           "e.g. %s %r", self.name, len(old), self.inbox_ttl_s, self.inbox_max, old[0][0], old[0][1])
-
-    def claim(self, kind: str, request_id: str) -> None:
-        """A transfer waits for ``kind`` notifications of ``request_id``: keep them until :meth:`drop`."""
-        self._claimed.add((kind, request_id))
-
-    def unclaim(self, kind: str, request_id: str) -> None:
-        """Keep ``kind`` notifications of ``request_id`` only as long as unclaimed ones (the TTL and maximum)."""
-        self._claimed.discard((kind, request_id))
-
-    def senders(self, kind: str, request_id: str) -> set[str]:
-        """The agents whose ``kind`` notification for ``request_id`` has arrived."""
-        return set(self._inbox.get((kind, request_id), ()))
-
-    def messages(self, kind: str, request_id: str) -> dict[str, list[tuple[int, ...]]]:
-        """Per sender agent, the arguments of every ``kind`` notification for ``request_id``."""
-        return {k: list(v) for k, v in self._inbox.get((kind, request_id), {}).items()}
-
     def send(self, peer: str, message: bytes) -> None:
         """Send a standalone notification to ``peer`` (raises NIXL's errors, e.g. a dead peer)."""
         self.nixl.send_notif(peer, message)
 
-    def drop(self, kind: str, request_id: str) -> None:
-        """Forget the ``kind`` notifications of ``request_id`` (claimed, or of a failed attempt)."""
-        self._inbox.pop((kind, request_id), None)
-        self._arrived.pop((kind, request_id), None)
-        self._claimed.discard((kind, request_id))
-
-    def pending(self) -> dict[tuple[str, str], set[str]]:
-        """Notifications no transfer has claimed yet: (kind, request id) -> sender agents."""
-        return {k: set(v) for k, v in self._inbox.items()}
+    def drain(self) -> list[tuple[str, bytes]]:
+        """Every notification that arrived, as (sender agent, bytes); a NIXL error reads as none. The
+        endpoint verifies and routes them (:mod:`kvgeom_nixl.inbox`): nothing is kept here."""
+        if self.nixl is None:
+            return []
+        try:
+            notifs = self.nixl.get_new_notifs()
+        except nixl_errors():
+            return []
+        return [(_name(sender), bytes(m)) for sender, msgs in notifs.items() for m in msgs]
 
     # ---- teardown --------------------------------------------------------------------------
     def close(self) -> None:
@@ -461,6 +352,3 @@ class RankAgent:
         self._reg = None
         self.nixl = None
         self._probe = None
-        self._inbox.clear()
-        self._arrived.clear()
-        self._claimed.clear()

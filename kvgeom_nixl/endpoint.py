@@ -15,13 +15,19 @@ or prepared-table indices, :mod:`kvgeom_nixl.lowering`), posts them through the 
 :meth:`Endpoint.progress` drains the agent's notifications and advances each in-flight transfer
 one step (:mod:`kvgeom_nixl.transfer`: posted -> landed -> receive steps -> done, or failed).
 
-Notifications carry the request id (``kvgeom1|pulled|<id>`` from a D rank to each P rank it read;
-``kvgeom1|pushed|<id>`` from a P rank to each D rank it wrote); a P rank counts its consumers
-(``plan.consumers()``) and a D rank waits for every P rank it reads from (``plan.sources_of``).
-Give every attempt its own request id (a retry after a failure too): a notification that arrives
-late from a failed attempt is kept until some transfer claims its id, or until it expires from the
-bounded inbox (:mod:`kvgeom_nixl.agent`). Nothing polls in the background: every wait loop calls
-``progress()`` on its own endpoint and on the in-process peers it is given. The contract
+Every call is an attempt with its own nonce; its messages are signed with the link's key and
+carry both sides' nonces (:mod:`kvgeom_nixl.protocol`, docs/design.md §8.1): a D rank opens with
+``req``, a P rank answers (``grant`` for a direct pull, ``want`` for packed plans, a WRITE for a
+direct push), and nothing is done until the other side has confirmed (``held``, ``acked``). A
+message of another attempt is dropped and counted; an id already in flight on the endpoint is
+refused (:class:`~kvgeom_nixl.errors.DuplicateRequest`); a retry with the same id after a failure
+is safe. A failed transfer stays *fencing* until no NIXL request of it is in progress and no peer
+may still touch its memory; :meth:`Endpoint.get_finished` reports a failure only then.
+
+Threading: an endpoint, its links and its transfers belong to one thread (or to callers that hold
+one lock around every call); nothing polls in the background: every wait loop calls
+``progress()`` on its own endpoint and on the in-process peers it is given, and a connector calls
+:meth:`Endpoint.get_finished` once per step. The contract
 (registration, handshake, failure and invalid blocks) is docs/design.md §8; every copy is checked
 to stay in its regions before posting (docs/design.md §4.2 (invariant 1)).
 
@@ -45,9 +51,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from kvgeom import (
@@ -73,27 +81,58 @@ from kvgeom import (
 from kvgeom.lowering import check_in_regions, tile_index_blocks, tile_index_pairs
 from kvgeom.values import CopyBlock, check_instance, check_int, check_seconds
 
-from .agent import INBOX_MAX, INBOX_TTL_S, RankAgent, classify, nixl_errors, notification
-from .errors import ExecutorError, HandshakeError
+from .agent import RankAgent, classify, nixl_errors
+from .errors import DuplicateRequest, ExecutorError, HandshakeError, TransferFailed
 from .handshake import DEFAULT_LIMITS, ROLES, HandshakeLimits, RankInfo, decode_rank, encode_rank
+from .inbox import INBOX_MAX, INBOX_TTL_S, Inbox
 from .lowering import MAX_TABLE_TILES, MODES, capped_table, copy_descs, table_descs
 from .memory import RankMemory
 from .packed import DEFAULT_GRACE_S, PackedTransfer
 from .probe import ProbeRefused
+from .protocol import MAX_ID, encode, link_key, new_secret
 from .receive import apply_receive_steps
 from .staging import DEFAULT_SLOTS, StagingBuffer, run_steps
-from .transfer import Transfer, TransferResult, wait_all
+from .transfer import Poster, Transfer, TransferResult, wait_all
 
 __all__ = ["Endpoint", "Link", "Transfer", "TransferResult", "wait_all", "MAX_TABLE_TILES", "DEFAULT_TIMEOUT_S",
-           "check_timeout"]
+           "check_timeout", "Finished", "HEARTBEAT_S"]
 
 DEFAULT_TIMEOUT_S = 30.0
+HEARTBEAT_S = 0.1  # how often an endpoint pings the peers its transfers wait on (a dead one refuses the send)
+MAX_FINISHED = 1 << 16  # settled transfers get_finished keeps for its next call at most
 RANK_STRATEGIES = ("direct", "staged")  # planned per rank on the compiled pair when a link plans itself
 
 
 def check_timeout(path: str, timeout_s: Any) -> float:
     """A timeout in seconds: finite and > 0 (``nan`` would disable the deadline), else :class:`ExecutorError`."""
     return check_seconds(path, timeout_s, error=ExecutorError)
+
+
+@attrs.frozen
+class Finished:
+    """What :meth:`Endpoint.get_finished` returns: the transfers that ended since the last call.
+
+    ``done``: their results; ``failed``: their failures, each reported only once fenced (nothing
+    may touch its blocks any more), with ``invalid_blocks`` (D ranks) to free or recompute."""
+
+    done: tuple[TransferResult, ...] = ()
+    failed: tuple[TransferFailed, ...] = ()
+
+    @property
+    def done_ids(self) -> set[str]:
+        return {r.request_id for r in self.done}
+
+    @property
+    def failed_ids(self) -> set[str]:
+        return {f.request_id for f in self.failed}
+
+    def invalid_blocks(self) -> dict[int, set[int]]:
+        """Per group, every D block a failed transfer may have written (the union over ``failed``)."""
+        out: dict[int, set[int]] = {}
+        for f in self.failed:
+            for g, ids in f.invalid_blocks.items():
+                out.setdefault(g, set()).update(ids)
+        return out
 
 
 class Endpoint:
@@ -136,7 +175,15 @@ class Endpoint:
         self.closed = False
         self._links: list[Link] = []
         self._inflight: list[Transfer] = []
+        self._fencing: list[Transfer] = []  # failed, waiting for NIXL or a peer to let go of their memory
+        self._finished: deque[Transfer] = deque(maxlen=MAX_FINISHED)  # settled and fenced, for get_finished
         self._stream: Any = None
+        self.secret = new_secret()  # in the handshake: keys every link's messages (docs/design.md §8.1)
+        self.inbox = Inbox(self.name, role, inbox_ttl_s, inbox_max)
+        self.dead: set[str] = set()  # peer agents NIXL refused a send to (disconnected)
+        self._newly_dead: list[tuple[str, str, str]] = []
+        self._deferred: list[Transfer] = []  # retries whose first messages wait for an earlier attempt's fence
+        self._last_ping = 0.0
         # packed plans (docs/design.md §12.5): one staging ring on the cache's device, registered with the regions
         self.staging = StagingBuffer(self.memory, staging_bytes, staging_slots) if staging_bytes else None
         self.staging_grace_s = staging_grace_s
@@ -144,7 +191,7 @@ class Endpoint:
         if self.staging is not None:
             descs = np.concatenate([descs, np.array([self.staging.desc()], np.uint64)])
         self.rank_agent = RankAgent(self.name, descs, self.memory.mem_type, telemetry=telemetry,
-                                    progress_thread=progress_thread, inbox_ttl_s=inbox_ttl_s, inbox_max=inbox_max)
+                                    progress_thread=progress_thread)
 
     @property
     def agent(self) -> Any:
@@ -158,7 +205,7 @@ class Endpoint:
         st = self.staging
         staging = None if st is None else (st.addr, st.nbytes, st.device_id, st.slot_bytes, st.slots)
         return RankInfo(self.engine, self.role, self.rank, self.name, self.memory.mem_type, regions,
-                        self.rank_agent.metadata(), staging)
+                        self.rank_agent.metadata(), staging, self.secret)
 
     def handshake(self) -> bytes:
         """This rank's payload for the peer engine's :meth:`connect`."""
@@ -196,6 +243,11 @@ class Endpoint:
             peers[info.rank] = info
         pair = Pair(first.engine, self.engine) if self.role == "decode" else Pair(self.engine, first.engine)
         self._load(peers, probe)
+        for info in peers.values():
+            p_secret, d_secret = (info.secret, self.secret) if self.role == "decode" else (self.secret, info.secret)
+            p_name, d_name = (info.agent, self.name) if self.role == "decode" else (self.name, info.agent)
+            self.inbox.keys[info.agent] = link_key(p_secret, d_secret, p_name, d_name)
+            self.dead.discard(info.agent)
         link = Link(self, peers, pair)
         self._links = [lk for lk in self._links if not lk.closed] + [link]
         return link
@@ -236,28 +288,178 @@ class Endpoint:
 
     # ---- transfers -------------------------------------------------------------------------
     def track(self, transfer: Transfer) -> Transfer:
-        """Advance ``transfer`` in every :meth:`progress` until it settles; returns it."""
-        if not transfer.settled:
-            self._inflight.append(transfer)
+        """Register ``transfer`` (its nonce routes its messages), send its first messages and advance
+        it in every :meth:`progress` until it settles and is fenced; returns it."""
+        if transfer.settled:
+            self._settled(transfer)
+            return transfer
+        self.inbox.add(transfer)
+        if any(f.request_id == transfer.request_id for f in self._fencing):
+            self._deferred.append(transfer)  # a retry waits for the failed attempt's fence (same blocks)
+        else:
+            transfer.start()
+        self._inflight.append(transfer)
         return transfer
+
+    def check_id(self, request_id: str, what: str) -> None:
+        """Refuse an id already in flight on this endpoint (:class:`DuplicateRequest`)."""
+        other = self.inbox.by_id.get(request_id)
+        if other is not None and not other.settled:
+            raise DuplicateRequest("request_id", f"{what}: request {value_text(request_id, 80)} is already in flight "
+                                   f"on {self.name} ({other.kind})", actual=request_id,
+                                   fix="wait for the first transfer (or cancel it), or use another id")
 
     @property
     def in_flight(self) -> tuple[Transfer, ...]:
         """The transfers of this rank not yet done or failed."""
         return tuple(t for t in self._inflight if not t.settled)
 
+    @property
+    def fencing(self) -> tuple[Transfer, ...]:
+        """Failed transfers whose memory a NIXL request or a peer may still touch."""
+        return tuple(self._fencing)
+
     def progress(self) -> None:
-        """Drain notifications and advance every in-flight transfer of this rank (non-blocking)."""
+        """Route the arrived messages and advance every transfer of this rank (non-blocking)."""
         if self.closed:
             return
-        self.rank_agent.drain()
+        self.inbox.route(self.rank_agent.drain(), self._reply)
+        if self.staging is not None:
+            self.staging.serve_waiting()
         for t in list(self._inflight):
             t.advance()
-        self._inflight = [t for t in self._inflight if not t.settled]
+        if self.staging is not None:
+            self.staging.serve_waiting()
+        self._heartbeat()
+        self._bury()
+        still = []
+        for t in self._inflight:
+            if t.settled:
+                self._settled(t)
+            else:
+                still.append(t)
+        self._inflight = still
+        if self._fencing:
+            for t in list(self._fencing):
+                t.advance_fence()
+            done = [t for t in self._fencing if t.fenced]
+            if done:
+                self._fencing = [t for t in self._fencing if not t.fenced]
+                for t in done:
+                    self.inbox.forget(t)
+                    self._finished.append(t)
+        if self._deferred:
+            fencing = {f.request_id for f in self._fencing}
+            ready = [t for t in self._deferred if t.request_id not in fencing or t.settled]
+            self._deferred = [t for t in self._deferred if t not in ready]
+            for t in ready:
+                t.start()
+
+    def _settled(self, t: Transfer) -> None:
+        self.inbox.settle(t)
+        if t.fenced:
+            self.inbox.forget(t)
+            self._finished.append(t)
+        else:
+            self._fencing.append(t)
+
+    def get_finished(self) -> Finished:
+        """Progress once, then every transfer that ended since the last call and that no wait or poll
+        has reported yet: results, and failures once fenced (their ``invalid_blocks`` may be reused
+        or recomputed). Never raises for a failed transfer: the connector loop's one call per step."""
+        self.progress()
+        done: list[TransferResult] = []
+        failed: list[TransferFailed] = []
+        while self._finished:
+            t = self._finished.popleft()
+            if t._collected:
+                continue
+            t._collected = True
+            if t.result is not None:
+                done.append(t.result)
+            elif t.failure is not None:
+                failed.append(t.failure)
+        return Finished(tuple(done), tuple(failed))
+
+    def collected(self, t: Transfer) -> None:
+        """A wait or poll reported ``t``'s end: get_finished will not report it again."""
+
+    def rebind(self, t: Transfer, agent: str) -> None:
+        """``t`` forgot ``agent``'s cancelled attempt: hand it that agent's newer req, if one is kept."""
+        entry = self.inbox.pending.pop((t.request_id, agent), None)
+        if entry is not None:
+            t.on_message(entry[1])
+
+    def count(self, what: str) -> None:
+        """Count a dropped message (``stale``: of another attempt)."""
+        self.inbox.counts[what] += 1
+
+    def signed(self, t: Transfer, agent: str, kind: str, *args: int) -> bytes:
+        """``t``'s message of ``kind`` to peer ``agent``, with both nonces, signed with the link's key."""
+        peer = t.peer_nonce.get(agent, 0)
+        d, p = (t.nonce, peer) if self.role == "decode" else (peer, t.nonce)
+        return encode(self.inbox.keys.get(agent, b""), self.name, agent, kind, t.request_id, d, p, *args)
+
+    def say(self, t: Transfer, agent: str, kind: str, *args: int) -> bool:
+        """Send ``t``'s message to ``agent``; False when the peer is gone (disconnected or removed; its
+        transfers learn it in this progress call); any other NIXL error is raised."""
+        if agent in self.dead or agent not in self.inbox.keys or self.closed:
+            return False
+        return self._send(agent, self.signed(t, agent, kind, *args), raising=True)
+
+    def _reply(self, agent: str, kind: str, request_id: str, d_nonce: int, p_nonce: int) -> None:
+        """The inbox's answer to a message of an attempt this rank no longer has."""
+        key = self.inbox.keys.get(agent)
+        if key is not None and agent not in self.dead:
+            self._send(agent, encode(key, self.name, agent, kind, request_id, d_nonce, p_nonce))
+
+    def _send(self, agent: str, message: bytes, raising: bool = False) -> bool:
+        try:
+            self.rank_agent.send(agent, message)
+        except nixl_errors() as e:
+            if classify(e) == "peer_disconnected":
+                self._mark_dead(agent, "peer_disconnected", f"NIXL refused a notification: {type(e).__name__}")
+            elif raising:
+                raise
+            return False
+        return True
+
+    def _mark_dead(self, agent: str, reason: str, detail: str) -> None:
+        if agent not in self.dead:
+            self.dead.add(agent)
+            self._newly_dead.append((agent, reason, detail))
+
+    def _bury(self) -> None:
+        """Tell every transfer of the peers that died or were removed since the last call."""
+        while self._newly_dead:
+            agent, reason, detail = self._newly_dead.pop(0)
+            for t in self._inflight + self._fencing:
+                t.peer_gone(agent, reason, f"peer {agent}: {detail}")
+
+    def _heartbeat(self) -> None:
+        """Every HEARTBEAT_S, ping each peer a transfer waits on: NIXL refuses a send to a dead one
+        within milliseconds, so a dead peer fails every mode's transfers in well under a second."""
+        now = time.perf_counter()
+        if now - self._last_ping < HEARTBEAT_S or not (self._inflight or self._fencing):
+            return
+        self._last_ping = now
+        watched: set[str] = set()
+        for t in self._inflight + self._fencing:
+            watched |= t.watched()
+        for agent in sorted(watched - self.dead):
+            key = self.inbox.keys.get(agent)
+            if key is not None:
+                self._send(agent, encode(key, self.name, agent, "ping", "ping", 0, 0))
+
+    def peer_removed(self, agent: str) -> None:
+        """A link forgot ``agent``: it can touch nothing any more; its transfers fail (``closed``)."""
+        self.inbox.keys.pop(agent, None)
+        self._mark_dead(agent, "closed", "the link was closed (its agent removed)")
+        self._bury()
 
     def pending_notifications(self) -> dict[tuple[str, str], set[str]]:
-        """Notifications received for requests no transfer has claimed yet."""
-        return self.rank_agent.pending()
+        """D ranks' reqs no transfer has taken yet: ("req", request id) -> sender agents."""
+        return self.inbox.pending_ids()
 
     def receive(self, rearranges: Sequence[Rearrange], zeros: Zeros) -> Any:
         """Run receive steps on this rank's regions (on :meth:`stream` for VRAM): a CUDA event to
@@ -302,11 +504,15 @@ class Endpoint:
             return
         for t in list(self._inflight):
             t.cancel("closed", "endpoint closed")
-        self._inflight = []
         for link in self._links:
             link.close()
         self._links = []
         self.rank_agent.close()
+        for t in self._inflight + self._fencing:
+            t.advance_fence()  # the agent is gone: every handle is released
+        self._inflight = []
+        self._fencing = []
+        self.inbox.clear()
         self.closed = True
         self.memory.release()
         self.staging = None
@@ -395,73 +601,82 @@ class Link:
             self._tile = tile_bytes(self.pair)
         return self._tile
 
-    # ---- initiators ------------------------------------------------------------------------
+    # ---- initiators ----------------------------------------------------------------------
     def pull(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
              mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct",
              budget: PlanBudget | None = None) -> Transfer:
-        """D rank: post READs of this rank's rows from every P rank it needs; returns at once (a
-        packed plan announces its first slots and pulls chunk by chunk, docs/design.md §12.5).
+        """D rank: ask every P rank it needs (``req``), READ this rank's rows from each once it grants,
+        done when each has confirmed it still held its blocks (``held``); returns at once (a packed
+        plan is pulled chunk by chunk through the staging rings, docs/design.md §12.5).
 
         Without ``plan`` the request is planned with ``strategy`` under ``budget`` (the endpoint's by
         default); ``timeout_s`` counts from this call, planning included."""
         started = time.perf_counter()
-        timeout_s = self._begin("decode", "pull", request_id, timeout_s)
+        timeout_s = self._begin("decode", "pull", request_id, timeout_s, request, plan)
         plan, blocks = self._planned(request, plan, strategy, budget, mode)
         if plan.packed:
             return self._packed("pull", request_id, request, plan, mode, timeout_s, started)
         t = self._transfer("pull", request_id, request, plan, self._mode(mode), timeout_s, started)
         if not self._expired(t, timeout_s):
-            self._post(t, plan.for_decode_rank(self.endpoint.rank).copies, "READ",
-                       notification("pulled", request_id), blocks)
+            copies = plan.for_decode_rank(self.endpoint.rank).copies
+            t.posters = self._posters(t, copies, "READ", blocks)
+            if not t.settled:
+                t.peers = {self.peers[p].agent: p for p in sorted(self._peer_ranks(copies))}
+                t.consumers = self._consumers(request, plan, strategy, budget, set(t.peers.values()))
         return self.endpoint.track(t)
 
     def push(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
              mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct",
              budget: PlanBudget | None = None) -> Transfer:
-        """P rank: post WRITEs of this rank's rows to every D rank that needs them; returns at once (a
-        packed plan packs and writes each chunk once its D ranks have announced their slots;
-        ``strategy``, ``budget`` and ``timeout_s`` as in :meth:`pull`)."""
+        """P rank: WRITE this rank's rows to every D rank that needs them once that D rank's
+        ``accept_push`` has asked (``req``), done when each has acknowledged (``acked``); returns at
+        once (packed: each chunk once its D slots are granted; ``strategy``, ``budget`` and
+        ``timeout_s`` as in :meth:`pull`)."""
         started = time.perf_counter()
-        timeout_s = self._begin("prefill", "push", request_id, timeout_s)
+        timeout_s = self._begin("prefill", "push", request_id, timeout_s, request, plan)
         plan, blocks = self._planned(request, plan, strategy, budget, mode)
         if plan.packed:
             return self._packed("push", request_id, request, plan, mode, timeout_s, started)
         t = self._transfer("push", request_id, request, plan, self._mode(mode), timeout_s, started)
         if not self._expired(t, timeout_s):
-            self._post(t, plan.for_prefill_rank(self.endpoint.rank), "WRITE", notification("pushed", request_id),
-                       blocks)
+            copies = plan.for_prefill_rank(self.endpoint.rank)
+            t.posters = self._posters(t, copies, "WRITE", blocks)
+            if not t.settled:
+                t.peers = {self.peers[d].agent: d for d in sorted(self._peer_ranks(copies))}
         return self.endpoint.track(t)
 
     # ---- passive sides ---------------------------------------------------------------------
     def accept_push(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
                     timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct",
                     budget: PlanBudget | None = None) -> Transfer:
-        """D rank: wait for the WRITE notification of every P rank this rank reads from, then run
-        the receive steps (packed: announce slots, unpack each chunk as it lands; ``strategy``,
-        ``budget`` and ``timeout_s`` as in :meth:`pull`)."""
+        """D rank: ask every P rank this rank reads from to push (``req``), wait for each WRITE's
+        notification, run the receive steps and acknowledge (packed: grant slots as P asks, unpack
+        each chunk as it lands; ``strategy``, ``budget`` and ``timeout_s`` as in :meth:`pull`)."""
         started = time.perf_counter()
-        timeout_s = self._begin("decode", "accept_push", request_id, timeout_s)
-        plan = self._plan(request, plan, strategy, budget)
+        timeout_s = self._begin("decode", "accept_push", request_id, timeout_s, request, plan)
+        plan = self._plan(request, plan, strategy, budget, "link.accept_push(request_id, request)")
         if plan.packed:
             return self._packed("accept_push", request_id, request, plan, "coalesced", timeout_s, started)
         rank = self.endpoint.rank
-        expect = {self._peer(p).agent for p in plan.sources_of(rank)}
-        t = self._transfer("accept_push", request_id, request, plan, "-", timeout_s, started, notif_kind="pushed",
-                           expect=expect, bytes_moved=plan.for_decode_rank(rank).bytes_copied)
+        t = self._transfer("accept_push", request_id, request, plan, "-", timeout_s, started,
+                           bytes_moved=plan.for_decode_rank(rank).bytes_copied)
+        t.peers = {self._peer(p).agent: p for p in plan.sources_of(rank)}
         return self.endpoint.track(t)
 
     def serve_pull(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
                    timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct",
                    budget: PlanBudget | None = None) -> Transfer:
-        """P rank: done when every D rank that reads from this rank (``plan.consumers()``) has said so
-        (packed: pack each chunk once its D ranks have announced their slots).
+        """P rank: hold this rank's blocks for ``request_id``, grant each D rank that reads from it
+        (``plan.consumers()``), done when each has confirmed its READ (packed: pack each chunk once
+        its D slots are granted). :meth:`hold` is the same without a request.
 
         The plan is built from the peer's self-description under ``budget`` (the endpoint's by
         default), and ``timeout_s`` counts from this call, so a hostile geometry can neither make
         the planning unbounded nor hide it from the deadline."""
         started = time.perf_counter()
-        timeout_s = self._begin("prefill", "serve_pull", request_id, timeout_s)
-        plan = self._plan(request, plan, strategy, budget)
+        timeout_s = self._begin("prefill", "serve_pull", request_id, timeout_s, request, plan)
+        plan = self._plan(request, plan, strategy, budget, "link.serve_pull(request_id, request), or "
+                          "link.hold(request_id) for a direct pull without the request")
         if plan.packed:
             return self._packed("serve_pull", request_id, request, plan, "coalesced", timeout_s, started)
         p = self.endpoint.rank
@@ -470,20 +685,52 @@ class Link:
         if len(consumers) != int(plan.consumers()[p]):
             raise ExecutorError("plan.consumers", "the consumer count disagrees with the plan's rows",
                                 actual=int(plan.consumers()[p]), expected=len(consumers))
-        expect = {self._peer(d).agent for d in consumers}
-        t = self._transfer("serve_pull", request_id, request, plan, "-", timeout_s, started, notif_kind="pulled",
-                           expect=expect, bytes_moved=mine.total_bytes)
+        t = self._transfer("serve_pull", request_id, request, plan, "-", timeout_s, started,
+                           bytes_moved=mine.total_bytes)
+        t.peers = {self._peer(d).agent: d for d in sorted(consumers)}
+        t.expect_count = len(consumers)
         return self.endpoint.track(t)
 
+    def hold(self, request_id: str, *, consumers: int | None = None,
+             timeout_s: float = DEFAULT_TIMEOUT_S) -> Transfer:
+        """P rank, direct pulls, knowing only its own blocks: hold them for ``request_id`` until
+        ``consumers`` D ranks (default: as many as the D ranks' ``req`` say) have READ them and
+        confirmed, or until ``timeout_s``. No plan: D plans and READs; P grants every D rank of the
+        link that asks for the id, and answers each READ's notification with ``held`` while it
+        still holds (a READ that finishes after the hold ended gets ``cancel``: D fails it). The
+        caller keeps the blocks untouched until the transfer settles."""
+        started = time.perf_counter()
+        timeout_s = self._begin("prefill", "hold", request_id, timeout_s, None, None)
+        if consumers is not None:
+            consumers = check_int("consumers", consumers, minimum=1, error=ExecutorError)
+            if consumers > len(self.peers):
+                raise ExecutorError("consumers", f"{consumers} D ranks on a link to {len(self.peers)}",
+                                    actual=consumers, expected=f"<= {len(self.peers)}",
+                                    fix="pass how many D ranks read this rank's blocks")
+        ep = self.endpoint
+        t = Transfer(ep, ep.rank_agent, "hold", request_id, None, None, "-", timeout_s, role=ep.role, rank=ep.rank,
+                     peers={info.agent: r for r, info in self.peers.items()}, expect_count=consumers,
+                     started=started, resend_s=ep.staging_grace_s)
+        return ep.track(t)
+
     # ---- one request -----------------------------------------------------------------------
-    def _begin(self, role: str, what: str, request_id: Any, timeout_s: Any) -> float:
-        """The checks every transfer call makes before any work: role, open link, id, timeout."""
+    def _begin(self, role: str, what: str, request_id: Any, timeout_s: Any, request: Any, plan: Any) -> float:
+        """The checks every transfer call makes before any work: role, open link, id (not in flight
+        on the endpoint), timeout, and (but for hold) a request or a plan."""
         self._require(role, what)
-        if not isinstance(request_id, str) or not request_id or "|" in request_id or len(request_id) > 256:
-            raise ExecutorError("request_id", f"{what} needs a non-empty string id without '|' (at most 256 "
-                                f"characters), got {type(request_id).__name__}", actual=request_id,
+        if not isinstance(request_id, str) or not request_id or "|" in request_id or len(request_id) > MAX_ID:
+            raise ExecutorError("request_id", f"{what} needs a non-empty string id without '|' (at most {MAX_ID} "
+                                f"characters), got {type(request_id).__name__}", actual=value_text(request_id, 80),
                                 expected="a string", fix="use the scheduler's request id as a string")
-        return check_timeout("timeout_s", timeout_s)
+        timeout_s = check_timeout("timeout_s", timeout_s)
+        if what != "hold" and request is None and plan is None:
+            fix = {"pull": "link.pull(request_id, request)", "push": "link.push(request_id, request)",
+                   "accept_push": "link.accept_push(request_id, request)",
+                   "serve_pull": "link.serve_pull(request_id, request), or link.hold(request_id) to serve a "
+                                 "direct pull knowing only this rank's blocks"}[what]
+            raise ExecutorError("request", f"{what} needs the request (to plan it) or a plan", fix=fix)
+        self.endpoint.check_id(request_id, what)
+        return timeout_s
 
     @staticmethod
     def _expired(t: Transfer, timeout_s: float) -> bool:
@@ -508,6 +755,7 @@ class Link:
         own_col = plan.wire.d_rank if self.local_is_decode else plan.wire.p_rank
         peers = {int(p): self._peer(int(p)) for p in np.unique(peer_col[own_col == ep.rank])}
         invalid = self.pair.writable_blocks(request) if request is not None and self.local_is_decode else {}
+        t: Transfer
         t = PackedTransfer(ep, ep.rank_agent, kind, request_id, request, plan, timeout_s, role=ep.role, rank=ep.rank,
                            buffer=ep.staging, peers=peers, run_steps=ep.run_staged,
                            receive=ep.receive if self.local_is_decode else None, grace_s=ep.staging_grace_s,
@@ -523,25 +771,49 @@ class Link:
         return ep.track(t)
 
     def _transfer(self, kind: str, request_id: str, request: Request | None, plan: TransferPlan, mode: str,
-                  timeout_s: float, started: float, *, notif_kind: str = "", expect: Iterable[str] = (),
-                  bytes_moved: int = 0) -> Transfer:
+                  timeout_s: float, started: float, *, bytes_moved: int = 0) -> Transfer:
         ep = self.endpoint
         invalid = self.pair.writable_blocks(request) if request is not None and self.local_is_decode else {}
         return Transfer(ep, ep.rank_agent, kind, request_id, request, plan, mode, timeout_s, role=ep.role,
-                        rank=ep.rank, notif_kind=notif_kind, expect=expect, bytes_moved=bytes_moved,
-                        receive=ep.receive if self.local_is_decode else None, started=started,
-                        invalid_blocks=invalid)
+                        rank=ep.rank, bytes_moved=bytes_moved, receive=ep.receive if self.local_is_decode else None,
+                        started=started, invalid_blocks=invalid, resend_s=ep.staging_grace_s)
 
-    def _post(self, t: Transfer, copies: Copies, op: str, notif: bytes,
-              blocks: tuple[CopyBlock, ...] | None = None) -> None:
-        """Lower this rank's ``copies`` to one NIXL request per peer rank and post them.
+    def _peer_ranks(self, copies: Copies) -> set[int]:
+        return {int(r) for r in np.unique(self._sides(copies)[0])}
+
+    def _consumers(self, request: Request | None, plan: TransferPlan, strategy: str, budget: PlanBudget | None,
+                   sources: set[int]) -> dict[str, int]:
+        """D: per P agent, how many D ranks read from it (told in ``req``, so a P rank that holds
+        without a plan knows when it is done): from the whole plan, or (a plan of this rank only)
+        from each source's own rank plan on the compiled pair."""
+        rank_plan = plan.decode_ranks > 1 and not len(plan.copies.take(plan.copies.d_rank != self.endpoint.rank)) \
+            and request is not None and strategy in RANK_STRATEGIES
+        counts = plan.consumers()
+        out: dict[str, int] = {}
+        for p in sources:
+            n = int(counts[p])
+            if rank_plan and request is not None:
+                try:
+                    compiled = self.pair.compile(budget=self.endpoint.budget if budget is None else budget)
+                    theirs = compiled.plan(request, strategy=strategy, budget=None,  # type: ignore[arg-type]
+                                           prefill_rank=p)
+                    n = len({int(d) for d in np.unique(theirs.copies.d_rank)})
+                except PlanBudgetExceeded:
+                    n = 0  # unknown: a P rank that holds without a plan waits for its timeout
+            out[self.peers[p].agent] = n
+        return out
+
+    def _posters(self, t: Transfer, copies: Copies, op: str,
+                 blocks: tuple[CopyBlock, ...] | None = None) -> dict[str, Poster]:
+        """Lower this rank's ``copies`` to one NIXL request per peer rank, posted once the protocol
+        lets it (:meth:`Transfer._post_to`, with that peer's signed notification).
 
         Every row is checked against the regions the two ranks hold (a region of another pipeline
-        stage has 0 bytes there, docs/design.md §11.4) before anything is posted. A bad plan or a
-        NIXL refusal fails ``t`` (what was posted is released); a plan that needs a peer rank this
-        link was not given raises :class:`ExecutorError` before anything is posted.
+        stage has 0 bytes there, docs/design.md §11.4) before anything is posted. A bad plan fails
+        ``t``; a plan that needs a peer rank this link was not given raises :class:`ExecutorError`.
         """
         agent = self.endpoint.rank_agent
+        out: dict[str, Poster] = {}
         try:
             peer_col, lreg, loff, rreg, roff = self._sides(copies)
             peers = [self._peer(int(p)) for p in np.unique(peer_col)]  # every peer the rows need, first
@@ -560,20 +832,26 @@ class Link:
                     local = copy_descs(self.endpoint.memory.bases, self.endpoint.memory.devices, lreg[rows],
                                        loff[rows], copies.nbytes[rows])
                     remote = copy_descs(info.bases, info.devices, rreg[rows], roff[rows], copies.nbytes[rows])
-                    h = agent.post_coalesced(op, local, remote, info.mem_type, info.agent, notif)
-                    t.add_request(h, descriptors=len(rows), nbytes=nbytes)
+
+                    def coalesced(notif: bytes, local: np.ndarray = local, remote: np.ndarray = remote,
+                                  info: RankInfo = info, n: int = len(rows), nbytes: int = nbytes) -> tuple[Any, int, int]:
+                        return agent.post_coalesced(op, local, remote, info.mem_type, info.agent, notif), n, nbytes
+
+                    out[info.agent] = coalesced
                 else:
                     local_idx, remote_idx = prepped[info.rank]
-                    h = agent.post_prepped(op, self._local_table(), local_idx, self._remote_table(info),
-                                           remote_idx, notif)
-                    t.add_request(h, descriptors=len(local_idx), nbytes=nbytes)
+                    local_table, remote_table = self._local_table(), self._remote_table(info)
+
+                    def indexed(notif: bytes, li: np.ndarray = local_idx, ri: np.ndarray = remote_idx,
+                                lt: Any = local_table, rt: Any = remote_table, nbytes: int = nbytes) -> tuple[Any, int, int]:
+                        return agent.post_prepped(op, lt, li, rt, ri, notif), len(li), nbytes
+
+                    out[info.agent] = indexed
         except nixl_errors() as e:
             t.fail(classify(e), f"posting: {type(e).__name__}: {e}")
         except (PlanError, RuntimeError, KeyError) as e:
             t.fail("plan_error" if isinstance(e, PlanError) else "nixl_error", f"posting: {type(e).__name__}: {e}")
-        except BaseException:  # e.g. ExecutorError for a peer the link lacks: release what was posted
-            t.cancel("closed", "posting interrupted")
-            raise
+        return out
 
     def _sides(self, copies: Copies) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(peer rank, local region, local offset, peer region, peer offset) columns."""
@@ -652,13 +930,12 @@ class Link:
         return mode
 
     def _plan(self, request: Request | None, plan: TransferPlan | None, strategy: str = "direct",
-              budget: PlanBudget | None = None) -> TransferPlan:
+              budget: PlanBudget | None = None, fix: str = "link.pull(request_id, request)") -> TransferPlan:
         if request is not None:
             check_instance("request", request, Request, error=ExecutorError, fix="pass a kvgeom.Request")
         if plan is None:
             if request is None:
-                raise ExecutorError("request", "pass the request (to plan it) or a plan",
-                                    fix="link.pull(request_id, request)")
+                raise ExecutorError("request", "pass the request (to plan it) or a plan", fix=fix)
             if strategy in RANK_STRATEGIES:  # this rank's part only, on the compiled pair
                 return self.rank_plan(request, strategy=strategy, budget=budget)
             plan = self.plan(request, strategy=strategy, budget=budget)  # auto may pick packed: the whole plan
@@ -683,6 +960,7 @@ class Link:
         self.closed = True
         for info in self.peers.values():
             self.endpoint.rank_agent.remove_peer(info.agent)
+            self.endpoint.peer_removed(info.agent)  # "agent removed": its transfers fail, their fences lift
 
     def __enter__(self) -> Link:
         return self

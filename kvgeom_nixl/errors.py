@@ -2,6 +2,7 @@
 
     ExecutorError(KvGeomError, ValueError)   registration sizes, unknown modes, closed endpoints
       RegistrationError                       a buffer that does not match its region
+      DuplicateRequest                        a request id already in flight on the endpoint
     HandshakeError(SchemaError)               a peer's payload is malformed or inconsistent
     TransferFailed(RuntimeError)              timeout, dead peer, NIXL error: the D blocks to recompute
 
@@ -18,7 +19,8 @@ from typing import Any
 
 from kvgeom import KvGeomError, SchemaError
 
-__all__ = ["ExecutorError", "RegistrationError", "HandshakeError", "TransferFailed", "FAILURE_REASONS"]
+__all__ = ["ExecutorError", "RegistrationError", "DuplicateRequest", "HandshakeError", "TransferFailed",
+           "FAILURE_REASONS"]
 
 
 class ExecutorError(KvGeomError):
@@ -27,6 +29,10 @@ class ExecutorError(KvGeomError):
 
 class RegistrationError(ExecutorError):
     """A buffer handed to registration does not match its region (size, layout, device)."""
+
+
+class DuplicateRequest(ExecutorError):
+    """A transfer call named a request id that is already in flight on the endpoint (docs/design.md §8.1)."""
 
 
 class HandshakeError(SchemaError):

@@ -1,15 +1,18 @@
 """The handshake payload: what one rank tells a peer engine about itself, as versioned JSON.
 
-    {"kvgeom_handshake": 1,                     <- payload version
+    {"kvgeom_handshake": 2,                     <- payload version
      "role": "prefill", "rank": 1, "agent": "kvgeom-prefill-1-3f2a",
      "engine": {... kvgeom.tools.serialize document of the engine's geometry ...},
      "memory": {"mem_type": "DRAM",
                 "regions": [{"addr": 139..., "nbytes": 1048576, "device": 0}, ...]},
      "nixl_metadata": "<base64 of nixl_agent.get_agent_metadata()>",
+     "secret": "<base64 of the endpoint's 32 random bytes>",   <- keys the link's messages (§8.1)
      "staging": {"addr": ..., "nbytes": 2097152, "device": 0, "slot_bytes": 1048576, "slots": 2}}
                                                   <- only from an endpoint with a staging buffer
 
-No pickle: the NIXL metadata travels as base64 and everything else is plain JSON. Decoding checks
+The secret makes the payload a credential: whoever holds both sides' payloads can sign messages
+between them, so the payloads must travel over an authenticated, confidential channel
+(docs/design.md §8.1). No pickle: the NIXL metadata travels as base64 and everything else is plain JSON. Decoding checks
 everything before the payload is used: its size and nesting (bounded JSON, :func:`kvgeom.tools.parse_json`),
 the version, every field's type, the geometry (through :mod:`kvgeom.tools.serialize`), the configured
 maxima of a remote's sizes (:class:`HandshakeLimits`: TP, ranks, regions, pages per region),
@@ -42,13 +45,14 @@ from kvgeom.values import check_int, is_int
 
 from .errors import HandshakeError
 from .memory import MEM_TYPES
+from .protocol import SECRET_BYTES
 
 __all__ = ["HANDSHAKE_VERSION", "RankInfo", "encode_rank", "decode_rank", "ROLES", "HandshakeLimits",
            "DEFAULT_LIMITS"]
 
-HANDSHAKE_VERSION = 1
+HANDSHAKE_VERSION = 2
 ROLES = ("prefill", "decode")
-_KEYS = {"kvgeom_handshake", "role", "rank", "agent", "engine", "memory", "nixl_metadata"}
+_KEYS = {"kvgeom_handshake", "role", "rank", "agent", "engine", "memory", "nixl_metadata", "secret"}
 _OPTIONAL = {"staging"}
 _STAGING_KEYS = {"addr", "nbytes", "device", "slot_bytes", "slots"}
 MAX_SLOTS = 1 << 10  # a ring of more slots than this is refused (a peer's input is hostile)
@@ -91,6 +95,7 @@ class RankInfo:
     regions: tuple[tuple[int, int, int], ...]  # (addr, nbytes, device) per region
     metadata: bytes = attrs.field(repr=False)
     staging: tuple[int, int, int, int, int] | None = None  # (addr, nbytes, device, slot_bytes, slots)
+    secret: bytes = attrs.field(default=b"", repr=False)  # keys the messages of every link to this rank
 
     @property
     def region_ids(self) -> tuple[int, ...]:
@@ -128,6 +133,7 @@ def encode_rank(info: RankInfo) -> bytes:
         "memory": {"mem_type": info.mem_type,
                    "regions": [{"addr": a, "nbytes": n, "device": d} for a, n, d in info.regions]},
         "nixl_metadata": base64.b64encode(info.metadata).decode("ascii"),
+        "secret": base64.b64encode(info.secret).decode("ascii"),
     }
     if info.staging is not None:
         addr, nbytes, device, slot_bytes, slots = info.staging
@@ -238,7 +244,21 @@ def decode_rank(payload: bytes | bytearray | str, *, limits: HandshakeLimits = D
     except (binascii.Error, UnicodeEncodeError) as e:
         raise _fail("$.nixl_metadata", f"not valid base64: {e}", fix="send the payload unmodified") from e
     staging = _staging(doc["staging"]) if "staging" in doc else None
-    return RankInfo(engine, role, rank, agent, mem_type, tuple(regions), metadata, staging)
+    return RankInfo(engine, role, rank, agent, mem_type, tuple(regions), metadata, staging, _secret(doc["secret"]))
+
+
+def _secret(v: Any) -> bytes:
+    """The peer's secret: base64 of exactly SECRET_BYTES bytes."""
+    if not isinstance(v, str) or len(v) > 64:
+        raise _fail("$.secret", "expected base64 text of 32 bytes", actual=value_text(v, 60), expected="string")
+    try:
+        raw = base64.b64decode(v.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError) as e:
+        raise _fail("$.secret", f"not valid base64: {e}", fix="send the payload unmodified") from e
+    if len(raw) != SECRET_BYTES:
+        raise _fail("$.secret", f"a secret of {len(raw)} bytes", actual=len(raw), expected=SECRET_BYTES,
+                    fix="send the payload handshake() made, unmodified")
+    return raw
 
 
 def _peek_sizes(engine_doc: Any, limits: HandshakeLimits) -> None:

@@ -1,23 +1,28 @@
-"""One packed request on one rank: chunks pipelined through the staging ring (docs/design.md §12.5).
+"""One packed attempt on one rank: chunks pipelined through the staging ring (docs/design.md §12.5).
 
     D rank (pull | accept_push)                           P rank (serve_pull | push)
-    for each chunk c with wire rows to this rank, in order, while a slot is free:
-      reserve slot s_d, send "slot c s_d" to c's P ranks  ->  once every consumer of c announced and a
-                                                              slot is free: reserve s_p, pack c (torch)
-      pull:  <- "packed c s_p"; READ s_p -> s_d,          ->  (NIXL: "chunk_pulled c" after the data)
-             notification "chunk_pulled c"                    free s_p
-      push:  <- WRITE s_p -> s_d + "landed c"             <-  WRITE per consumer; free s_p when done
-      unpack c from s_d (torch), free s_d
-    after the last chunk: the zeros (D), done
+      req --------------------------------------------->  (every consumer of the request asked)
+          <---------------------------------------------  want c            (P's order, every chunk)
+      (every source of c wants it; slots granted in the
+       order chunks became wanted, one queue per ring)
+      slot c s_d -------------------------------------->  (every consumer granted c) reserve s_p, pack c
+      pull:  <-- packed c s_p --  READ s_p -> s_d + NIXL "chunk_pulled c" -->  free s_p
+      push:  <-- WRITE s_p -> s_d + NIXL "landed c" --                        free s_p once written
+      unpack c from s_d, free s_d;  after the last chunk: zeros (D), done (push: acked --> P done)
 
-Every chunk is a small state machine (``announced`` -> ``wire`` -> ``landed`` -> ``unpacking`` ->
-``done`` on D; ``packing`` -> ``served`` | ``wire`` -> ``done`` on P); :meth:`PackedTransfer.advance`
-moves each as far as it can without blocking. With two slots, chunk c + 1 is packed while chunk c
-is on the wire. A failure sends ``abort`` to the peers and frees this transfer's slots; a slot that a
-NIXL request or a peer may still touch is quarantined until that settles or the grace time ends.
+Every chunk is a small state machine (``new`` -> ``queued`` -> ``granted`` -> ``wire`` | ``landed``
+-> ``unpacking`` -> ``done`` on D; ``new`` -> ``wanted`` -> ``slotted`` -> ``packing`` ->
+``served`` | ``wire`` -> ``done`` on P); :meth:`PackedTransfer.advance` moves each as far as it can
+without blocking. P decides the order (its ``want`` messages), a D ring grants slots first come
+first served, and a P slot is reserved only once its D slots are granted, so no rank holds a slot
+waiting for a peer that holds one waiting for it: requests posted in different orders on
+different ranks all complete (capacity limits throughput, not liveness). A failure sends
+``cancel`` to the peers and keeps each slot a NIXL request or a peer may still touch until NIXL
+reports the request finished and the peer has said so (its ``landed``/``chunk_pulled``, its
+``ended``) or is gone; no timer frees a slot.
 
 Worked number: a D rank with 2 slots and a 5-chunk request holds chunks 0 and 1 first; chunk 2 is
-announced as soon as chunk 0 is unpacked and its slot freed.
+granted as soon as chunk 0 is unpacked and its slot freed.
 """
 
 from __future__ import annotations
@@ -31,17 +36,17 @@ import numpy as np
 
 from kvgeom import PlanError, Request, TransferPlan
 
-from .agent import RankAgent, nixl_errors, notification
+from .agent import RankAgent
 from .errors import ExecutorError
 from .handshake import RankInfo
+from .protocol import Message
 from .staging import StagingBuffer
-from .transfer import Driver, ReceiveSteps, Transfer
+from .transfer import Messenger, ReceiveSteps, Transfer
 
 __all__ = ["PackedTransfer", "DEFAULT_GRACE_S"]
 
 DEFAULT_GRACE_S = 5.0
-_KINDS = ("slot", "packed", "chunk_pulled", "landed", "abort")  # the notifications of a packed transfer
-"""How long a failed transfer's slot stays quarantined at most, waiting for a peer that may still touch it."""
+"""How often a failed transfer repeats its ``cancel`` to a peer it still waits for (a lost message)."""
 
 
 @attrs.define
@@ -54,33 +59,35 @@ class _Chunk:
     phase: str = "new"
     slot: int = -1
     peer_slots: dict[int, int] = attrs.Factory(dict)
+    heard: set[int] = attrs.Factory(set)  # peers whose want (D) / chunk_pulled (P serve) / landed (D push) arrived
     handles: list[Any] = attrs.Factory(list)
+    touching: set[str] = attrs.Factory(set)  # after a failure: peer agents that may still touch the slot
     event: Any = None
     started: float = 0.0
 
 
 class PackedTransfer(Transfer):
-    """A packed request on one rank (kind ``pull`` | ``accept_push`` on D, ``serve_pull`` | ``push`` on P).
+    """A packed attempt on one rank (kind ``pull`` | ``accept_push`` on D, ``serve_pull`` | ``push`` on P).
 
-    Made by a :class:`~kvgeom_nixl.Link`; ``peers`` maps peer ranks to their handshakes (with their
+    Made by a :class:`~kvgeom_nixl.Link`; ``infos`` maps peer ranks to their handshakes (with their
     staging buffers), ``run_steps(steps, slot, pack)`` runs pack or unpack steps on this rank's
     regions and returns a CUDA event or None.
     """
 
-    def __init__(self, endpoint: Driver, agent: RankAgent, kind: str, request_id: str, request: Request | None,
+    direct = False
+
+    def __init__(self, endpoint: Messenger, agent: RankAgent, kind: str, request_id: str, request: Request | None,
                  plan: TransferPlan, timeout_s: float, *, role: str, rank: int, buffer: StagingBuffer,
                  peers: dict[int, RankInfo], run_steps: Callable[[Any, int, bool], Any],
                  receive: ReceiveSteps | None = None, grace_s: float = DEFAULT_GRACE_S, started: float | None = None,
                  invalid_blocks: Mapping[int, tuple[int, ...]] | None = None) -> None:
         super().__init__(endpoint, agent, kind, request_id, request, plan, "coalesced", timeout_s, role=role,
-                         rank=rank, receive=receive, started=started, invalid_blocks=invalid_blocks)
-        for notif in _KINDS:  # kept in the inbox (never evicted) until this transfer drops them
-            agent.claim(notif, request_id)
+                         rank=rank, peers={info.agent: r for r, info in peers.items()}, receive=receive,
+                         started=started, invalid_blocks=invalid_blocks, resend_s=grace_s)
         self.buffer = buffer
-        self.peers = peers
+        self.infos = peers
         self.run_steps = run_steps
         self.grace_s = grace_s
-        self.on_decode = role == "decode"
         mine = plan.for_decode_rank(rank) if self.on_decode else plan.packed_for_prefill_rank(rank)
         self.steps = mine.unpacks if self.on_decode else mine.packs
         self.wire = mine.wire
@@ -89,7 +96,8 @@ class PackedTransfer(Transfer):
         for c in np.unique(self.wire.chunk).tolist():
             rows = np.flatnonzero(self.wire.chunk == c)
             self.chunks.append(_Chunk(int(c), tuple(int(p) for p in np.unique(peer_col[rows])), rows))
-        self.next = 0
+        self.by_index = {ch.index: ch for ch in self.chunks}
+        self.asked: set[int] = set()  # P: D ranks whose req arrived
         self.pack_s = 0.0
         self.wire_s = 0.0
         self.unpack_s = 0.0
@@ -109,7 +117,7 @@ class PackedTransfer(Transfer):
                             expected=f"<= {self.buffer.slot_bytes}",
                             fix="make the endpoints' staging slots at least as large as the plan's busiest chunk")
         for r in range(len(w)):
-            info = self.peers[int(peer_col[r])]
+            info = self.infos[int(peer_col[r])]
             if info.staging is None:
                 raise ExecutorError("peer staging", f"peer rank {int(peer_col[r])} has no staging buffer",
                                     fix="create every endpoint of both engines with staging_bytes > 0")
@@ -118,41 +126,100 @@ class PackedTransfer(Transfer):
                                 f"{int(peer_col[r])}'s {info.staging[3]} B slot", actual=int(peer_off[r] + w.nbytes[r]),
                                 expected=f"<= {info.staging[3]}")
 
+    # ---- messages -------------------------------------------------------------------------------------
+    def _chunk_of(self, m: Message) -> tuple[_Chunk, int] | None:
+        ch = self.by_index.get(m.args[0]) if m.args else None
+        rank = self.peers[m.sender]
+        if ch is None or rank not in ch.peers:
+            self.endpoint.count("stale")
+            return None
+        return ch, rank
+
+    def _slot_arg(self, rank: int, slot: int) -> int:
+        staging = self.infos[rank].staging
+        if staging is None or not 0 <= slot < staging[4]:
+            raise PlanError("notification", f"peer rank {rank} names slot {slot} of its "
+                            f"{0 if staging is None else staging[4]}", actual=slot,
+                            expected=f"< {0 if staging is None else staging[4]}")
+        return slot
+
+    def _on(self, m: Message) -> None:
+        k = m.kind
+        if k == "req" and not self.on_decode:
+            self.asked.add(self.peers[m.sender])
+            return
+        if k == "acked" and self.kind == "push":
+            self.confirmed.add(m.sender)
+            return
+        got = self._chunk_of(m) if k in ("want", "slot", "packed", "chunk_pulled", "landed") else None
+        if got is None:
+            if k not in ("want", "slot", "packed", "chunk_pulled", "landed"):
+                self.endpoint.count("stale")
+            return
+        ch, rank = got
+        if self.on_decode and k == "want" and ch.phase == "new":
+            ch.heard.add(rank)
+            if len(ch.heard) == len(ch.peers):
+                ch.phase = "queued"
+                ch.heard = set()
+                self.buffer.waiting.append((self, ch.index))  # granted in the order chunks became wanted
+        elif self.on_decode and k == "packed" and self.kind == "pull" and ch.phase == "granted":
+            ch.peer_slots[rank] = self._slot_arg(rank, m.args[1])
+            if len(ch.peer_slots) == len(ch.peers):
+                self._post(ch, "READ", "chunk_pulled")
+                ch.phase = "wire"
+        elif self.on_decode and k == "landed" and self.kind == "accept_push" and ch.phase == "granted":
+            ch.heard.add(rank)
+            if len(ch.heard) == len(ch.peers):
+                ch.phase = "landed"
+        elif not self.on_decode and k == "slot" and ch.phase == "wanted":
+            ch.peer_slots[rank] = self._slot_arg(rank, m.args[1])
+            if len(ch.peer_slots) == len(ch.peers):
+                ch.phase = "slotted"
+        elif not self.on_decode and k == "chunk_pulled" and self.kind == "serve_pull" and ch.phase == "served":
+            ch.heard.add(rank)
+            if len(ch.heard) == len(ch.peers):
+                self.buffer.release(ch.slot)
+                ch.slot, ch.phase = -1, "done"
+        else:
+            self.endpoint.count("stale")
+
+    def _late(self, m: Message) -> None:
+        """After a failure, a chunk's completion message clears that peer's fence on its slot."""
+        if m.kind in ("chunk_pulled", "landed") and m.args:
+            ch = self.by_index.get(m.args[0])
+            if ch is not None:
+                ch.touching.discard(m.sender)
+                self._union_touching()
+
+    def grant(self, index: int) -> bool:
+        """D: reserve a slot for queued chunk ``index`` and tell its P ranks (the ring's queue calls this)."""
+        ch = self.by_index[index]
+        if self.settled or ch.phase != "queued":
+            return True  # nothing to grant: the queue drops it
+        slot = self.buffer.acquire((self.request_id, ch.index))
+        if slot is None:
+            return False
+        ch.slot, ch.phase = slot, "granted"
+        try:
+            for p in ch.peers:
+                self._say(self.infos[p].agent, "slot", ch.index, slot)
+        except Exception as e:  # noqa: BLE001 - a NIXL error: the transfer fails, the slot is fenced
+            self.fail("nixl_error", f"granting a slot: {type(e).__name__}: {e}")
+        return True
+
     # ---- the state machine ----------------------------------------------------------------------------
     def _step(self) -> None:
         if self.state == "posted":
-            self._check_abort()
-            if self.settled:
-                return
             if self.on_decode:
                 self._advance_decode()
             else:
                 self._advance_prefill()
-            if all(ch.phase == "done" for ch in self.chunks):
+            if all(ch.phase == "done" for ch in self.chunks) and (
+                    self.kind != "push" or len(self.confirmed) == len(self.peers)):
                 self.state = "landed"  # the zeros (D) and the result: Transfer's own steps
         if self.state in ("landed", "receiving"):
             super()._step()
-
-    def _check_abort(self) -> None:
-        senders = self.agent.senders("abort", self.request_id)
-        mine = {self.peers[p].agent for ch in self.chunks for p in ch.peers}
-        if senders & mine:
-            self.fail("aborted", f"peer {sorted(senders & mine)[0]} gave up on the request")
-
-    def _chunk_args(self, kind: str, chunk: int) -> dict[int, tuple[int, ...]]:
-        """Per peer rank, the args of its ``kind`` notification for ``chunk`` (first argument)."""
-        by_agent = {info.agent: rank for rank, info in self.peers.items()}
-        out: dict[int, tuple[int, ...]] = {}
-        for sender, arg_list in self.agent.messages(kind, self.request_id).items():
-            if sender not in by_agent:
-                continue
-            for args in arg_list:
-                if args and args[0] == chunk:
-                    out[by_agent[sender]] = args
-        return out
-
-    def _send(self, peer: int, kind: str, *args: int) -> None:
-        self.agent.send(self.peers[peer].agent, notification(kind, self.request_id, *args))
 
     def _run(self, ch: _Chunk, pack: bool) -> None:
         ch.started = time.perf_counter()
@@ -176,25 +243,23 @@ class PackedTransfer(Transfer):
         self._timed(pack, time.perf_counter() - ch.started)
         return True
 
-    def _post(self, ch: _Chunk, op: str, notif: bytes) -> None:
+    def _post(self, ch: _Chunk, op: str, notif_kind: str) -> None:
         """One NIXL request per peer: this rank's slot rows against the peer's slot rows."""
         w = self.wire
         ch.started = time.perf_counter()
         for peer in ch.peers:
-            info = self.peers[peer]
+            info = self.infos[peer]
             staging = info.staging
             if staging is None:
                 raise ExecutorError("peer staging", f"peer rank {peer} has no staging buffer")
             peer_slot = ch.peer_slots[peer]
-            if not 0 <= peer_slot < staging[4]:
-                raise PlanError("notification", f"peer rank {peer} names slot {peer_slot} of its {staging[4]}",
-                                actual=peer_slot, expected=f"< {staging[4]}")
             rows = ch.rows[(w.p_rank if self.on_decode else w.d_rank)[ch.rows] == peer]
             own = (w.d_offset if self.on_decode else w.p_offset)[rows]
             theirs = (w.p_offset if self.on_decode else w.d_offset)[rows]
             n = w.nbytes[rows]
             local = _descs(self.buffer.addr + self.buffer.base(ch.slot), own, n, self.buffer.device_id)
             remote = _descs(staging[0] + peer_slot * staging[3], theirs, n, staging[2])
+            notif = self.endpoint.signed(self, info.agent, notif_kind, ch.index)
             h = self.agent.post_coalesced(op, local, remote, info.mem_type, info.agent, notif)
             ch.handles.append(h)
             self.descriptors += len(rows)
@@ -207,25 +272,7 @@ class PackedTransfer(Transfer):
         return not still
 
     def _advance_decode(self) -> None:
-        while self.next < len(self.chunks):  # announce chunks in order while slots are free
-            ch = self.chunks[self.next]
-            slot = self.buffer.acquire((self.request_id, ch.index))
-            if slot is None:
-                break
-            ch.slot, ch.phase = slot, "announced"
-            self.next += 1
-            for p in ch.peers:
-                self._send(p, "slot", ch.index, slot)
-        for ch in self.chunks[:self.next]:
-            if ch.phase == "announced":
-                if self.kind == "pull":
-                    packed = self._chunk_args("packed", ch.index)
-                    if all(p in packed for p in ch.peers):
-                        ch.peer_slots = {p: packed[p][1] for p in ch.peers}
-                        self._post(ch, "READ", notification("chunk_pulled", self.request_id, ch.index))
-                        ch.phase = "wire"
-                elif all(p in self._chunk_args("landed", ch.index) for p in ch.peers):
-                    ch.phase = "landed"
+        for ch in self.chunks:
             if ch.phase == "wire" and self._handles_done(ch):
                 ch.phase = "landed"
             if ch.phase == "landed":
@@ -233,101 +280,99 @@ class PackedTransfer(Transfer):
                 ch.phase = "unpacking"
             if ch.phase == "unpacking" and self._event_done(ch, pack=False):
                 self.buffer.release(ch.slot)
-                ch.phase = "done"
+                ch.slot, ch.phase = -1, "done"
 
     def _advance_prefill(self) -> None:
-        while self.next < len(self.chunks):  # pack chunks in order once every consumer has a slot ready
-            ch = self.chunks[self.next]
-            announced = self._chunk_args("slot", ch.index)
-            if not all(d in announced for d in ch.peers):
-                break
-            slot = self.buffer.acquire((self.request_id, ch.index))
-            if slot is None:
-                break
-            ch.slot = slot
-            ch.peer_slots = {d: announced[d][1] for d in ch.peers}
-            self.next += 1
-            self._run(ch, pack=True)
-            ch.phase = "packing"
-        for ch in self.chunks[:self.next]:
+        for ch in self.chunks:
+            if ch.phase == "new" and all(d in self.asked for d in ch.peers):
+                for d in ch.peers:
+                    self._say(self.infos[d].agent, "want", ch.index)
+                ch.phase = "wanted"
+        for ch in self.chunks:  # in chunk order: a P slot only for a chunk whose D slots are granted
+            if ch.phase == "slotted":
+                slot = self.buffer.acquire((self.request_id, ch.index))
+                if slot is None:
+                    break
+                ch.slot = slot
+                self._run(ch, pack=True)
+                ch.phase = "packing"
             if ch.phase == "packing" and self._event_done(ch, pack=True):
                 if self.kind == "push":
-                    self._post(ch, "WRITE", notification("landed", self.request_id, ch.index))
+                    self._post(ch, "WRITE", "landed")
                     ch.phase = "wire"
                 else:
                     for d in ch.peers:
-                        self._send(d, "packed", ch.index, ch.slot)
+                        self._say(self.infos[d].agent, "packed", ch.index, ch.slot)
                     ch.phase = "served"
-            if ch.phase == "served" and all(d in self._chunk_args("chunk_pulled", ch.index) for d in ch.peers):
-                self.buffer.release(ch.slot)
-                ch.phase = "done"
             if ch.phase == "wire" and self._handles_done(ch):
                 self.buffer.release(ch.slot)
-                ch.phase = "done"
+                ch.slot, ch.phase = -1, "done"
 
-    # ---- failure and results ---------------------------------------------------------------------------
-    def fail(self, reason: str, detail: str) -> None:
-        if self.settled:
-            return
+    def _waiting_for(self) -> str:
+        phases = sorted({ch.phase for ch in self.chunks if ch.phase != "done"})
+        return "chunks " + ", ".join(phases) if phases else "the peers' acknowledgement"
+
+    # ---- failure and fences ----------------------------------------------------------------------------
+    def _on_fail(self) -> None:
+        """Which slots stay taken: those a NIXL request, a CUDA step or a peer may still touch."""
+        super()._on_fail()
+        self.touching.clear()
         for ch in self.chunks:
-            self._free_on_failure(ch)
-        peers = sorted({p for ch in self.chunks for p in ch.peers})
-        for p in peers:  # best effort: a dead peer cannot be told
-            try:
-                self._send(p, "abort")
-            except nixl_errors():
-                pass
-            except Exception:  # noqa: BLE001,S110 - the agent may be closed already
-                pass
-        super().fail(reason, detail)
-        for kind in _KINDS[:-1]:
-            self.agent.drop(kind, self.request_id)
-        self.agent.unclaim("abort", self.request_id)  # the quarantine still reads it; evicted after the inbox's TTL
+            if ch.slot < 0:
+                continue
+            if self.on_decode and self.kind == "accept_push" and ch.phase == "granted":
+                ch.touching = {self.infos[p].agent for p in ch.peers if p not in ch.heard}  # a P may still WRITE
+            elif not self.on_decode and ch.phase == "served":
+                ch.touching = {self.infos[d].agent for d in ch.peers if d not in ch.heard}  # a D may still READ
+            ch.phase = "fencing"
+        self._union_touching()
 
-    def _free_on_failure(self, ch: _Chunk) -> None:
-        """Free ``ch``'s slot now, or quarantine it while a NIXL request or a peer may still touch it."""
-        if ch.slot < 0 or ch.phase == "done":
-            return
-        handles = list(ch.handles)
-        ch.handles = []
-        event = ch.event  # a CUDA pack or unpack still touching the slot
-        waits: list[tuple[str, tuple[int, ...]]] = []
-        if ch.phase == "announced" and self.kind == "accept_push":
-            waits.append(("landed", ch.peers))  # a P rank may still write into this slot
-        if ch.phase == "served":
-            waits.append(("chunk_pulled", ch.peers))  # a D rank may still read this slot
+    def _union_touching(self) -> None:
+        self.touching = set().union(*(ch.touching for ch in self.chunks)) if self.chunks else set()
 
-        def settled() -> bool:
-            for h in list(handles):
-                if self.agent.closed or self.agent.state(h) != "PROC":
-                    try:
-                        self.agent.release(h)
-                    except Exception:  # noqa: BLE001,S110 - NIXL keeps what it cannot release
-                        pass
-                    handles.remove(h)
-            if handles or (event is not None and not event.query()):
-                return False
-            for kind, peers in waits:
-                told = self._chunk_args(kind, ch.index)
-                aborted = {rank for rank, info in self.peers.items()
-                           if info.agent in self.agent.senders("abort", self.request_id)}
-                if not all(p in told or p in aborted for p in peers):
-                    return False
-            return True
+    def _peer_over(self, agent: str) -> None:
+        for ch in self.chunks:
+            ch.touching.discard(agent)
+        self._union_touching()
 
-        if not handles and not waits and event is None:
-            self.buffer.release(ch.slot)
-        else:
-            self.buffer.quarantine(ch.slot, settled, self.grace_s)
-        ch.phase = "done"
+    def _advance_slots(self) -> None:
+        for ch in self.chunks:
+            if ch.slot < 0:
+                continue
+            still = []
+            for h in ch.handles:
+                try:
+                    busy = not self.agent.closed and self.agent.state(h) == "PROC"
+                except Exception:  # noqa: BLE001 - an error state: finished
+                    busy = False
+                if busy:
+                    still.append(h)
+                    continue
+                try:
+                    self.agent.release(h)
+                except Exception:  # noqa: BLE001,S110 - NIXL keeps what it cannot release
+                    pass
+            ch.handles = still
+            if ch.event is not None and not self.agent.closed:
+                try:
+                    if not ch.event.query():
+                        continue
+                except Exception:  # noqa: BLE001,S110 - a broken event: finished
+                    pass
+                ch.event = None
+            if not ch.handles and not ch.touching:
+                self.buffer.release(ch.slot)
+                ch.slot = -1
+        self._union_touching()
+
+    def _slots_fenced(self) -> bool:
+        return all(ch.slot < 0 for ch in self.chunks)
 
     def _finish(self) -> None:
         super()._finish()
         if self.result is not None:
             self.result = attrs.evolve(self.result, bytes_moved=self.wire.total_bytes, pack_s=self.pack_s,
                                        wire_s=self.wire_s, unpack_s=self.unpack_s, chunks=len(self.chunks))
-        for kind in _KINDS:
-            self.agent.drop(kind, self.request_id)
 
 
 def _descs(base: int, offset: np.ndarray, nbytes: np.ndarray, device: int) -> np.ndarray:

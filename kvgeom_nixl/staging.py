@@ -3,13 +3,13 @@
 
     StagingBuffer(slots x slot_bytes)   host: numpy memory (huge pages), CUDA: torch.empty on the device
       | slot 0 | slot 1 | ... |          a slot belongs to one (request id, chunk) at a time
-      .acquire(owner) -> slot | None     .release(slot)   .quarantine(slot, until)   .tick()
+      .acquire(owner) -> slot | None     .release(slot)   .waiting / .serve_waiting()  (D: grants in order)
     run_steps(steps, regions, buffer, slot, pack=True)    pack: cache -> slot;  pack=False: slot -> cache
       few page runs:   staging.as_strided(run).copy_(cache.as_strided(run))       (kvgeom.lowering.staged_runs)
       scattered pages: rows = staged_rows(step); slot_rows[s_idx] = cache_rows[c_idx]   (index gather/scatter)
 
-A quarantined slot is one a peer or a NIXL request may still touch after its transfer failed: it
-becomes free when what it waits for is settled (``until()`` returns True) or its grace time ends.
+A slot of a failed transfer stays owned while a peer or a NIXL request may still touch it: the
+transfer releases it once its fence clears (docs/design.md §12.5); no timer frees a slot.
 
 On host memory the copies run with one torch thread (:func:`host_copies`): on the project's 2-core
 VM torch's intra-op threads turn an 80 KiB ``copy_`` into 8-12 ms of thread wake-ups, against 2 us
@@ -22,8 +22,8 @@ at byte 1,048,576, and a wire row at slot offset 4096 of slot 1 is NIXL address 
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -67,7 +67,7 @@ class StagingBuffer:
         self.addr = int(self.tensor.data_ptr())
         self.device_id = 0 if device.type == "cpu" else int(device.index or 0)
         self.owner: list[tuple[str, int] | None] = [None] * slots
-        self._quarantine: dict[int, tuple[float, Callable[[], bool]]] = {}
+        self.waiting: deque[tuple[Any, int]] = deque()  # (packed transfer, chunk) waiting for a D slot, in order
 
     def desc(self) -> tuple[int, int, int]:
         """``(addr, nbytes, device)`` as NIXL registers it."""
@@ -82,38 +82,26 @@ class StagingBuffer:
 
     def acquire(self, owner: tuple[str, int]) -> int | None:
         """A free slot for ``owner`` (request id, chunk), or None when every slot is taken."""
-        self.tick()
         for s, o in enumerate(self.owner):
-            if o is None and s not in self._quarantine:
+            if o is None:
                 self.owner[s] = owner
                 return s
         return None
 
     def release(self, slot: int) -> None:
         self.owner[slot] = None
-        self._quarantine.pop(slot, None)
 
-    def quarantine(self, slot: int, until: Callable[[], bool], grace_s: float) -> None:
-        """Keep ``slot`` taken until ``until()`` is True or ``grace_s`` seconds have passed."""
-        self._quarantine[slot] = (time.perf_counter() + grace_s, until)
-
-    def tick(self) -> None:
-        """Free the quarantined slots whose wait is over."""
-        now = time.perf_counter()
-        for s, (deadline, until) in list(self._quarantine.items()):
-            done = now > deadline
-            if not done:
-                try:
-                    done = bool(until())
-                except Exception:  # noqa: BLE001 - a handle that cannot be queried any more is settled
-                    done = True
-            if done:
-                del self._quarantine[s]
-                self.owner[s] = None
+    def serve_waiting(self) -> None:
+        """Grant slots to the queued chunks, first come first served (a head that finds no slot waits)."""
+        while self.waiting:
+            t, index = self.waiting[0]
+            if not t.grant(index):
+                return
+            self.waiting.popleft()
 
     def free(self) -> int:
-        """Slots neither owned nor quarantined."""
-        return sum(o is None and s not in self._quarantine for s, o in enumerate(self.owner))
+        """Slots not owned (a failed transfer keeps a slot owned until its fence clears)."""
+        return sum(o is None for o in self.owner)
 
     def owned_by(self, request_id: str) -> list[int]:
         return [s for s, o in enumerate(self.owner) if o is not None and o[0] == request_id]

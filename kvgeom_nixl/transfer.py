@@ -1,25 +1,38 @@
-"""The life of one request on one rank: a state machine with a deadline, advanced without blocking.
+"""One attempt of one request on one rank: a state machine with a deadline and a fence (docs/design.md §8.1).
 
     posted ----------------> landed ---------------> receiving ------------> done  (result)
-      every NIXL request DONE    D rank: rearranges,      the CUDA event has
-      and every awaited          then zeros (torch;       fired (CPU: at once)
-      notification arrived       P rank: nothing)
+      the protocol's messages   D rank: rearranges,      the CUDA event has
+      and NIXL requests done    then zeros (torch)       fired (CPU: at once)
 
-    any state --(NIXL error, dead peer, bad plan, torch error, deadline, cancel)--> failed (failure)
-      every NIXL handle released, late notifications of this request id dropped
+    any state --(NIXL error, dead peer, peer's cancel, bad plan, torch error, deadline)--> failed
+      -> fenced once no NIXL request of the attempt is in progress and no peer may still touch
+         this rank's memory for it (its "ended", its completion message, its death or removal)
+
+Every attempt draws a fresh nonce; every message it sends or accepts carries both sides' nonces
+(:mod:`kvgeom_nixl.protocol`), so a message of another attempt (late, replayed, of a failed or
+cancelled one, of the same request id) is dropped and counted. The direct protocols:
+
+    pull (D)                                   serve_pull / hold (P)
+      req(consumers) ------------------------>   (held for the id: P's blocks stay as they are)
+                     <------------------------   grant
+      READ + NIXL notification "pulled" ------>   P still holds? -> held (P: done for that D rank)
+                     <------------------------   held      (D: done; a late READ gets cancel instead)
+
+    accept_push (D)                            push (P)
+      req ------------------------------------>   WRITE + NIXL notification "pushed"
+          <-----------------------------------   (after the data)
+      receive steps, done; acked ------------->   done (P knows D's attempt took the bytes)
 
 A transfer never blocks and never polls on its own: :meth:`Transfer.advance` takes one step and is
-called by its endpoint's ``progress()`` (which first drains the agent's notifications);
+called by its endpoint's ``progress()`` (which first routes the arrived messages to it);
 :meth:`Transfer.poll` and :func:`wait_all` call ``progress()`` on the endpoints they are given.
-The initiator (pull: D, push: P) holds the NIXL handles; the passive side (serve_pull: P,
-accept_push: D) holds only the set of peer agents whose notification it still awaits. On
-failure a D rank reports as invalid the D blocks the transfer may have written (the request's
-writable blocks: its listed blocks minus the held prefix, docs/design.md §8).
+On failure a D rank reports as invalid the D blocks the transfer may have written (the request's
+writable blocks, docs/design.md §8); those are free to reuse once :attr:`Transfer.fenced`.
 
-Worked number: a pull on a D rank that reads from P ranks 0 and 1 is ``posted`` with 2 handles;
-one DONE leaves 1; the second DONE makes it ``landed``; with no rearranges and no zeros it goes
-``receiving`` -> ``done`` within the same ``advance`` call. Posted at t = 0 with ``timeout_s=5``,
-a request still PROC at t = 5.001 s fails with reason ``timeout`` (waiting for NIXL requests).
+Worked number: a pull on a D rank that reads from P ranks 0 and 1 sends 2 ``req``; after the two
+``grant`` it is ``posted`` with 2 handles; after both DONE and both ``held`` it is ``landed``, and
+``done`` within the same ``advance`` call when it has no rearranges or zeros: 2 round trips of
+notifications more than the READ alone.
 """
 
 from __future__ import annotations
@@ -36,19 +49,37 @@ from kvgeom.values import check_seconds
 
 from .agent import RankAgent, classify, nixl_errors
 from .errors import ExecutorError, TransferFailed
+from .protocol import Message, new_nonce
 
-__all__ = ["Transfer", "TransferResult", "wait_all", "Driver", "ReceiveSteps"]
+__all__ = ["Transfer", "TransferResult", "wait_all", "Driver", "ReceiveSteps", "Poster", "DIRECT_KINDS"]
 
 logger = logging.getLogger(__name__)
 
 ReceiveSteps = Callable[[Sequence[Rearrange], Zeros], Any]
 """Runs a D rank's rearranges and zeros on its regions; returns a CUDA event, or ``None`` when done."""
+Poster = Callable[[bytes], tuple[Any, int, int]]
+"""Posts one NIXL request to one peer with the given notification: (handle, descriptors, bytes)."""
+DIRECT_KINDS = ("pull", "push", "accept_push", "serve_pull", "hold")
 
 
 class Driver(Protocol):
-    """What drives a transfer: its endpoint (``progress`` drains notifications, advances transfers)."""
+    """What drives a transfer: its endpoint (``progress`` routes messages, advances transfers)."""
 
     def progress(self) -> None: ...
+
+
+class Messenger(Driver, Protocol):
+    """What a transfer needs from its endpoint besides progress: signed messages to its peers."""
+
+    def say(self, t: Transfer, agent: str, kind: str, *args: int) -> bool: ...
+
+    def signed(self, t: Transfer, agent: str, kind: str, *args: int) -> bytes: ...
+
+    def count(self, what: str) -> None: ...
+
+    def rebind(self, t: Transfer, agent: str) -> None: ...
+
+    def collected(self, t: Transfer) -> None: ...
 
 
 @attrs.frozen
@@ -62,7 +93,7 @@ class TransferResult:
     """
 
     request_id: str
-    kind: str  # pull | push | accept_push | serve_pull
+    kind: str  # pull | push | accept_push | serve_pull | hold
     role: str
     rank: int
     mode: str
@@ -81,17 +112,24 @@ class TransferResult:
 
 
 class Transfer:
-    """One request on one rank: poll it (non-blocking) or wait for it (bounded).
+    """One attempt of one request on one rank: poll it (non-blocking) or wait for it (bounded).
 
-    Made by a :class:`~kvgeom_nixl.Link`: ``endpoint`` drives it, ``agent`` holds its NIXL
-    requests and notifications; ``receive`` (D ranks only) runs the receive steps once the bytes
-    have landed. Passive sides give ``notif_kind`` and the peer agents they ``expect`` it from.
+    Made by a :class:`~kvgeom_nixl.Link`: ``endpoint`` drives it and signs its messages, ``agent``
+    holds its NIXL requests; ``peers`` maps the peer agents it talks to onto their ranks;
+    ``posters`` (pull, push) post the NIXL request to each peer once the protocol allows it;
+    ``receive`` (D ranks only) runs the receive steps once the bytes have landed. ``consumers``
+    (pull) tells each P agent how many D ranks read from it; ``expect_count`` (hold) is how many
+    D ranks must confirm before a hold is done (``None``: as the D ranks say).
     """
 
-    def __init__(self, endpoint: Driver, agent: RankAgent, kind: str, request_id: str, request: Request | None,
-                 plan: TransferPlan, mode: str, timeout_s: float, *, role: str, rank: int, notif_kind: str = "",
-                 expect: Iterable[str] = (), receive: ReceiveSteps | None = None, bytes_moved: int = 0,
-                 started: float | None = None, invalid_blocks: Mapping[int, tuple[int, ...]] | None = None) -> None:
+    direct = True  # packed plans fence per staging slot instead
+
+    def __init__(self, endpoint: Messenger, agent: RankAgent, kind: str, request_id: str, request: Request | None,
+                 plan: TransferPlan | None, mode: str, timeout_s: float, *, role: str, rank: int,
+                 peers: Mapping[str, int] | None = None, posters: Mapping[str, Poster] | None = None,
+                 consumers: Mapping[str, int] | None = None, expect_count: int | None = None,
+                 receive: ReceiveSteps | None = None, bytes_moved: int = 0, started: float | None = None,
+                 invalid_blocks: Mapping[int, tuple[int, ...]] | None = None, resend_s: float = 5.0) -> None:
         self.endpoint = endpoint
         self.agent = agent
         self.kind = kind
@@ -101,16 +139,23 @@ class Transfer:
         self.mode = mode
         self.role = role
         self.rank = rank
+        self.on_decode = role == "decode"
+        self.nonce = new_nonce()
         self.started = time.perf_counter() if started is None else started  # before planning, when the link planned
         self.deadline = self.started + timeout_s
         self.invalid_blocks = dict(invalid_blocks or {})  # D blocks this transfer may write (docs/design.md §8)
         self.timeout_s = timeout_s
         self.state = "posted"
-        self.handles: list[Any] = []  # NIXL requests still to complete
-        self.notif_kind = notif_kind  # passive sides: the notification kind they wait for
-        self.expect: set[str] = set(expect)  # peer agents whose notification is still awaited
-        if notif_kind:
-            agent.claim(notif_kind, request_id)  # kept in the inbox (never evicted) until this transfer drops it
+        self.handles: list[Any] = []  # NIXL requests not yet reaped (after a failure: still in progress)
+        self.peers: dict[str, int] = dict(peers or {})  # peer agent -> rank
+        self.peer_nonce: dict[str, int] = {}  # the peer attempt each peer agent answered with
+        self.contacted: set[str] = set()  # peers that know of this attempt (told of a failure)
+        self.touching: set[str] = set()  # peers that may still write or read this rank's memory for it
+        self.posters: dict[str, Poster] = dict(posters or {})
+        self.consumers = dict(consumers or {})
+        self.expect_count = expect_count
+        self.granted: set[str] = set()  # hold: D ranks told they may READ; pull: P ranks that granted
+        self.confirmed: set[str] = set()  # held (pull), pulled (hold), pushed (accept), acked (push)
         self.receive = receive
         self.event: Any = None
         self.failure: TransferFailed | None = None
@@ -120,6 +165,10 @@ class Transfer:
         self.nixl_requests = 0
         self.nixl_descs: int | None = 0 if agent.telemetry else None
         self.notes: list[Note] = []
+        self.resend_s = resend_s
+        self._ended_sent = False
+        self._last_cancel = 0.0
+        self._collected = False
 
     # ---- public ----------------------------------------------------------------------------
     @property
@@ -130,11 +179,20 @@ class Transfer:
     def settled(self) -> bool:
         return self.state in ("done", "failed")
 
+    @property
+    def fenced(self) -> bool:
+        """Settled, and nothing (no NIXL request of this attempt, no peer) may still touch the memory it
+        used: a failed D transfer's ``invalid_blocks`` and every staging slot may be reused."""
+        return self.settled and not self.handles and not self.touching and self._slots_fenced()
+
     def poll(self) -> bool:
         """Advance; True once done. Raises :class:`TransferFailed` if the request failed."""
         self.endpoint.progress()
         if self.failure is not None:
+            self._collect()
             raise self.failure
+        if self.done:
+            self._collect()
         return self.done
 
     def wait(self, timeout_s: float | None = None, *, peers: Iterable[Driver] = ()) -> TransferResult:
@@ -148,7 +206,7 @@ class Transfer:
         return self.result
 
     def cancel(self, reason: str = "closed", detail: str = "cancelled") -> None:
-        """Fail the transfer now (no-op once settled), releasing its NIXL requests."""
+        """Fail the transfer now (no-op once settled); its peers are told (``cancel``)."""
         self.fail(reason, detail)
 
     # ---- what the link and the endpoint call -----------------------------------------------
@@ -166,23 +224,128 @@ class Transfer:
         self.notes.append(Note(NoteKind.PREPPED_FALLBACK, text))
         self.mode = mode
 
+    def start(self) -> None:
+        """The attempt's first messages (a D rank's ``req`` to every P rank it needs)."""
+        if self.settled or not self.on_decode:
+            return
+        try:
+            for a in self.peers:
+                self.contacted.add(a)
+                if self.kind == "accept_push" and self.direct:
+                    self.touching.add(a)  # from now on that P rank may WRITE into this rank's blocks
+                if not self._say(a, "req", self.consumers.get(a, 0)):
+                    self.fail("peer_disconnected", f"peer {a} is gone (NIXL refused the request's first message)")
+                    return
+        except nixl_errors() as e:
+            self.fail(classify(e), f"sending req: {type(e).__name__}: {e}")
+
     def fail(self, reason: str, detail: str) -> None:
-        """Settle as failed (no-op once settled): release every handle, drop this id's notifications."""
+        """Settle as failed (no-op once settled): tell the peers, keep what NIXL still has in progress
+        (released once it finishes, :meth:`advance_fence`), release the rest."""
         if self.settled:
             return
-        self._release()
         self.state = "failed"
         blocks = self.invalid_blocks if self.role == "decode" else {}
         self.failure = TransferFailed(self.request_id, reason, detail, invalid_blocks=blocks, kind=self.kind,
                                       role=self.role, rank=self.rank)
         logger.warning("%s %r on %s rank %d failed (%s): %s", self.kind, self.request_id, self.role, self.rank,
                        reason, detail)
-        if self.notif_kind:  # a late notification of this attempt must not complete a retry: use a new id
-            self.agent.drop(self.notif_kind, self.request_id)
+        self._on_fail()
+        self._reap_settled(force=self.agent.closed)
+        self._cancel_peers()
+        self.advance_fence()
+
+    def _cancel_peers(self) -> None:
+        self._last_cancel = time.perf_counter()
+        for a in sorted(self.contacted | self.touching):
+            self._tell(a, "cancel")
+
+    def _tell(self, agent: str, kind: str) -> None:
+        """Best effort (a failure's messages): a peer NIXL cannot reach is told nothing."""
+        try:
+            self._say(agent, kind)
+        except nixl_errors():
+            pass
+        except Exception:  # noqa: BLE001,S110 - the agent may be closed already
+            pass
+
+    def peer_gone(self, agent: str, reason: str, detail: str) -> None:
+        """The peer died or was removed: it can touch nothing any more; a live attempt fails."""
+        if agent not in self.peers:
+            return
+        self.touching.discard(agent)
+        self.contacted.discard(agent)
+        self._peer_over(agent)
+        if not self.settled:
+            self.fail(reason, detail)
+
+    def watched(self) -> set[str]:
+        """The peers whose death this attempt must learn of (every peer while live, then those it fences on)."""
+        return set(self.peers) if not self.settled else set(self.touching)
+
+    def advance_fence(self) -> None:
+        """After a failure: release the NIXL requests that finished; once fenced, tell the peers
+        (``ended``); while a peer is still awaited, repeat the ``cancel`` every ``resend_s``."""
+        if self.state != "failed":
+            return
+        self._reap_settled(force=self.agent.closed)
+        self._advance_slots()
+        if self.fenced:
+            if not self._ended_sent:
+                self._ended_sent = True
+                for a in sorted(self.contacted):
+                    self._tell(a, "ended")
+            return
+        if self.touching and time.perf_counter() - self._last_cancel > self.resend_s:
+            logger.warning("%s %r on %s rank %d: still fenced on %s", self.kind, self.request_id, self.role,
+                           self.rank, sorted(self.touching))
+            self._cancel_peers()
 
     def expired(self) -> bool:
         """The deadline has passed (it counts from before planning when the link planned)."""
         return time.perf_counter() > self.deadline
+
+    def on_message(self, m: Message) -> None:
+        """A verified message routed to this attempt; one of another attempt is dropped and counted."""
+        a = m.sender
+        mine, theirs = (m.d_nonce, m.p_nonce) if self.on_decode else (m.p_nonce, m.d_nonce)
+        if a not in self.peers or (mine != self.nonce and not (mine == 0 and m.kind in ("req", "cancel"))):
+            self.endpoint.count("stale")
+            return
+        known = self.peer_nonce.get(a)
+        if known is None:
+            if theirs:
+                self.peer_nonce[a] = theirs
+        elif theirs != known:
+            self.endpoint.count("stale")
+            return
+        if not self.on_decode:
+            self.contacted.add(a)
+        if m.kind == "ended":
+            self.touching.discard(a)
+            self._peer_over(a)
+            if not self.settled:
+                self.fail("aborted", f"peer {a} ended its attempt")
+            return
+        if m.kind == "cancel":
+            if not self.settled and self.kind in ("serve_pull", "hold") and a not in self.confirmed:
+                self.granted.discard(a)  # that D attempt gave up; P still holds: a retry may ask again
+                self.peer_nonce.pop(a, None)
+                self.endpoint.rebind(self, a)
+            elif not self.settled:
+                self.fail("aborted", f"peer {a} gave up on the request")
+            return
+        try:
+            if self.settled:
+                self._late(m)
+            else:
+                self._on(m)
+        except nixl_errors() as e:
+            self.fail(classify(e), f"{type(e).__name__}: {e}")
+        except KvGeomError as e:
+            self.fail("plan_error", f"{type(e).__name__}: {e}")
+        except RuntimeError as e:  # NIXL refused to post a request
+            self.fail("nixl_error", f"{type(e).__name__}: {e}")
 
     def advance(self) -> None:
         """One non-blocking step; never raises (failures are recorded)."""
@@ -205,15 +368,75 @@ class Transfer:
             self.fail("receive_error" if self.state != "posted" else "nixl_error", f"{type(e).__name__}: {e}")
             return
         if not self.settled and time.perf_counter() > self.deadline:
-            what = "NIXL requests" if self.handles else "notifications" if self.expect else "receive steps"
-            self.fail("timeout", f"no completion after {self.timeout_s:.3g} s (waiting for {what})")
+            self.fail("timeout", f"no completion after {self.timeout_s:.3g} s (waiting for {self._waiting_for()})")
 
-    # ---- the states ------------------------------------------------------------------------
+    # ---- the direct protocols (packed plans override these) --------------------------------
+    def _on(self, m: Message) -> None:
+        a, k = m.sender, m.kind
+        if self.kind == "pull" and k == "grant" and a not in self.granted:
+            self.granted.add(a)
+            self._post_to(a, "pulled")
+        elif self.kind == "pull" and k == "held" and a in self.granted:
+            self.confirmed.add(a)
+        elif self.kind in ("serve_pull", "hold") and k == "req":
+            self._on_req(a, m.args[0])
+        elif self.kind in ("serve_pull", "hold") and k == "pulled" and a in self.granted:
+            self.confirmed.add(a)
+            self._say(a, "held")
+        elif self.kind == "accept_push" and k == "pushed":
+            self.confirmed.add(a)
+            self.touching.discard(a)
+        elif self.kind == "push" and k == "req" and a not in self.granted:
+            self.granted.add(a)
+            self._post_to(a, "pushed")
+        elif self.kind == "push" and k == "acked" and a in self.granted:
+            self.confirmed.add(a)
+        else:
+            self.endpoint.count("stale")
+
+    def _on_req(self, a: str, consumers: int) -> None:
+        if consumers:
+            if consumers > len(self.peers):
+                self.fail("plan_error", f"D rank {a} says {consumers} D ranks read from this rank, the link has "
+                          f"{len(self.peers)}")
+                return
+            if self.expect_count is None:
+                self.expect_count = consumers
+            elif consumers != self.expect_count:
+                self.fail("plan_error", f"D rank {a} says {consumers} D ranks read from this rank, the plan says "
+                          f"{self.expect_count}")
+                return
+        self.granted.add(a)
+        self._say(a, "grant")
+
+    def _late(self, m: Message) -> None:
+        """A message for this attempt after it settled: what clears a fence (packed plans: per chunk)."""
+        if self.kind == "accept_push" and m.kind == "pushed":
+            self.touching.discard(m.sender)
+        elif self.kind in ("serve_pull", "hold") and m.kind == "pulled":
+            self._tell(m.sender, "cancel")  # a READ after this attempt ended: D must not call it done
+
+    def _post_to(self, a: str, notif_kind: str) -> None:
+        poster = self.posters.pop(a, None)
+        if poster is None:
+            return
+        handle, descriptors, nbytes = poster(self.endpoint.signed(self, a, notif_kind))
+        self.add_request(handle, descriptors=descriptors, nbytes=nbytes)
+
+    def _waiting_for(self) -> str:
+        if self.handles:
+            return "NIXL requests"
+        if self.kind == "pull":
+            return "P's grant" if len(self.granted) < len(self.peers) else "P's confirmation (held)"
+        if self.kind == "push":
+            return "D's req" if len(self.granted) < len(self.peers) else "D's acknowledgement"
+        return "notifications"
+
     def _step(self) -> None:
         if self.state == "posted":
             self._check_posted()
         if self.state == "landed":
-            if self.receive is not None:
+            if self.receive is not None and self.plan is not None:
                 steps = self.plan.for_decode_rank(self.rank)
                 self.event = self.receive(steps.rearranges, steps.zeros)
             self.state = "receiving"
@@ -225,8 +448,8 @@ class Transfer:
 
     def _reap(self, handles: list[Any], what: str) -> list[Any]:
         """Release the finished requests among ``handles`` (counting NIXL's descriptors when
-        telemetry is on) and return those still in flight; an error state raises (``fail()``
-        releases what is left: release is idempotent)."""
+        telemetry is on) and return those still in flight; an error state raises (``fail()`` keeps
+        what is left until NIXL reports it finished)."""
         still = []
         for h in handles:
             st = self.agent.state(h)
@@ -241,21 +464,27 @@ class Transfer:
         return still
 
     def _check_posted(self) -> None:
-        """posted -> landed once every NIXL request is DONE and every awaited notification arrived."""
+        """posted -> landed once the protocol's messages arrived and every NIXL request is DONE."""
         self.handles = self._reap(self.handles, "a request")
-        if self.expect:
-            self.expect -= self.agent.senders(self.notif_kind, self.request_id)
-        if not self.handles and not self.expect:
-            if self.notif_kind:
-                self.agent.drop(self.notif_kind, self.request_id)
+        if self.handles or self.posters:
+            return
+        k, n = self.kind, len(self.peers)
+        if k in ("pull", "accept_push", "push", "serve_pull"):
+            ready = len(self.confirmed) == n and (k != "pull" or len(self.granted) == n)
+        else:  # hold: as many D ranks as they (or the caller) say
+            ready = self.expect_count is not None and len(self.confirmed) >= self.expect_count
+        if ready:
             self.state = "landed"
 
     def _finish(self) -> None:
         zeroed = rearranges = 0
-        if self.receive is not None:
+        if self.receive is not None and self.plan is not None:
             steps = self.plan.for_decode_rank(self.rank)
             zeroed, rearranges = steps.bytes_zeroed, len(steps.rearranges)
         self.state = "done"
+        if self.kind == "accept_push":
+            for a in self.peers:
+                self._say(a, "acked")
         self.result = TransferResult(self.request_id, self.kind, self.role, self.rank, self.mode, self.bytes_moved,
                                      self.descriptors, self.nixl_requests, self.nixl_descs, zeroed, rearranges,
                                      time.perf_counter() - self.started, tuple(self.notes))
@@ -264,16 +493,50 @@ class Transfer:
                     "%d rearranges, %.3f ms", r.kind, r.request_id, r.role, r.rank, r.bytes_moved, r.descriptors,
                     r.nixl_requests, r.mode, r.bytes_zeroed, r.rearranges, r.wall_s * 1e3)
 
-    def _release(self) -> None:
+    # ---- fencing helpers -------------------------------------------------------------------
+    def _on_fail(self) -> None:
+        """What may still touch this rank's memory after a failure (packed plans: per slot)."""
+        self.posters.clear()
+        if self.kind != "accept_push":
+            self.touching.clear()  # only a push writes into this rank's memory from the peer's side
+
+    def _peer_over(self, agent: str) -> None:
+        """Hook: ``agent`` can touch nothing of this attempt any more (packed plans free its slots)."""
+
+    def _slots_fenced(self) -> bool:
+        return True
+
+    def _advance_slots(self) -> None:
+        """Hook: free the staging slots whose fence cleared (packed plans)."""
+
+    def _reap_settled(self, force: bool = False) -> None:
+        """Release every handle NIXL no longer reports in progress (``force``: all, the agent is gone)."""
+        still = []
         for h in self.handles:
+            try:
+                busy = not force and self.agent.state(h) == "PROC"
+            except Exception:  # noqa: BLE001 - an error state, or a handle NIXL cannot query: finished
+                busy = False
+            if busy:
+                still.append(h)
+                continue
             try:
                 self.agent.release(h)
             except Exception as e:  # noqa: BLE001 - NIXL keeps an uncancellable handle in its leak list
                 self.notes.append(Note(NoteKind.INFO, f"release failed: {type(e).__name__}"))
-        self.handles = []
+        self.handles = still
+
+    def _say(self, agent: str, kind: str, *args: int) -> bool:
+        return self.endpoint.say(self, agent, kind, *args)
+
+    def _collect(self) -> None:
+        if not self._collected:
+            self._collected = True
+            self.endpoint.collected(self)
 
     def __repr__(self) -> str:
-        return f"Transfer({self.kind} {self.request_id!r} on {self.role} rank {self.rank}: {self.state})"
+        fence = "" if not self.settled or self.fenced else ", fencing"
+        return f"Transfer({self.kind} {self.request_id!r} on {self.role} rank {self.rank}: {self.state}{fence})"
 
 
 def wait_all(transfers: Sequence[Transfer], *, peers: Iterable[Driver] = ()) -> list[TransferResult]:
@@ -292,6 +555,8 @@ def wait_all(transfers: Sequence[Transfer], *, peers: Iterable[Driver] = ()) -> 
         spins += 1
         if spins > 2000:  # after the first ~ms of tight polling, back off (another process may need the core)
             time.sleep(min(1e-3, 1e-5 * (spins - 2000)))
+    for t in transfers:
+        t._collect()
     for t in transfers:
         if t.failure is not None:
             raise t.failure

@@ -53,23 +53,50 @@ def _released(handles: list[Any]) -> bool:
 
 @pytest.mark.parametrize("mode", ["coalesced", "prepped"])
 def test_timeout_when_the_peer_never_progresses(mode: str) -> None:
-    """No progress thread and a P agent nobody polls: UCX never wires up, the pull times out."""
+    """A P rank nobody polls never grants: D's pull posts no READ and times out waiting for the grant."""
     dep, _ = _deployment()
     with dep:
         t = dep.d_links[0].pull("slow", REQUEST, plan=PLAN, mode=mode, timeout_s=0.3)
-        handles = list(t.handles)
-        assert len(handles) == 2  # one NIXL request per P rank
         start = time.perf_counter()
         with pytest.raises(TransferFailed) as ei:
             t.wait()  # no peers given: the P agents are never progressed
         elapsed = time.perf_counter() - start
         e = ei.value
         assert e.reason == "timeout" and e.request_id == "slow" and e.kind == "pull" and e.role == "decode"
-        assert e.invalid_blocks == {0: (4, 5, 6, 7)}
+        assert "P's grant" in e.detail and e.invalid_blocks == {0: (4, 5, 6, 7)}
         assert elapsed < 0.3 + 1.0
-        assert _released(handles) and t.handles == [] and not dep.d[0].in_flight
+        assert t.handles == [] and t.fenced and not dep.d[0].in_flight
         # the same link works afterwards once both sides are polled
         dep.run("ok", REQUEST, PLAN, mode=mode, timeout_s=10)
+
+
+@pytest.mark.parametrize("mode", ["coalesced", "prepped"])
+def test_timeout_after_the_grant_releases_every_handle(mode: str) -> None:
+    """P grants, then stops progressing: D's READs are posted and the pull times out (P never says
+    ``held``); every NIXL handle is released once NIXL no longer reports it in progress."""
+    dep, _ = _deployment()
+    with dep:
+        serves = [lk.serve_pull("slow", REQUEST, plan=PLAN, timeout_s=30) for lk in dep.p_links]
+        t = dep.d_links[0].pull("slow", REQUEST, plan=PLAN, mode=mode, timeout_s=0.5)
+        deadline = time.perf_counter() + 5
+        while t.nixl_requests < 2 and time.perf_counter() < deadline:
+            for ep in dep.endpoints:
+                ep.progress()
+        assert t.nixl_requests == 2  # one NIXL request per P rank, posted after each grant
+        handles = list(t.handles)
+        with pytest.raises(TransferFailed) as ei:
+            t.wait()  # P is no longer progressed: its "held" never comes
+        assert ei.value.reason == "timeout"
+        assert not t.fenced or _released(handles)  # a READ NIXL still reports in progress keeps its handle
+        deadline = time.perf_counter() + 10
+        while not t.fenced:  # P progresses again: the READs finish, NIXL reports them, D releases them
+            for ep in dep.endpoints:
+                ep.progress()
+            assert time.perf_counter() < deadline
+        assert _released(handles) and t.handles == []
+        assert not any(s.settled for s in serves)  # D's cancel: P still holds, for a retry of the pull
+        for s in serves:
+            s.cancel()
 
 
 def test_accept_push_times_out_without_writes() -> None:
@@ -95,7 +122,7 @@ def test_post_against_a_removed_agent(mode: str) -> None:
             dep.d[0].agent.remove_remote_agent(p.name)
         before = [t.clone() for t in d_caches[0]]
         t = dep.d_links[0].pull("gone", REQUEST, plan=PLAN, mode=mode)
-        assert t.settled and t.handles == []  # failed while posting, nothing left behind
+        assert t.settled and t.handles == []  # failed sending its first message, nothing left behind
         with pytest.raises(TransferFailed) as ei:
             t.poll()
         assert ei.value.reason == "nixl_error" and "nixlNotFoundError" in str(ei.value)
@@ -141,8 +168,24 @@ def test_mode_and_role_errors_are_value_errors() -> None:
             dep.d_links[0].pull("x", REQUEST, plan=PLAN, mode="fast")
         with pytest.raises(ExecutorError, match="push runs on a prefill rank"):
             dep.d_links[0].push("x", REQUEST, plan=PLAN)
-        with pytest.raises(ExecutorError, match="pass the request"):
+        with pytest.raises(ExecutorError, match="needs the request"):
             dep.d_links[0].pull("x")
+
+
+def test_each_method_without_a_request_names_its_own_fix() -> None:
+    """Issue 20 item 8: one text used to say ``fix: link.pull(request_id, request)`` for all four."""
+    dep, _ = _deployment()
+    with dep:
+        for call, fix in ((lambda: dep.d_links[0].pull("x"), "link.pull(request_id, request)"),
+                          (lambda: dep.p_links[0].push("x"), "link.push(request_id, request)"),
+                          (lambda: dep.d_links[0].accept_push("x"), "link.accept_push(request_id, request)"),
+                          (lambda: dep.p_links[0].serve_pull("x"), "link.serve_pull(request_id, request)")):
+            with pytest.raises(ExecutorError) as ei:
+                call()
+            assert ei.value.fix is not None and ei.value.fix.startswith(fix), (fix, ei.value.fix)
+        with pytest.raises(ExecutorError) as ei:
+            dep.p_links[0].serve_pull("x")
+        assert "link.hold(request_id)" in str(ei.value.fix)
 
 
 def test_failure_pickles_with_its_fields() -> None:

@@ -47,7 +47,6 @@ from kvgeom_nixl import (  # noqa: E402
     encode_rank,
     wait_all,
 )
-from kvgeom_nixl.agent import notification  # noqa: E402
 from kvgeom_nixl.local import (  # noqa: E402
     LocalDeployment,
     allocate_caches,
@@ -55,6 +54,7 @@ from kvgeom_nixl.local import (  # noqa: E402
     fill_caches,
     slot_bytes_for,
 )
+from kvgeom_nixl.protocol import encode  # noqa: E402
 from kvgeom_nixl.testing import requested_device, run_local  # noqa: E402
 
 DEVICE = requested_device()
@@ -191,8 +191,18 @@ def test_a_slot_number_outside_the_peers_ring_is_refused() -> None:
     p_caches, d_caches = allocate_caches(pair.prefill, "cpu"), allocate_caches(pair.decode, "cpu")
     with LocalDeployment(pair, p_caches, d_caches, staging_bytes=slot_bytes_for(plan)) as dep:
         t = dep.d_links[0].pull("evil", request, plan=plan, timeout_s=5)
+        d0 = dep.d[0].name
+
+        def say(p: Any, kind: str, *args: int) -> None:  # a P rank's signed message for D's attempt
+            p.rank_agent.send(d0, encode(p.inbox.keys[d0], p.name, d0, kind, "evil", t.nonce, 7, *args))
+
+        for p in dep.p:  # both P ranks ask for chunk 0: D grants a slot
+            say(p, "want", 0)
+        for _ in range(50):
+            for ep in dep.endpoints:
+                ep.progress()
         for p in dep.p:  # both P ranks claim chunk 0 sits in slot 9
-            p.rank_agent.send(dep.d[0].name, notification("packed", "evil", 0, 9))
+            say(p, "packed", 0, 9)
         with pytest.raises(TransferFailed) as ei:
             t.wait(peers=dep.endpoints)  # P's agents progress (their notifications go out); no P transfer
         assert ei.value.reason == "plan_error" and "slot 9" in str(ei.value)
@@ -223,9 +233,9 @@ FAULTS = ("ok", "ok", "timeout", "cancel_d", "cancel_p", "abandon", "ok_push", "
 
 
 def test_a_thousand_requests_with_faults_end_with_every_slot_free() -> None:
-    """1,000 packed requests, each a few chunks: successes, D-side timeouts (P never polled), D or P
+    """120 packed requests, each a few chunks: successes, D-side timeouts (P never polled), D or P
     cancelling mid-transfer, abandoned transfers that only their deadline ends, pushes, and every
-    100th a P rank that dies (its endpoint closed) mid-transfer. Every failure frees or quarantines
+    12th a P rank that dies (its endpoint closed) mid-transfer. Every failure frees or quarantines
     its slots, every caller tensor keeps its bytes outside the request's pages, and at the end every
     slot of every ring is free."""
     pair, _ = _case("tp2 nhd k8 -> tp1 hnd k16")
@@ -240,13 +250,13 @@ def test_a_thousand_requests_with_faults_end_with_every_slot_free() -> None:
     abandoned: list[Any] = []
     verified = 0
     try:
-        for i in range(1000):
+        for i in range(120):  # (each request pays the fence's messages: 120 keep it well within CI's limit)
             tokens = int(rng.integers(8, 41))
             p0, d0 = int(rng.integers(0, 16 - 5 + 1)), int(rng.integers(0, 16 - 3 + 1))  # <= 5 P, 3 D blocks
             request = fresh_request(pair, tokens, prefill_first_block=p0, decode_first_block=d0)
             plan = pair.plan(request, strategy="packed", staging_bytes=slot // 2)
-            fault = "dead_peer" if i % 100 == 99 else FAULTS[i % len(FAULTS)]
-            check = fault in ("ok", "ok_push") and i % 50 == 0
+            fault = "dead_peer" if i % 12 == 11 else FAULTS[i % len(FAULTS)]
+            check = fault in ("ok", "ok_push") and i % 6 == 0
             if check:
                 fill_caches(pair, request, p_caches, d_caches)
             p_before, d_before = _snapshot(p_caches), _snapshot(d_caches)
@@ -292,10 +302,12 @@ def test_a_thousand_requests_with_faults_end_with_every_slot_free() -> None:
                 dep = LocalDeployment(pair, p_caches, d_caches, staging_bytes=slot, staging_grace_s=0.05)
     finally:
         _close_and_check(dep)
-    assert outcomes["dead_peer"] == 10 and outcomes["ok"] >= 200 and verified >= 5
+    assert outcomes["dead_peer"] == 10 and outcomes["ok"] >= 20 and verified >= 5
     assert reasons["ok"] == reasons["ok_push"] == set()
     assert reasons["timeout"] >= {"timeout"} and reasons["timeout"] <= {"timeout", "aborted"}
-    assert reasons["cancel_d"] == reasons["cancel_p"] == reasons["cancel_push"] == {"closed", "aborted"}
+    for fault in ("cancel_d", "cancel_p", "cancel_push"):  # "timeout": a side cancelled before it heard of its
+        # peer's attempt, and the peer's req came after the tombstone (staging_grace_s): the peer waits its deadline
+        assert "closed" in reasons[fault] and reasons[fault] <= {"closed", "aborted", "timeout"}, reasons
     assert reasons["dead_peer"] and reasons["dead_peer"] <= {"closed", "aborted", "peer_disconnected", "nixl_error",
                                                              "timeout"}
     assert abandoned and all(t.failure is not None and t.failure.reason == "timeout" for t in abandoned)
@@ -311,17 +323,16 @@ def wait_all_settled(ts: list[Any], dep: LocalDeployment) -> None:
 
 
 def _close_and_check(dep: LocalDeployment) -> None:
-    """Settle what is in flight (abandoned transfers end at their deadline), wait out quarantines,
-    then every slot of every open ring must be free."""
+    """Settle what is in flight (abandoned transfers end at their deadline) and every fence (no timer
+    frees a slot: each is freed once NIXL and the peer have let go of it), then every slot of every
+    open ring must be free."""
     deadline = time.perf_counter() + 10
-    while any(ep.in_flight for ep in dep.endpoints if not ep.closed):
+    while any(ep.in_flight or ep.fencing for ep in dep.endpoints if not ep.closed):
         for ep in dep.endpoints:
             ep.progress()
-        assert time.perf_counter() < deadline
-    time.sleep(0.06)  # the quarantine grace
+        assert time.perf_counter() < deadline, [ep.fencing for ep in dep.endpoints if not ep.closed]
     for ep in dep.endpoints:
         if ep.closed or ep.staging is None:
             continue
-        ep.staging.tick()
         assert ep.staging.free() == ep.staging.slots, (ep.name, ep.staging.owner)
     dep.close()
