@@ -10,7 +10,7 @@ blocks of ``ppl`` kernel pages::
     shared       region i = layer i of every group           page as large as the largest user
 
 ``layout="CPU_ATTN"`` lays every attention page out as vLLM's CPU backend does (a
-:class:`~kvgeom.values.planes.PlanesLayout`: ``[head][K rows tiled by 32][V rows]``, docs/design.md §3.5).
+:class:`~kvgeom.values.planes.PlanesLayout`: ``[head][K, transposed for the vec kernel][V rows]``, docs/design.md §3.5).
 
 Worked number: 2 local heads of 256 B, K = 16, K/V packed, per_layer, 4 layers, 8 blocks of ppl 1:
 4 regions of 8 pages x (2 planes * 2 heads * 16 tokens * 256 B) = 8 x 16384 B.
