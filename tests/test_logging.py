@@ -25,7 +25,8 @@ from kvgeom.tools import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 # the command line prints, that is its job: the cli module, and the body of the ``kvgeom fuzz`` subcommand
-PRINTING = {"kvgeom/tools/cli.py": None, "kvgeom/tools/fuzz.py": "run_fuzz"}
+PRINTING = {"kvgeom/tools/cli.py": None, "kvgeom/tools/fuzz.py": "run_fuzz",
+            "kvgeom_nixl/vllm/conformance.py": "main"}  # its command line prints the grid
 
 
 def test_internal_error_is_not_bad_input() -> None:
