@@ -103,7 +103,9 @@ def test_controls_are_caught(result: dict[str, Any]) -> None:
     lbnhc = controls["control-lbhnc-described-as-lbnhc"]["diff"]
     assert lbnhc.startswith("group 0 layout:") and "token_stride=2048" in lbnhc and "token_stride=512" in lbnhc
     cpu = controls["control-cpu-attn-described-as-flash-attn"]["diff"]
-    assert cpu.startswith("group 0 layout:") and "kv_stride=256" in cpu and "kv_stride=8192" in cpu
+    # FLASH_ATTN's K | V cells (kv_stride 256) against CPU_ATTN's per-plane page (V at 32 x 256 = 8192)
+    assert cpu.startswith("group 0 layout:") and "kv_stride=256" in cpu and "PlanesLayout" in cpu
+    assert "offset=8192" in cpu
 
 
 def test_what_kvgeom_cannot_describe_is_refused_by_field(result: dict[str, Any]) -> None:
