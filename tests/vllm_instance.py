@@ -42,10 +42,12 @@ def transfer_config(connector: str, extra: dict[str, Any]) -> Any:
     if connector == "nixl":
         # P frees a pending send after the lease; D may start long after P here, so raise it.
         return KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device="cpu",
-                                kv_connector_extra_config={"kv_lease_duration": 300, **extra})
+                                kv_connector_extra_config={"kv_lease_duration": 120, **extra})
     if connector == "kvgeom":
+        # A failed load is recomputed (vLLM's default policy "fail" would end the request with an error).
         return KVTransferConfig(kv_connector="KvgeomConnector", kv_connector_module_path="kvgeom_nixl.vllm",
-                                kv_role="kv_both", kv_buffer_device="cpu", kv_connector_extra_config=extra)
+                                kv_role="kv_both", kv_buffer_device="cpu", kv_connector_extra_config=extra,
+                                kv_load_failure_policy="recompute")
     raise SystemExit(f"unknown --connector {connector!r} (none, nixl, kvgeom)")
 
 
@@ -65,6 +67,7 @@ def main() -> None:
     ap.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-cache-mb", type=int, default=64, help="KV cache per worker (MiB)")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -73,6 +76,7 @@ def main() -> None:
     llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
               block_size=args.block_size, tensor_parallel_size=args.tp, seed=args.seed,
               max_model_len=args.max_model_len, enable_prefix_caching=True,
+              kv_cache_memory_bytes=args.kv_cache_mb << 20,
               kv_transfer_config=transfer_config(args.connector, json.loads(args.extra)))
     emit({"ready": True, "block_size": args.block_size, "tp": args.tp, "connector": args.connector})
     for line in sys.stdin:

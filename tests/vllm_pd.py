@@ -80,8 +80,10 @@ class Instance:
         env = vllm_env(VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.port), KVGEOM_SIDE_CHANNEL_PORT=str(self.port),
                        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_ENABLE_V1_MULTIPROCESSING="1",
                        OMP_NUM_THREADS="1")
-        if tp == 2:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-mb (vLLM reads it as whole GiB)
+        # vLLM's "auto" binding pins every instance's worker to the same core, where their OpenMP
+        # threads spin: unbound TP1 workers with one OpenMP thread each share both cores instead.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "nobind"
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "w")  # closed in close()
         cmd = [vllm_python(), str(SCRIPT), "--model", str(model), "--block-size", str(block_size), "--tp", str(tp),
@@ -96,11 +98,14 @@ class Instance:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                self._replies.put(json.loads(line[len(MARK):]))
-            else:
-                self._tail.append(line.rstrip())
+        with open(self.log_path.with_suffix(".out"), "w") as out:  # vLLM logs to stdout
+            for line in self.proc.stdout:
+                if line.startswith(MARK):
+                    self._replies.put(json.loads(line[len(MARK):]))
+                else:
+                    self._tail.append(line.rstrip())
+                    out.write(line)
+                    out.flush()
         self._replies.put(None)
 
     def _next(self, timeout_s: float) -> dict[str, Any]:

@@ -2,36 +2,37 @@
 
 It runs in vLLM's scheduler process and plans nothing: it only decides, from the request's
 ``kv_transfer_params`` (the fields vLLM's P/D proxies already pass), what D pulls and what P keeps,
-and hands that to the workers in :class:`KvgeomMetadata`. The workers plan with kvgeom.
+and hands that to the workers in :class:`KvgeomMetadataFields`. The workers plan with kvgeom.
 
 vLLM's calls, in the order a request sees them (``vllm.distributed.kv_transfer.kv_connector.v1.base``):
 
-* ``get_num_new_matched_tokens(request, num_computed_tokens)`` on D: a request with
-  ``do_remote_prefill`` can load ``min(remote_num_tokens, prompt) - num_computed_tokens`` tokens
-  (the local prefix-cache hit ``num_computed_tokens`` is kept: D pulls only the rest),
-  asynchronously (``True``). vLLM recomputes the last prompt token itself to sample.
+* ``get_num_new_matched_tokens(request, S)`` on D, where S is D's local prefix-cache hit (vLLM
+  presents it in whole blocks): a request with ``do_remote_prefill`` and P's fields can load
+  ``min(remote_num_tokens, prompt) - S`` tokens, asynchronously (``True``). D pulls only what it
+  does not hold; vLLM recomputes the last prompt token itself to sample.
 * ``update_state_after_alloc(request, blocks, n)``: D's blocks are allocated; the blocks without a
-  hash (the ones the prefix cache did not supply) receive the pull. ``n == 0`` (a full local hit)
-  pulls nothing but still releases P. Either way ``do_remote_prefill`` is cleared: one transfer
-  per request.
+  hash (the ones the prefix cache did not supply, vLLM's null padding skipped) receive tokens
+  ``[S, S + n)``. ``n == 0`` (a full local hit) pulls nothing but still releases P. Either way
+  ``do_remote_prefill`` is cleared: one transfer per request (vLLM may call this twice).
 * ``build_connector_meta(scheduler_output)``: everything decided since the last step, for the workers.
-* ``request_finished(request, block_ids)`` on P: a finished ``do_remote_decode`` request keeps its
-  blocks (``True``) until the workers report it in ``finished_sending`` (every D rank released it,
-  or ``kv_lease_duration`` passed), and returns the params D needs. On D, a request finished before
-  its blocks were allocated (aborted) releases P without a pull.
+* ``request_finished(request, block_ids)`` / ``request_finished_all_groups`` (hybrid models, one
+  list per KV-cache group) on P: a finished ``do_remote_decode`` request keeps its blocks (``True``)
+  until the workers report it in ``finished_sending`` (every D rank released it, or
+  ``kv_lease_duration`` passed), and returns the params D needs, in the fields of vLLM's
+  NixlConnector. On D, a request finished before its blocks were allocated (aborted) releases P
+  without a pull.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Pull", "Release", "KvgeomMetadataFields", "KvgeomScheduler", "DEFAULT_PORT", "DEFAULT_LEASE_S"]
 
-DEFAULT_PORT = 5700  # KVGEOM_SIDE_CHANNEL_PORT: P rank r listens on port + r
-DEFAULT_LEASE_S = 120.0
+DEFAULT_PORT = 5700  # KVGEOM_SIDE_CHANNEL_PORT (or extra config side_channel_port): rank r listens on port + r
+DEFAULT_LEASE_S = 120.0  # kv_connector_extra_config["kv_lease_duration"]
 REQUIRED = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
@@ -64,7 +65,7 @@ class KvgeomMetadataFields:
 
     pulls: list[Pull] = field(default_factory=list)
     releases: list[Release] = field(default_factory=list)
-    sends: dict[str, float] = field(default_factory=dict)  # P request -> monotonic expiry
+    sends: dict[str, float] = field(default_factory=dict)  # P request -> its lease in seconds
 
 
 def _release_of(params: dict[str, Any]) -> Release:
@@ -86,7 +87,7 @@ class KvgeomScheduler:
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.engine_id = engine_id
         self.host = os.environ.get("KVGEOM_SIDE_CHANNEL_HOST", "127.0.0.1")
-        self.port = int(os.environ.get("KVGEOM_SIDE_CHANNEL_PORT", DEFAULT_PORT))
+        self.port = int(extra.get("side_channel_port", os.environ.get("KVGEOM_SIDE_CHANNEL_PORT", DEFAULT_PORT)))
         self.tp = int(vllm_config.parallel_config.tensor_parallel_size)
         self.lease_s = float(extra.get("kv_lease_duration", DEFAULT_LEASE_S))
         self._local_hit: dict[str, int] = {}
@@ -124,6 +125,7 @@ class KvgeomScheduler:
         return step
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: one list (a one-group model) or one list per group (``request_finished_all_groups``)."""
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
@@ -142,7 +144,7 @@ class KvgeomScheduler:
         groups = _lists(block_ids) if block_ids else ()
         if not any(groups):
             return False, None
-        self._step.sends[request.request_id] = time.monotonic() + self.lease_s
+        self._step.sends[request.request_id] = self.lease_s
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": [list(g) for g in groups], "remote_engine_id": self.engine_id,

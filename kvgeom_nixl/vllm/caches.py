@@ -1,0 +1,139 @@
+"""One worker rank's geometry, read from the KV-cache tensors vLLM registers (docs/design.md §15.3).
+
+The connector never computes a byte stride: it names the views vLLM's attention kernels read and
+lets :meth:`kvgeom.EngineGeometry.from_tensors` read their shapes, strides and addresses
+(docs/design.md §10.1). vLLM 0.32's CPU attention backend (``CPU_ATTN``, the ``vec``/``vec16``
+kernels, float32 on x86) registers each layer as ``c = [blocks, heads, block_size, 2 * head_dim]``;
+per (block, head) its bytes are K's ``block_size * head_dim`` elements, transposed (element ``d`` of
+token ``s`` at ``d * block_size + s``), then V's in token order (docs/design.md §3.5). The two views::
+
+    K = c.view(blocks, heads, 2, head_dim, block_size)[:, :, 0].transpose(-1, -2)
+    V = c.view(blocks, heads, 2 * block_size, head_dim).chunk(2, dim=2)[1]
+
+both described as ``"page head token dim"``, read as a per-plane page layout whatever the block
+size, so any block size on either side and token-exact sliding windows plan byte-exactly.
+
+What vLLM knows and the tensors do not (the groups, their logical block size, their window, the
+model's total KV heads, each layer's backend and kernel) arrives as :class:`CacheGroup` values, so
+this module imports neither vLLM nor torch (the tensors are duck-typed) and is tested without vLLM.
+A backend or kernel whose page is not described here is refused by name
+(:class:`~kvgeom_nixl.errors.ExecutorError`), never guessed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvgeom import AttentionSpec, EngineGeometry, LayerTensors, ModelSpec
+from kvgeom_nixl.errors import ExecutorError
+
+__all__ = ["CacheGroup", "CPU_ATTN", "CPU_ATTN_ISAS", "cpu_attn_views", "geometry_from_kv_caches"]
+
+CPU_ATTN = "CPU_ATTN"
+CPU_ATTN_ISAS = ("vec", "vec16")
+"""The CPU_ATTN kernels whose K is ``[head_dim][block_size]`` (docs/design.md §3.5). ``amx`` (bf16)
+keeps K in 16-token tiles of element pairs, which an axis description cannot say (§10.1)."""
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """One vLLM KV-cache group as the worker sees it (``kv_cache_config.kv_cache_groups[i]``).
+
+    ``kind`` is ``"full"`` or ``"sliding"`` (``window`` tokens); ``block_size`` is the group's
+    logical block (``kv_cache_spec.block_size``); ``total_kv_heads`` the model's KV heads before
+    TP; ``backend`` and ``isa`` are each layer's attention backend name and kernel (``layer.isa``).
+    """
+
+    name: str
+    kind: str
+    layers: tuple[str, ...]
+    block_size: int
+    total_kv_heads: int
+    window: int | None
+    backend: Mapping[str, str]
+    isa: Mapping[str, str | None]
+
+
+def cpu_attn_views(cache: Any) -> tuple[Any, Any]:
+    """K and V of one CPU_ATTN layer tensor ``[blocks, heads, block_size, 2 * head_dim]``, as the
+    ``vec`` kernels read them: K ``[blocks, heads, block_size, head_dim]`` through the transposed
+    ``[head_dim][block_size]`` half, V the second half of vLLM's ``[blocks, heads, 2 * bs, hd]`` view."""
+    blocks, heads, bs, two_hd = (int(n) for n in cache.shape)
+    hd = two_hd // 2
+    k = cache.view(blocks, heads, 2, hd, bs)[:, :, 0].transpose(-1, -2)
+    v = cache.view(blocks, heads, 2 * bs, hd).chunk(2, dim=2)[1]
+    return k, v
+
+
+def _layer(group: CacheGroup, layer: str, kv_caches: Mapping[str, Any]) -> tuple[Any, int]:
+    """The CPU_ATTN tensor of ``layer`` (checked) and its kernel block size."""
+    path = f"kv_caches[{layer!r}]"
+    backend = group.backend.get(layer, "")
+    if backend != CPU_ATTN:
+        raise ExecutorError(f"{path}.backend", f"attention backend {backend or 'unknown'!r}: the connector reads "
+                            f"{CPU_ATTN} caches only (docs/design.md §15.3)", actual=backend, expected=CPU_ATTN,
+                            fix="run vLLM's CPU attention backend (float32), or add this backend's views to "
+                            "kvgeom_nixl.vllm.caches")
+    isa = group.isa.get(layer)
+    if isa not in CPU_ATTN_ISAS:
+        raise ExecutorError(f"{path}.isa", f"CPU_ATTN kernel {isa!r} stores K in a layout an axis description "
+                            "cannot say (docs/design.md §10.1)", actual=isa, expected=list(CPU_ATTN_ISAS),
+                            fix="run float32 (vLLM picks the vec kernel), not bfloat16 (amx)")
+    if layer not in kv_caches:
+        raise ExecutorError(path, "a layer of the KV-cache config has no registered tensor", actual=None,
+                            expected="a tensor", fix="register every layer of every group")
+    t = kv_caches[layer]
+    shape = tuple(int(n) for n in t.shape)
+    if len(shape) != 4 or shape[3] % 2 or shape[2] < 1:
+        raise ExecutorError(f"{path}.shape", f"shape {shape} is not CPU_ATTN's [blocks, heads, block_size, "
+                            "2 * head_dim]", actual=shape, expected="4 dimensions, the last even")
+    kernel = shape[2]
+    if group.block_size % kernel:
+        raise ExecutorError(f"{path}.shape[2]", f"a {kernel}-token kernel block does not divide the group's "
+                            f"{group.block_size}-token block", actual=kernel, expected=f"a divisor of {group.block_size}")
+    return t, kernel
+
+
+def geometry_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[CacheGroup], *, tp: int,
+                            name: str) -> tuple[EngineGeometry, list[LayerTensors]]:
+    """This rank's geometry and the :class:`kvgeom.LayerTensors` it was read from (the endpoint
+    registers exactly those, :func:`kvgeom_nixl.region_buffers`), for vLLM's ``kv_caches`` (layer
+    name -> tensor) and the engine's groups. ``name`` is the engine's: every rank of one engine
+    advertises one geometry. Raises :class:`~kvgeom_nixl.errors.ExecutorError` for a cache this
+    module does not describe and :class:`kvgeom.GeometryError` for tensors kvgeom refuses."""
+    if not groups:
+        raise ExecutorError("kv_cache_groups", "no KV-cache group to transfer", actual=0, expected=">= 1")
+    specs, layers = [], []
+    kernels: set[int] = set()
+    logical: set[int] = set()
+    dtype = ""
+    for group in groups:
+        if group.kind not in ("full", "sliding") or (group.kind == "sliding") != bool(group.window):
+            raise ExecutorError(f"kv_cache_groups[{group.name!r}].kind", f"group kind {group.kind!r} with window "
+                                f"{group.window!r}", actual=group.kind, expected="full, or sliding with a window",
+                                fix="the connector moves attention groups (full or sliding window) only")
+        if not group.layers:
+            raise ExecutorError(f"kv_cache_groups[{group.name!r}].layers", "a group without layers", actual=0,
+                                expected=">= 1")
+        head_bytes = 0
+        for layer in group.layers:
+            t, kernel = _layer(group, layer, kv_caches)
+            kernels.add(kernel)
+            logical.add(group.block_size)
+            layers.append(LayerTensors(group.name, "page head token dim", cpu_attn_views(t), name=layer))
+            head_bytes = int(t.shape[3]) // 2 * int(t.element_size())
+            dtype = str(t.dtype).removeprefix("torch.")
+        specs.append(AttentionSpec(group.name, group.kind, num_layers=len(group.layers),
+                                   num_kv_heads=group.total_kv_heads, head_bytes=head_bytes,
+                                   window_tokens=group.window if group.kind == "sliding" else None))
+    if len(kernels) != 1 or len(logical) != 1:
+        raise ExecutorError("kv_caches", f"groups with different block sizes (kernel {sorted(kernels)}, logical "
+                            f"{sorted(logical)})", actual=sorted(kernels | logical), expected="one block size",
+                            fix="the connector reads one block size per engine")
+    kernel, block = kernels.pop(), logical.pop()
+    model = ModelSpec("vllm", specs, dtype=dtype)
+    geo = EngineGeometry.from_tensors(model, tp=tp, layers=layers, kernel_block_tokens=kernel,
+                                      blocks_per_logical=block // kernel, name=name)
+    return geo, layers
