@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -58,6 +61,56 @@ def result(out: Any) -> dict[str, Any]:
             "kv_transfer_params": out.kv_transfer_params, "num_cached_tokens": out.num_cached_tokens}
 
 
+IDLE_STEP_S = 0.01  # while it waits for a request, the instance steps an engine that holds finished requests
+
+
+def generate(llm: Any, rid: str, prompt: list[int], sp: Any) -> Any:
+    """One request through the engine, returned as soon as it is finished.
+
+    ``LLM.generate`` would return only once the engine is idle, which for P is after D has
+    pulled the request's blocks (P keeps them until then), and D starts after P returns here.
+    """
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), sp)
+    while True:
+        outs = engine.step()
+        for out in outs:
+            if out.request_id == rid and out.finished:
+                return out
+        if not outs:  # (D waiting for its KV: do not spin a core the transfer needs)
+            time.sleep(0.001)
+
+
+def holding(llm: Any) -> bool:
+    """Whether the in-process engine still has requests (here: finished ones whose blocks wait for D)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # the in-process EngineCore
+    return bool(core is not None and core.scheduler.has_requests())
+
+
+def lines(llm: Any) -> Any:
+    """stdin's lines; between them, step the engine every ``IDLE_STEP_S`` while it holds requests.
+
+    The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): nothing else steps
+    it, and a P engine must step to hand its connector the requests D will pull and to free them
+    afterwards (``vllm serve``'s engine-core process busy-loops for that instead, ~1.5 cores here).
+    """
+    buf = b""
+    while True:
+        while b"\n" not in buf:
+            ready, _, _ = select.select([0], [], [], IDLE_STEP_S)
+            if ready:
+                chunk = os.read(0, 1 << 16)
+                if not chunk:
+                    return
+                buf += chunk
+            elif holding(llm):
+                llm.llm_engine.step()
+        line, buf = buf.split(b"\n", 1)
+        yield line.decode()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -71,7 +124,6 @@ def main() -> None:
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
               block_size=args.block_size, tensor_parallel_size=args.tp, seed=args.seed,
@@ -79,7 +131,8 @@ def main() -> None:
               kv_cache_memory_bytes=args.kv_cache_mb << 20,
               kv_transfer_config=transfer_config(args.connector, json.loads(args.extra)))
     emit({"ready": True, "block_size": args.block_size, "tp": args.tp, "connector": args.connector})
-    for line in sys.stdin:
+    count = 0
+    for line in lines(llm):
         if not line.strip():
             continue
         try:
@@ -90,8 +143,8 @@ def main() -> None:
             sp = SamplingParams(max_tokens=int(msg["max_tokens"]), temperature=0.0, logprobs=5, ignore_eos=True,
                                 detokenize=False,
                                 extra_args={"kv_transfer_params": params} if params is not None else None)
-            outs = llm.generate([TokensPrompt(prompt_token_ids=msg["prompt"])], sp, use_tqdm=False)
-            emit(result(outs[0]))
+            count += 1
+            emit(result(generate(llm, f"r{count}", msg["prompt"], sp)))
         except Exception:  # reported to the test, which fails with the traceback; the instance lives on
             emit({"error": traceback.format_exc()})
     emit({"bye": True})

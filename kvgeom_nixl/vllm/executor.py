@@ -51,7 +51,7 @@ from kvgeom_nixl.transfer import Transfer
 
 from .side_channel import SideChannelError, SideChannelServer, exchange_handshake, send_release
 
-__all__ = ["ConnectorExecutor", "PullJob", "ReleaseJob", "Results", "staging_bytes_for", "STRATEGY",
+__all__ = ["ConnectorExecutor", "PullJob", "ReleaseJob", "Results", "staging_bytes_for", "local_executor", "STRATEGY",
            "DEFAULT_PULL_TIMEOUT_S", "DEFAULT_HANDSHAKE_TIMEOUT_S", "DEFAULT_STAGING_CAP"]
 
 STRATEGY = "auto"
@@ -61,6 +61,19 @@ DEFAULT_STAGING_CAP = 64 << 20
 BUSY_POLL_S = 0.002  # progress interval while a transfer, a hold or a pending send exists
 IDLE_POLL_S = 0.05
 MAX_COLLECTING = 16  # D engines whose handshakes are being collected at once (hostile bound)
+MAX_SEEN = 1 << 16  # P request ids remembered after they were freed (a late duplicate is ignored)
+
+_LOCAL: dict[str, ConnectorExecutor] = {}  # engine id -> the executor of a worker in this process
+_LOCAL_LOCK = threading.Lock()
+
+
+def local_executor(engine_id: str) -> ConnectorExecutor | None:
+    """The executor of engine ``engine_id``'s worker when it runs in this process (vLLM's
+    single-process engine, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or a uni executor in the engine
+    core): the scheduler then hands P's pending sends to it at once, because such an engine steps
+    only while a caller waits for outputs, and a hold must not wait for the next call."""
+    with _LOCAL_LOCK:
+        return _LOCAL.get(engine_id)
 
 
 def probed(payloads: Sequence[bytes], limits: HandshakeLimits) -> list[RankInfo]:
@@ -189,6 +202,7 @@ class ConnectorExecutor:
         self._p_links: dict[str, Link] = {}
         self._agent_engine: dict[str, str] = {}
         self._sends: dict[str, _Send] = {}
+        self._seen: dict[str, None] = {}  # every send registered, oldest first (at most MAX_SEEN)
         self._hs: dict[str, _Collect] = {}
         self._hs_cond = threading.Condition()
         self._out = Results()
@@ -202,6 +216,8 @@ class ConnectorExecutor:
                          threading.Thread(target=self._jobs_loop, name=f"kvgeom-jobs-{rank}", daemon=True)]
         for t in self._threads:
             t.start()
+        with _LOCAL_LOCK:
+            _LOCAL[engine_id] = self
 
     # ---- the engine thread's calls ---------------------------------------------------------
     def pull(self, job: PullJob) -> None:
@@ -209,6 +225,7 @@ class ConnectorExecutor:
         if self.decode is None:
             self._fail(job, "this instance has no decode endpoint (kv_role is kv_producer)")
             return
+        self.log.debug("kvgeom connector: pull of %s (P request %s) queued", job.request_id, job.transfer_id)
         self._jobs.put(job)
 
     def release(self, job: ReleaseJob) -> None:
@@ -218,8 +235,12 @@ class ConnectorExecutor:
     def send(self, request_id: str, lease_s: float) -> None:
         """P: keep ``request_id``'s blocks for D for at most ``lease_s`` seconds."""
         with self.lock:
-            if request_id not in self._sends:
-                self._sends[request_id] = _Send(time.monotonic() + lease_s)
+            if request_id in self._seen:  # (already pending, or freed: vLLM frees a request once)
+                return
+            self._seen[request_id] = None
+            while len(self._seen) > MAX_SEEN:
+                del self._seen[next(iter(self._seen))]
+            self._sends[request_id] = _Send(time.monotonic() + lease_s)
         self._wake.set()
 
     def take(self) -> Results:
@@ -313,7 +334,9 @@ class ConnectorExecutor:
     # ---- jobs thread -----------------------------------------------------------------------
     def _jobs_loop(self) -> None:
         try:  # start the metadata prober now, not in the first handshake
+            started = time.monotonic()
             prober().warm()
+            self.log.debug("kvgeom connector: metadata prober started in %.2f s", time.monotonic() - started)
         except ProberUnavailable as e:
             self.log.warning("kvgeom connector: no metadata prober process (%s); connect probes in process", e)
         while True:
@@ -404,6 +427,7 @@ class ConnectorExecutor:
     # ---- P: a D engine's handshake (side-channel threads) ----------------------------------
     def _on_handshake(self, engine: str, rank: int, tp: int, payload: bytes) -> None:
         """Collect D engine ``engine``'s payloads; connect once all ``tp`` arrived; return once linked."""
+        self.log.debug("kvgeom connector: handshake from D engine %s rank %d of %d", engine, rank, tp)
         digest = hashlib.sha256(payload).digest()
         deadline = time.monotonic() + self.handshake_timeout_s
         connect = False
@@ -451,6 +475,7 @@ class ConnectorExecutor:
         except Exception as e:  # noqa: BLE001 - refused geometry, bad payload, NIXL: the D engine hears why
             state, error = "failed", f"{type(e).__name__}: {e}"[:400]
             self.log.error("kvgeom connector: handshake of D engine %s refused: %s", engine, error)
+        self.log.debug("kvgeom connector: D engine %s %s", engine, state)
         with self._hs_cond:
             c.state, c.error = state, error
             c.payloads.clear()  # the link holds what it needs; only the digests stay (to spot a restart)
@@ -464,6 +489,9 @@ class ConnectorExecutor:
 
     # ---- teardown --------------------------------------------------------------------------
     def close(self) -> None:
+        with _LOCAL_LOCK:
+            if _LOCAL.get(self.engine_id) is self:
+                del _LOCAL[self.engine_id]
         self._stop.set()
         self._wake.set()
         self._jobs.put(None)

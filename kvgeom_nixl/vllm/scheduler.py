@@ -144,7 +144,13 @@ class KvgeomScheduler:
         groups = _lists(block_ids) if block_ids else ()
         if not any(groups):
             return False, None
-        self._step.sends[request.request_id] = self.lease_s
+        from .executor import local_executor
+
+        worker = local_executor(self.engine_id) if self.tp == 1 else None
+        if worker is not None:  # the worker is in this process: it holds from now, not from the next step
+            worker.send(request.request_id, self.lease_s)
+        else:
+            self._step.sends[request.request_id] = self.lease_s
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": [list(g) for g in groups], "remote_engine_id": self.engine_id,
