@@ -37,7 +37,7 @@ def emit(obj: Any) -> None:
     sys.stdout.flush()
 
 
-def transfer_config(connector: str, extra: dict[str, Any]) -> Any:
+def transfer_config(connector: str, extra: dict[str, Any], policy: str = "fail") -> Any:
     from vllm.config import KVTransferConfig
 
     if connector == "none":
@@ -45,12 +45,13 @@ def transfer_config(connector: str, extra: dict[str, Any]) -> Any:
     if connector == "nixl":
         # P frees a pending send after the lease; D may start long after P here, so raise it.
         return KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both", kv_buffer_device="cpu",
-                                kv_connector_extra_config={"kv_lease_duration": 120, **extra})
+                                kv_connector_extra_config={"kv_lease_duration": 120, **extra},
+                                kv_load_failure_policy=policy)
     if connector == "kvgeom":
-        # A failed load is recomputed (vLLM's default policy "fail" would end the request with an error).
         return KVTransferConfig(kv_connector="KvgeomConnector", kv_connector_module_path="kvgeom_nixl.vllm",
-                                kv_role="kv_both", kv_buffer_device="cpu", kv_connector_extra_config=extra,
-                                kv_load_failure_policy="recompute")
+                                kv_role="kv_both", kv_buffer_device="cpu",
+                                kv_connector_extra_config={"kv_lease_duration": 180, **extra},
+                                kv_load_failure_policy=policy)
     raise SystemExit(f"unknown --connector {connector!r} (none, nixl, kvgeom)")
 
 
@@ -121,6 +122,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-cache-mb", type=int, default=64, help="KV cache per worker (MiB)")
+    ap.add_argument("--failure-policy", default="fail", help="kv_load_failure_policy: fail (vLLM's default) or "
+                    "recompute (a failed load is recomputed)")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -129,7 +132,7 @@ def main() -> None:
               block_size=args.block_size, tensor_parallel_size=args.tp, seed=args.seed,
               max_model_len=args.max_model_len, enable_prefix_caching=True,
               kv_cache_memory_bytes=args.kv_cache_mb << 20,
-              kv_transfer_config=transfer_config(args.connector, json.loads(args.extra)))
+              kv_transfer_config=transfer_config(args.connector, json.loads(args.extra), args.failure_policy))
     emit({"ready": True, "block_size": args.block_size, "tp": args.tp, "connector": args.connector})
     count = 0
     for line in lines(llm):

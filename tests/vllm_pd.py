@@ -75,7 +75,8 @@ class Instance:
     """
 
     def __init__(self, name: str, model: Path, *, block_size: int = 32, tp: int = 1, connector: str = "none",
-                 extra: dict[str, Any] | None = None, log_dir: Path) -> None:
+                 extra: dict[str, Any] | None = None, log_dir: Path, kv_cache_mb: int = 64,
+                 failure_policy: str = "fail") -> None:
         self.name, self.block_size, self.tp, self.connector = name, block_size, tp, connector
         self.port = free_port()
         env = vllm_env(VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.port), KVGEOM_SIDE_CHANNEL_PORT=str(self.port),
@@ -83,15 +84,16 @@ class Instance:
                        # the engine core in the instance's process (TP1: ~4x faster to start here than
                        # engine-core and worker processes; no busy loop starving the other instances)
                        VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        env["PYTHONPATH"] = os.pathsep.join([str(SITE), env["PYTHONPATH"]])  # its workers spin 10 ms, not 1 s  # it would override --kv-cache-mb (vLLM reads it as whole GiB)
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-mb (vLLM reads it as whole GiB)
+        env["PYTHONPATH"] = os.pathsep.join([str(SITE), env["PYTHONPATH"]])  # its workers spin 10 ms, not 1 s
         # vLLM's "auto" binding pins every instance's worker to the same core, where their OpenMP
         # threads spin: unbound TP1 workers with one OpenMP thread each share both cores instead.
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "nobind"
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "w")  # closed in close()
         cmd = [vllm_python(), str(SCRIPT), "--model", str(model), "--block-size", str(block_size), "--tp", str(tp),
-               "--connector", connector, "--extra", json.dumps(extra or {})]
+               "--connector", connector, "--extra", json.dumps(extra or {}), "--kv-cache-mb", str(kv_cache_mb),
+               "--failure-policy", failure_policy]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, env=env, cwd=ROOT, start_new_session=True)
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
