@@ -1,26 +1,29 @@
 """A conformance run of vLLM's own NixlConnector on CPU, judged by kvgeom's kit and by the bytes.
 
-    python -m kvgeom_nixl.vllm.conformance [--grid ci|full] [--cell NAME ...] [--json]
+    python -m kvgeom_nixl.vllm.conformance [--grid ci|amx|hybrid|layout|full] [--cell NAME ...] [--json]
 
-For one cell (P and D block sizes, TP sizes, M, D's prefix hit S; docs/design.md §10.6):
+For one cell (P and D block sizes, TP sizes, M, D's prefix hit S, layouts; docs/design.md §10.6):
 
     VllmSide(P), VllmSide(D)          vLLM's config, layers, KVCacheConfig, allocation, NixlConnector workers
     P's cache  <- known pattern       stale -3.0, then tokens [0, M) through the backend's own cache update
+                                      (a hybrid: P's mamba state block through vLLM's own state views)
     D's cache  <- stale -7.0          and its prefix [0, S) written the same way (D's own hit)
     D.start_load_kv(metadata)         the metadata the scheduler builds for one request; the handshake
                                       over P's real side channel; READs over real NIXL (loopback UCX)
-    D.get_transfer_results()          vLLM's receive step (block-size regroup, zeroing) runs here
-    recorded dlists + READs  --> kvgeom.conformance.check_connector     the kit's verdict
-    D's cache vs vLLM's own writer --> the byte check                   the independent verdict
+    D.get_transfer_results()          vLLM's receive step (block-size regroup, zeroing), recorded
+    recorded dlists + READs + receive step --> kvgeom.conformance.check_connector     the kit's verdict
+    D's cache vs vLLM's own writer         --> the byte check                         the independent verdict
 
-Outcomes: ``REFUSED`` (vLLM raised or failed the request at the handshake or when posting),
-``CONFORMS`` or ``WRONG`` (silently wrong bytes) from the byte check, with the kit's verdict beside
-it (``kit``: ``CONFORMS`` / ``WRONG`` with its findings, or ``UNDESCRIBABLE`` when kvgeom's layout
-model cannot describe a side yet: CPU_ATTN writes K dim-major in 32-token tiles, issue 22). Models:
-a tiny Llama on CPU_ATTN (float32, blocks of 32 k), a tiny DeepSeek-V2 on CPU_MLA (float32,
-16-token blocks) or on AMX_MLA (bfloat16, blocks of 32 k). D tokens past M in the last listed block
-are held to vLLM's contract (``beyond_computed="any"``: attention masks by length); what they hold
-is reported separately.
+Outcomes: ``REFUSED`` (vLLM raised or failed the request at the handshake or when posting, or
+refused the engine's configuration), ``CONFORMS`` or ``WRONG`` (silently wrong bytes) from the
+byte check, with the kit's verdict beside it (``kit``: ``CONFORMS`` / ``WRONG`` with its findings,
+or ``UNDESCRIBABLE`` when a side cannot be described or two readings of it disagree). Models: a
+tiny Llama on CPU_ATTN (float32, blocks of 32 k, LBHNC), a tiny DeepSeek-V2 on CPU_MLA (float32,
+16-token blocks) or AMX_MLA (bfloat16, blocks of 32 k), and a tiny Nemotron-H (mamba2 + CPU_ATTN,
+float32, TP1). D tokens past M in the last listed block are held to vLLM's contract
+(``beyond_computed="any"``: attention masks by length); what they hold is reported separately.
+Every receive step is also replayed from kvgeom's records onto D's cache before it and must give
+the bytes vLLM left (``receive_replay``).
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class CellResult:
     kit_findings: dict[str, int] = field(default_factory=dict)
     kit_ignored: dict[str, int] = field(default_factory=dict)
     kit_lines: list[str] = field(default_factory=list)
+    kit_where: list[tuple[str, str, str, int, int]] = field(default_factory=list)  # kind, side, group, layer, block
     kit_refusal: str = ""
     kit_receive: dict[str, int] = field(default_factory=dict)  # the receive step as the kit got it
     bytes: dict[str, Any] = field(default_factory=dict)
@@ -209,6 +213,7 @@ def run_cell(cell: Cell, model: TinyModel, model_dir: Path, port: int) -> CellRe
         kit = kit_check(P, D, cell, p_lists, d_lists, calls)
         result.kit, result.kit_findings, result.kit_ignored = kit["verdict"], kit["counts"], kit["ignored"]
         result.kit_lines, result.kit_refusal, result.kit_receive = kit["lines"], kit["refusal"], kit["receive"]
+        result.kit_where = kit["where"]
         return result
     except Exception as e:
         result.refusal = f"harness: {type(e).__name__}: {e}"
@@ -269,8 +274,8 @@ def _replay(P: VllmSide, D: VllmSide) -> None:
     agent.posted = agent.posted[: len(agent.posted) // 2]
 
 
-# The grid. Block sizes are multiples of 32 (CPU_ATTN); 32 <-> 32 is the only size whose K rows
-# kvgeom can describe today (issue 22).
+# The grid. CPU_ATTN blocks are multiples of 32 (LBHNC only); CPU_MLA forces 16-token blocks,
+# AMX_MLA (bfloat16) takes multiples of 32; the hybrid's attention block is vLLM's choice, 128, unless given.
 CI_GRID = (
     Cell(32, 32, 100),
     Cell(32, 32, 100, s=32),
@@ -289,6 +294,14 @@ CI_GRID = (
     Cell(32, 64, 100, mla=True, amx=True),
     Cell(32, 64, 128, s=64, mla=True, amx=True),
     Cell(32, 64, 150, s=64, mla=True, amx=True),
+    Cell(32, 128, 200),  # ratio 4 with a partly covered last D block: vLLM zeroes its tail
+    Cell(32, 64, 100, p_tp=2, d_tp=1),  # different blocks and P TP > D TP: refused
+    Cell(32, 32, 100, d_layout="NHD"),  # CPU_ATTN has no NHD: vLLM refuses the layout
+    Cell(16, 16, 100, mla=True, d_layout="NHD"),
+    Cell(128, 128, 100, hybrid=True),
+    Cell(64, 128, 100, hybrid=True),
+    Cell(128, 64, 100, hybrid=True),
+    Cell(128, 128, 100, hybrid=True, corrupt="state"),
 )
 AMX_GRID = (
     Cell(32, 32, 100, mla=True, amx=True),
@@ -299,7 +312,23 @@ AMX_GRID = (
     Cell(64, 32, 100, mla=True, amx=True),
     Cell(32, 64, 100, p_tp=1, d_tp=2, mla=True, amx=True),
 )
-FULL_GRID = CI_GRID + tuple(c for c in AMX_GRID if c not in CI_GRID) + (
+HYBRID_GRID = (
+    Cell(128, 128, 100, hybrid=True),
+    Cell(64, 128, 100, hybrid=True),
+    Cell(128, 64, 100, hybrid=True),
+    Cell(128, 128, 100, hybrid=True, corrupt="state"),
+)
+LAYOUT_GRID = (
+    Cell(32, 32, 100, d_layout="NHD"),
+    Cell(16, 16, 100, mla=True, d_layout="NHD"),
+)
+FULL_GRID = CI_GRID + tuple(c for c in AMX_GRID + HYBRID_GRID + LAYOUT_GRID if c not in CI_GRID) + (
+    Cell(32, 32, 33),
+    Cell(32, 64, 33),
+    Cell(64, 128, 200),
+    Cell(32, 128, 200),
+    Cell(32, 64, 100, p_tp=2, d_tp=2),
+    Cell(32, 64, 100, p_tp=2, d_tp=1),
     Cell(32, 32, 128),
     Cell(32, 32, 100, s=32, p_tp=2, d_tp=1),
     Cell(32, 64, 100),
@@ -311,16 +340,6 @@ FULL_GRID = CI_GRID + tuple(c for c in AMX_GRID if c not in CI_GRID) + (
     Cell(96, 32, 100),
     Cell(32, 32, 100, s=32, p_tp=1, d_tp=2),
     Cell(16, 16, 100, p_tp=2, d_tp=1, mla=True),
-)
-HYBRID_GRID = (
-    Cell(128, 128, 100, hybrid=True),
-    Cell(64, 128, 100, hybrid=True),
-    Cell(128, 64, 100, hybrid=True),
-    Cell(128, 128, 100, hybrid=True, corrupt="state"),
-)
-LAYOUT_GRID = (
-    Cell(32, 32, 100, d_layout="NHD"),
-    Cell(16, 16, 100, mla=True, d_layout="NHD"),
 )
 GRIDS = {"ci": CI_GRID, "amx": AMX_GRID, "hybrid": HYBRID_GRID, "layout": LAYOUT_GRID, "full": FULL_GRID}
 
@@ -351,10 +370,24 @@ def main(argv: list[str] | None = None) -> int:
             results.append(res)
             print(f"{res.cell}: {res.outcome} (kit: {res.kit or '-'}) {res.refusal[:200]} [{res.seconds} s]",
                   file=sys.stderr, flush=True)
+        controls = _controls(models["llama"], dirs["llama"], args.port + 4 * len(cells)) \
+            if any(c.model_key in ("llama", "hybrid") for c in cells) else {}
     print(table(results), file=sys.stderr)
     if args.json:
-        print(json.dumps([asdict(r) for r in results]))
+        print(json.dumps({"cells": [asdict(r) for r in results], "controls": controls}))
     return 0
+
+
+def _controls(model: TinyModel, model_dir: Path, port: int) -> dict[str, str]:
+    """The description checks' controls on one CPU_ATTN side at block 64 (:func:`.describe.describe_controls`)."""
+    from .describe import describe_controls
+
+    side = VllmSide("C", model, model_dir, tp=1, block_size=64, num_blocks=16, port=port)
+    try:
+        side.register()
+        return describe_controls(side)
+    finally:
+        side.shutdown()
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from kvgeom import PageLayout
 from .engines import VllmSide
 from .patterns import decode_numbers, fresh_caches, numbers
 
-__all__ = ["describe_side", "element_map", "compare_geometries"]
+__all__ = ["describe_side", "describe_controls", "element_map", "compare_geometries"]
 
 
 def _check_model(side: VllmSide, model: Any, name: str) -> None:
@@ -208,3 +208,27 @@ def describe_side(side: VllmSide, rank: int, name: str) -> Any:
                                 fix="the builder or the adapter misreads this vLLM page")
     _check_against_writer(side, geo, name)
     return geo
+
+
+def describe_controls(side: VllmSide) -> dict[str, str]:
+    """Wrong descriptions of a CPU_ATTN side that the checks of :func:`describe_side` must refuse:
+    a plain HND page (K in token order, as FLASH_ATTN-like backends store it) against vLLM's writer,
+    and against ``from_tensors`` on vLLM's views. Each value is the refusal's text ("" if not refused)."""
+    from kvgeom import EngineGeometry, GeometryError
+    from kvgeom.building import engine_from_vllm_config
+
+    name = "control"
+    config = engine_from_vllm_config(side.kv_cache_config, tp=side.tp, attention_backend=side.attention_backend,
+                                     cpu_isa=side.isa or "vec", group_names=[g.name for g in side.groups()],
+                                     name=name)
+    plain = EngineGeometry.build(config.model, tp=side.tp, kernel_block_tokens=side.block_size,
+                                 num_blocks=side.num_blocks, layout="HND", name=name)
+    out = {"writer_refuses_hnd": "", "tensors_differ_from_hnd": ""}
+    try:
+        _check_against_writer(side, plain, name)
+    except GeometryError as e:
+        out["writer_refuses_hnd"] = str(e)
+    tensors = EngineGeometry.from_tensors(config.model, tp=side.tp, layers=_layer_tensors(side, 0),
+                                          regions=_regions(side, 0), name=name)
+    out["tensors_differ_from_hnd"] = compare_geometries(tensors, plain)
+    return out

@@ -138,7 +138,8 @@ def kit_check(P: VllmSide, D: VllmSide, cell: Any, p_lists: list[list[int]], d_l
     from .describe import describe_side
     from .receive_step import receive_steps
 
-    out: dict[str, Any] = {"verdict": "", "counts": {}, "ignored": {}, "lines": [], "refusal": "", "receive": {}}
+    out: dict[str, Any] = {"verdict": "", "counts": {}, "ignored": {}, "lines": [], "refusal": "", "receive": {},
+                           "where": []}
     try:
         # every rank has the same geometry (vLLM allocates each rank alike); addresses come from the handshake
         geos = {side.engine_id: [describe_side(side, r, name) for r in range(side.tp)]
@@ -175,4 +176,7 @@ def kit_check(P: VllmSide, D: VllmSide, cell: Any, p_lists: list[list[int]], d_l
     out["verdict"] = "CONFORMS" if not counts else "WRONG"
     out["counts"], out["ignored"] = counts, {k.value: n for k, n in report.ignored.items() if n}
     out["lines"] = [str(v) for v in report.violations][:12]
+    # where the listed findings are (at most 20 per kind are listed): kind, side, group, layer, block
+    out["where"] = sorted({(v.kind.value, v.side, v.group or "", -1 if v.layer is None else v.layer,
+                            -1 if v.block is None else v.block) for v in report.violations})
     return out
