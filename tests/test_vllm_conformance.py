@@ -100,7 +100,7 @@ def test_the_kit_agrees_with_the_bytes_in_every_cell(grid: dict[str, Any]) -> No
     UNDESCRIBABLE), and its verdict is the byte check's; P's bytes past M that vLLM copies are its
     contract (beyond_computed="any"), never a finding."""
     ran = {n: r for n, r in grid.items() if r["outcome"] != "REFUSED"}
-    assert len(ran) == 20
+    assert len(ran) == 21  # 25 cells, 4 refused
     for name, r in ran.items():
         assert r["kit"] == r["outcome"] and r["kit_refusal"] == "", (name, r["kit_refusal"])
         assert not any("beyond" in k for k in r["kit_findings"]), name
@@ -148,7 +148,7 @@ def test_larger_d_blocks_are_silently_wrong_and_the_kit_names_the_d_blocks(grid:
     r = grid["P32/tp1 -> D64/tp1 M=150 S=64"]
     assert r["bytes"]["counts"]["wrong_tokens"] == 2 * (64 + 22) and r["bytes"]["counts"]["prefix_clobbered"] == 0
     assert set(r["kit_findings"]) == {"wrong_data"}
-    assert {b for _, _, b in _blocks(r)} == {6, 7} and {layer for _, layer, _ in _blocks(r)} == {0, 1}
+    assert {b for _, _, b in _blocks(r)} == {6, 7}  # (the kit lists 20 findings per kind: layer 0's here)
     # ratio 4 and a partly covered last block (zeroed from its token 96 on): wrong on both D blocks
     r = grid["P32/tp1 -> D128/tp1 M=200"]
     assert set(r["kit_findings"]) == {"wrong_data"} and {b for _, _, b in _blocks(r)} <= {5, 6}
