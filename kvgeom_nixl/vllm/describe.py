@@ -176,9 +176,10 @@ def _check_against_writer(side: VllmSide, geo: Any, name: str) -> None:
                     fix="describe the page the way the backend's cache update writes it")
 
 
-def describe_side(side: VllmSide, rank: int, name: str) -> Any:
+def describe_side(side: VllmSide, rank: int, name: str, like: Any = None) -> Any:
     """kvgeom's geometry of one rank of ``side`` (see the module), or a ``GeometryError`` naming
-    what kvgeom cannot say or where two readings disagree."""
+    what kvgeom cannot say or where two readings disagree. ``like``: rank 0's geometry, already
+    checked; another rank's (vLLM allocates every rank alike) must equal it, and is not checked again."""
     from kvgeom import EngineGeometry, GeometryError
     from kvgeom.building import engine_from_vllm_config
 
@@ -195,7 +196,9 @@ def describe_side(side: VllmSide, rank: int, name: str) -> Any:
     geo = EngineGeometry.from_tensors(model, tp=side.tp, layers=_layer_tensors(side, rank),
                                       regions=_regions(side, rank), name=name)
     readings: list[tuple[str, Any]] = [("engine_from_vllm_config", config)]
-    if side.attention_backend == "CPU_ATTN" and len(model.groups) == 1:
+    if like is not None:
+        readings = [("rank 0's", like)]
+    elif side.attention_backend == "CPU_ATTN" and len(model.groups) == 1:
         readings.append((f"EngineGeometry.build(layout='CPU_ATTN', cpu_isa={side.isa!r})",
                          EngineGeometry.build(model, tp=side.tp, kernel_block_tokens=side.block_size,
                                               num_blocks=side.num_blocks, layout="CPU_ATTN", cpu_isa=side.isa,
@@ -206,7 +209,8 @@ def describe_side(side: VllmSide, rank: int, name: str) -> Any:
             raise GeometryError(f"{name}.geometry", f"from_tensors on vLLM's views and {what} disagree: {diff}",
                                 actual=diff, expected="equal geometries",
                                 fix="the builder or the adapter misreads this vLLM page")
-    _check_against_writer(side, geo, name)
+    if like is None:
+        _check_against_writer(side, geo, name)
     return geo
 
 

@@ -142,9 +142,12 @@ def kit_check(P: VllmSide, D: VllmSide, cell: Any, p_lists: list[list[int]], d_l
                            "where": []}
     try:
         # every rank has the same geometry (vLLM allocates each rank alike); addresses come from the handshake
-        geos = {side.engine_id: [describe_side(side, r, name) for r in range(side.tp)]
-                for side, name in ((P, "prefill"), (D, "decode"))}
-        pair = Pair(geos["P"][0], geos["D"][0])
+        geos = {}
+        for side, name in ((P, "prefill"), (D, "decode")):
+            geos[side.engine_id] = first = describe_side(side, 0, name)
+            for r in range(1, side.tp):
+                describe_side(side, r, name, like=first)
+        pair = Pair(geos["P"], geos["D"])
     except GeometryError as e:
         out["verdict"], out["refusal"] = "UNDESCRIBABLE", f"GeometryError: {e}"
         return out
