@@ -247,30 +247,36 @@ def test_from_tensors_reads_the_legacy_x_split_k_cache() -> None:
     assert simulate(pair, req, pair.plan(req)).ok
 
 
-def test_packed_refuses_per_plane_and_auto_leaves_it_out() -> None:
-    from kvgeom import PlanError
-    from kvgeom.values.notes import NoteKind
+@pytest.mark.parametrize("bp,bd,d_tp,isa", [(a, b, t, i) for a in SIZES for b in SIZES for t in (1, 2)
+                                              for i in ("vec", "amx") if i == "vec" or a != b])
+def test_packed_plans_cpu_attn_pairs(bp: int, bd: int, d_tp: int, isa: str) -> None:
+    """Packed plans gather through P's per-plane mapping and scatter through D's (docs/design.md §12.2),
+    in one chunk and in chunks of a few tokens; the simulator checks every D byte with its own
+    address tables."""
+    from kvgeom.planning.packed import min_staging_bytes
 
-    pair = Pair(_engine(32), _engine(64))
-    req = fresh_request(pair, 100)
-    with pytest.raises(PlanError, match="packed does not apply"):
-        plan_reference(pair, req, strategy="packed")
-    with pytest.raises(PlanError, match="packed does not apply"):
-        pair.compile().plan(req, strategy="packed")
-    auto = plan_reference(pair, req, strategy="auto", staging_bytes=1 << 20)
-    assert not auto.packed and not any(n.kind is NoteKind.AUTO_PACKED for n in auto.notes)
-    assert simulate(pair, req, auto).ok
+    pair = Pair(_engine(bp, isa=isa), _engine(bd, tp=d_tp, isa=isa))
+    for M, S in ((150, 0), (150, bd), (33, 0)):
+        req = fresh_request(pair, M, prefix_hit_tokens=S, prefill_first_block=1, decode_first_block=2)
+        for staging in (1 << 30, 3 * min_staging_bytes(pair, req) + 1):
+            plan = plan_reference(pair, req, strategy="packed", staging_bytes=staging)
+            assert plan.packed and len(plan.wire) > 0
+            rep = simulate(pair, req, plan)
+            assert rep.ok, (M, S, staging, str(rep)[:2000])
 
 
 def test_compiled_pair_plans_cpu_attn_like_the_reference() -> None:
+    """Direct and staged rows equal the reference's; packed (and auto when packed wins, as it does
+    here between block sizes) is the reference's packed plan plus the REFERENCE_PATH note (§13.5)."""
+    from test_compiled import assert_same
+
     pair = Pair(_engine(32), _engine(96, tp=2))
     compiled = pair.compile()
     for M, S in ((150, 0), (200, 96), (33, 0), (300, 192)):
         req = fresh_request(pair, M, prefix_hit_tokens=S, prefill_first_block=2, decode_first_block=1)
-        for strategy in ("direct", "auto"):
+        for strategy in ("direct", "staged", "auto", "packed"):
             want = plan_reference(pair, req, strategy=strategy)  # type: ignore[arg-type]
-            got = compiled.plan(req, strategy=strategy)  # type: ignore[arg-type]
-            assert got.copies == want.copies and got.zeros == want.zeros and got.notes == want.notes
+            assert_same(compiled.plan(req, strategy=strategy), want)  # type: ignore[arg-type]
 
 
 def test_drawing_shows_cpu_attn_sources_as_for_plain_pages() -> None:
