@@ -57,19 +57,22 @@ def vllm_cells() -> list[dict[str, object]]:
 
 def test_vllm_kernel_pages_move_exactly(vllm_cells: list[dict[str, object]]) -> None:
     """kvgeom's plan puts every K and V byte where vLLM's own kernel puts it on D (all 9 block pairs,
-    D TP1 and TP2, head_dim 64 and 32, and the amx kernel's bf16 pages)."""
+    D TP1 and TP2, head_dim 64 and 32, and the amx kernel's bf16 pages): the direct plan, and the
+    packed plan in several chunks (packs through P's per-plane mapping, unpacks through D's)."""
     vec = {(c["p"], c["d"], c["d_tp"]) for c in vllm_cells if c["isa"] == "vec" and c["hd"] == 64}
     assert vec == set(itertools.product(SIZES, SIZES, (1, 2)))
     assert {(c["p"], c["d"]) for c in vllm_cells if c["isa"] == "amx"} == {
         (a, b) for a in SIZES for b in SIZES if a != b}
-    bad = [c for c in vllm_cells if not c["equal"]]
+    bad = [c for c in vllm_cells if not (c["equal"] and c["packed_equal"])]
     assert bad == []
+    assert all(int(c["packed_chunks"]) > 1 for c in vllm_cells)  # type: ignore[call-overload]
 
 
 def test_vllm_wrong_beliefs_fail(vllm_cells: list[dict[str, object]]) -> None:
     """The controls: believing K rows are in token order, or tiled by 32 tokens, gives D bytes that
-    differ from vLLM's in every cell (also at equal block sizes: D's tail zeros land on wrong bytes)."""
-    assert all(not c["rows_equal"] and not c["tiled32_equal"] for c in vllm_cells)
+    differ from vLLM's in every cell (also at equal block sizes: D's tail zeros land on wrong bytes),
+    with the direct plan and, for the first belief, with the packed plan."""
+    assert all(not c["rows_equal"] and not c["tiled32_equal"] and not c["packed_rows_equal"] for c in vllm_cells)
 
 
 def test_vllm_k_order_is_transposed(vllm_cells: list[dict[str, object]]) -> None:
@@ -265,6 +268,57 @@ def test_packed_plans_cpu_attn_pairs(bp: int, bd: int, d_tp: int, isa: str) -> N
             assert rep.ok, (M, S, staging, str(rep)[:2000])
 
 
+def test_packed_steps_worked_number() -> None:
+    """docs/design.md §12.2 (per-plane layouts), by hand: vec, 2 heads of 128 float32 elements, P block 32
+    -> D block 64, one layer, 128 tokens. A D block is (head, element, token, byte) densely, so a full D
+    page's K unpacks as one 64 * 512 = 32768-byte element per head (head stride 2 * 64 * 512 = 65536 on
+    the page), and a P page packs its K as 2 x 128 elements of 32 * 4 = 128 bytes: P strides (head
+    2 * 32 * 512 = 32768, element 32 * 4 = 128), staging strides (32768, 64 * 4 = 256); the second P page
+    of a D block starts 32 * 4 = 128 bytes in. V keeps token order: 16384 contiguous bytes per head and P
+    page. The K plane's blocks take 2 pages x 65536 B, so V's start at 131072."""
+    m = ModelSpec("m", (AttentionSpec("attn", "full", 1, 2, 512),), dtype="float32")
+    P = EngineGeometry.build(m, tp=1, kernel_block_tokens=32, num_blocks=4, layout="CPU_ATTN", name="P")
+    D = EngineGeometry.build(m, tp=1, kernel_block_tokens=64, num_blocks=4, layout="CPU_ATTN", name="D")
+    pair = Pair(P, D)
+    req = fresh_request(pair, 128, decode_first_block=1)
+    plan = plan_reference(pair, req, strategy="packed")
+
+    def step(x: object) -> tuple[object, ...]:
+        return (x.offsets.tolist(), x.staged.tolist(), x.pages.tolist(), x.page_staged.tolist(),  # type: ignore[attr-defined]
+                x.shape, x.cache_strides, x.staging_strides, x.unit_bytes)  # type: ignore[attr-defined]
+
+    assert [step(x) for x in plan.packs] == [
+        ([0], [0], [0, 1, 2, 3], [0, 128, 65536, 65536 + 128], (2, 128), (32768, 128), (32768, 256), 128),
+        ([16384], [131072], [0, 1, 2, 3], [0, 16384, 65536, 65536 + 16384], (2,), (32768,), (32768,), 16384)]
+    assert [step(x) for x in plan.unpacks] == [
+        ([0], [0], [1, 2], [0, 65536], (2,), (65536,), (32768,), 32768),
+        ([32768], [131072], [1, 2], [0, 65536], (2,), (65536,), (32768,), 32768)]
+    assert plan.wire.nbytes.tolist() == [2 * 2 * 128 * 512] and simulate(pair, req, plan).ok
+
+
+def test_simulator_catches_packed_steps_that_ignore_per_plane_mappings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Controls: pack and unpack steps that treat head vectors as contiguous (vec K), or that run
+    tokens across the amx layout's 16- and 2-token pieces as if one stride held, are caught by the
+    simulator's own address tables."""
+    import attrs
+
+    from kvgeom.planning import packed_steps, packed_tokens
+
+    pair = Pair(_engine(32), _engine(64))
+    req = fresh_request(pair, 100)
+    assert simulate(pair, req, plan_reference(pair, req, strategy="packed")).ok
+    amx = Pair(_engine(32, isa="amx"), _engine(96, isa="amx"))
+    amx_req = fresh_request(amx, 150)
+    assert simulate(amx, amx_req, plan_reference(amx, amx_req, strategy="packed")).ok
+    with monkeypatch.context() as mp:
+        mp.setattr(packed_steps, "vector_unit", lambda spec, sides, plane: (spec.head_bytes, []))
+        assert not simulate(pair, req, plan_reference(pair, req, strategy="packed")).ok
+    with monkeypatch.context() as mp:
+        real = packed_tokens.cuts_of
+        mp.setattr(packed_tokens, "cuts_of", lambda *a: attrs.evolve(real(*a), d_cut=0, p_cut=0))
+        assert not simulate(amx, amx_req, plan_reference(amx, amx_req, strategy="packed")).ok
+
+
 def test_compiled_pair_plans_cpu_attn_like_the_reference() -> None:
     """Direct and staged rows equal the reference's; packed (and auto when packed wins, as it does
     here between block sizes) is the reference's packed plan plus the REFERENCE_PATH note (§13.5)."""
@@ -315,6 +369,18 @@ def test_strategies_draw_per_plane_layouts() -> None:
             return any(len(p.token_modes) > 1 for x in lays for p in x.planes) and any(
                 p.vector_modes for x in lays for p in x.planes)
         find(kst.pairs(mismatch_probability=0.0), tiled_and_split, settings=reach)
+
+    def packed_tiled_in_chunks(t: object) -> bool:  # the packed property tests' draws reach them too
+        from kvgeom import plan_transfer
+
+        lays = planes(t.pair.prefill) + planes(t.pair.decode)  # type: ignore[attr-defined]
+        if not any(len(p.token_modes) > 1 for x in lays for p in x.planes):
+            return False
+        plan = plan_transfer(*t.pair, t.request, strategy="packed", staging_bytes=t.staging_bytes,  # type: ignore[attr-defined]
+                             budget=None)
+        return len(plan.chunks) > 1
+    find(kst.packed_transfers(transfers=kst.transfers(pairs=kst.pairs(mismatch_probability=0.0))),
+         packed_tiled_in_chunks, settings=reach)
 
     def k_and_v_differ(gp: object) -> bool:
         return any((x.planes[0].token_modes, x.planes[0].vector_modes) != (x.planes[1].token_modes, x.planes[1].vector_modes)
