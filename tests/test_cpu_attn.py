@@ -191,6 +191,23 @@ def test_cpu_attn_refusals() -> None:
         cpu_attn_layout(heads=1, block_size=32, head_bytes=160, element_bytes=2, isa="amx")
 
 
+def test_dcp_with_a_per_plane_layout_is_refused_by_name() -> None:
+    """DCP token shards on an engine with a per-plane layout: a typed refusal naming the engine's dcp
+    field, both values and the fix (docs/design.md §3.5: a DCP side cuts at every interleave chunk, which
+    need not fall on a plane's affine pieces). The other side may shard its tokens: that pair plans."""
+    from kvgeom import Topology
+
+    with pytest.raises(GeometryError) as e:
+        _engine(64, tp=2, topology=Topology(dcp=2))
+    assert e.value.path == "e64.topology.dcp" and e.value.actual == 2 and e.value.expected == 1
+    assert "per-plane" in str(e.value) and "dcp=1" in (e.value.fix or "")
+    P = EngineGeometry.build(_model(), tp=2, kernel_block_tokens=32, num_blocks=12, topology=Topology(dcp=2), name="P")
+    pair = Pair(P, _engine(64))
+    req = fresh_request(pair, 150)
+    for strategy in ("direct", "packed", "auto"):
+        assert simulate(pair, req, plan_reference(pair, req, strategy=strategy)).ok  # type: ignore[arg-type]
+
+
 def test_pair_refuses_byte_modes_that_do_not_refine() -> None:
     """6-byte head vectors split 2 x 3 on one side and 3 x 2 on the other share no piece size."""
     v = PlaneLayout(48, 72, ((4, 6),))
@@ -223,6 +240,42 @@ def test_from_tensors_reads_cpu_attn_views(bs: int) -> None:
     got = EngineGeometry.from_tensors(model, tp=1, layers=layers)
     want = EngineGeometry.build(model, tp=1, kernel_block_tokens=bs, num_blocks=nb, layout="CPU_ATTN")
     assert got.groups == want.groups and got.regions == want.regions
+
+
+@pytest.mark.parametrize("bs", SIZES)
+def test_from_tensors_reads_amx_pages_with_token_parts(bs: int) -> None:
+    """The amx kernel's bf16 pages read from views of vLLM's registered tensor with the token axis in
+    parts (docs/design.md §10.1): K as ``[.., bs/16, hd/2, 16, 2]`` and V as ``[.., hd/16, bs/2, 16, 2]``
+    permuted to the same names, both "page head token1 d1 token0 d0" (token0 the least significant
+    part); the result is the builder's ``layout="CPU_ATTN", cpu_isa="amx"`` geometry. Controls: the
+    parts swapped read as another layout; a token axis beside token parts, and parts not numbered
+    from token0, are refused by name."""
+    torch = pytest.importorskip("torch")
+    from kvgeom.values.tensors import LayerTensors
+
+    hd, h, nb = 64, 4, 6
+    model = _model(hd=hd, eb=2, heads=h)
+
+    def read(axes: str) -> EngineGeometry:
+        layers = []
+        for _ in range(2):
+            c = torch.zeros(nb, h, bs, 2 * hd, dtype=torch.bfloat16)  # [num_blocks, heads, bs, 2 * hd], as vLLM
+            kv = c.view(nb, h, 2, bs * hd)  # per head: bs * hd elements of K, then of V
+            k = kv[:, :, 0].view(nb, h, bs // 16, hd // 2, 16, 2)  # token s = 16 t1 + t0, element d = 2 d1 + d0
+            v = kv[:, :, 1].view(nb, h, hd // 16, bs // 2, 16, 2).permute(0, 1, 3, 2, 5, 4)  # s = 2 t1 + t0, d = 16 d1 + d0
+            layers.append(LayerTensors("attn", axes, (k, v)))
+        return EngineGeometry.from_tensors(model, tp=1, layers=layers)
+
+    want = EngineGeometry.build(model, tp=1, kernel_block_tokens=bs, num_blocks=nb, layout="CPU_ATTN", cpu_isa="amx")
+    got = read("page head token1 d1 token0 d0")
+    assert got.groups == want.groups and got.regions == want.regions
+    swapped = read("page head token0 d1 token1 d0")
+    assert swapped.groups != want.groups
+    with pytest.raises(GeometryError, match="token axis and token parts") as e:
+        read("page head token d1 token0 d0")
+    assert e.value.path.endswith(".token")
+    with pytest.raises(GeometryError, match="are not token0 .. token1"):
+        read("page head token2 d1 token0 d0")
 
 
 def test_from_tensors_reads_the_legacy_x_split_k_cache() -> None:
