@@ -309,7 +309,10 @@ def test_packed_plans_cpu_attn_pairs(bp: int, bd: int, d_tp: int, isa: str) -> N
     """Packed plans gather through P's per-plane mapping and scatter through D's (docs/design.md §12.2),
     in one chunk and in chunks of a few tokens; the simulator checks every D byte with its own
     address tables."""
+    from kvgeom.planning import estimate_packed
+    from kvgeom.planning.budget import estimate_plan, quick_estimate
     from kvgeom.planning.packed import min_staging_bytes
+    from kvgeom.values.request import RequestShape
 
     pair = Pair(_engine(bp, isa=isa), _engine(bd, tp=d_tp, isa=isa))
     for M, S in ((150, 0), (150, bd), (33, 0)):
@@ -319,6 +322,16 @@ def test_packed_plans_cpu_attn_pairs(bp: int, bd: int, d_tp: int, isa: str) -> N
             assert plan.packed and len(plan.wire) > 0
             rep = simulate(pair, req, plan)
             assert rep.ok, (M, S, staging, str(rep)[:2000])
+            steps = plan.packs + plan.unpacks  # the budget's estimates bound the real plan (§14), counted on
+            entries = sum(len(x.pages) + len(x.regions) for x in steps)  # windows too
+            for refine in (estimate_packed.REFINE_STEPS, 0):
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(estimate_packed, "REFINE_STEPS", refine)
+                    shape = RequestShape.of(req)
+                    for est in (estimate_plan(pair, shape, "packed", staging_bytes=staging),
+                                quick_estimate(pair, shape, "packed", staging_bytes=staging)):
+                        assert est.chunks >= len(plan.chunks) and est.wire_rows >= len(plan.wire)
+                        assert est.staging_steps >= len(steps) and est.staging_entries >= entries
 
 
 def test_packed_steps_worked_number() -> None:
