@@ -190,9 +190,8 @@ class _Builder:
                         else:
                             e, strides = vmodes[m - 2]
                             modes.append((e, (strides[k], st[m])))
-                    self._add(side, chunk, s, reg, off + int(view.slot_offset(np.asarray(slot, np.int64), plane)),
-                              base + staged, pages, before * token + tau * st[1], modes,
-                              unit)
+                    at = off + int(view.slot_offset(np.asarray(slot, np.int64), plane))
+                    self._add(side, chunk, s, reg, at, base + staged, pages, before * token + tau * st[1], modes, unit)
 
     def state(self, chunk: int, g: _Group, piece: ChunkPiece, p: int, d: int, p_base: int, d_base: int) -> None:
         """Pack and unpack steps of one state piece for the pair (p, d)."""
