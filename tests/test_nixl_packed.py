@@ -78,6 +78,15 @@ def _case(name: str) -> tuple[Pair, Request]:
         pair = _pair({"tp": 1, "kernel_block_tokens": 16, "kv": "split"},
                      {"tp": 2, "kernel_block_tokens": 8, "layout": "NHD", "kv": "inner"}, blocks=32)
         return pair, fresh_request(pair, 90, prefix_hit_tokens=24)
+    if name.startswith("cpu_attn"):  # per-plane pages (docs/design.md §3.5): K transposed per block size
+        isa = "amx" if "amx" in name else "vec"
+        m = ModelSpec("m", [AttentionSpec("attn", "full", 2, 4, 128)], dtype="bfloat16" if isa == "amx" else "float32")
+        bp, bd, d_tp = (32, 64, 2) if isa == "vec" else (96, 32, 1)
+        pair = Pair(EngineGeometry.build(m, tp=1, num_blocks=12, name="prefill", kernel_block_tokens=bp, layout="CPU_ATTN",
+                                         cpu_isa=isa),
+                    EngineGeometry.build(m, tp=d_tp, num_blocks=12, name="decode", kernel_block_tokens=bd,
+                                         layout="CPU_ATTN", cpu_isa=isa))
+        return pair, fresh_request(pair, 150, prefix_hit_tokens=bd, prefill_first_block=1, decode_first_block=2)
     preset, tokens, layers = {
         "preset gqa-tp2-tp4": ("gqa-tp2-tp4", None, None),
         "preset qwen-swa-tp2-tp4 (sliding)": ("qwen-swa-tp2-tp4", 300, 2),
@@ -90,7 +99,8 @@ def _case(name: str) -> tuple[Pair, Request]:
 
 CASES = ["tp2 nhd k8 -> tp1 hnd k16", "tp1 hnd k16 split -> tp2 nhd k8 inner, prefix", "preset gqa-tp2-tp4",
          "preset qwen-swa-tp2-tp4 (sliding)", "preset deepseek-v3 mla tp8->tp1",
-         "preset nemotron-h tp1->tp4 (hybrid)", "preset kimi-linear tp8->tp1 (hybrid)"]
+         "preset nemotron-h tp1->tp4 (hybrid)", "preset kimi-linear tp8->tp1 (hybrid)",
+         "cpu_attn vec k32 -> tp2 k64, prefix", "cpu_attn amx k96 -> k32, prefix"]
 
 
 def _check(out: dict[str, Any], pair: Pair, push: bool) -> None:
