@@ -205,11 +205,11 @@ def _pull_after_expiry(b: _Bench, row: Row, r: random.Random) -> None:
 
 def _forged(b: _Bench, row: Row, r: random.Random) -> None:
     """Row 5: an agent named as an honest P rank (it holds D's handshake) sends every kind of message."""
-    from nixl._api import nixl_agent, nixl_agent_config
+    from kvgeom_nixl.agent import make_agent
 
     dep = b.dep
     if b.evil is None:
-        b.evil = nixl_agent(dep.p[0].name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
+        b.evil = make_agent(dep.p[0].name)
         b.evil.add_remote_agent(dep.d[0].rank_agent.metadata())
     rid = f"f{row.tried}"
     t = dep.d_links[0].accept_push(rid, b.request, plan=b.plan, timeout_s=0.1)
@@ -255,10 +255,9 @@ def _flood(b: _Bench, row: Row, r: random.Random) -> None:
     dep = b.dep
     p0, d0 = dep.p[0], dep.d[0]
     if b.flooder is None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from kvgeom_nixl.agent import make_agent
 
-        b.flooder = nixl_agent(f"made-up-{r.getrandbits(32)}", nixl_agent_config(backends=["UCX"],
-                                                                               enable_prog_thread=False))
+        b.flooder = make_agent(f"made-up-{r.getrandbits(32)}")
         b.flooder.add_remote_agent(p0.rank_agent.metadata())
     for i in range(50):
         b.flooder.send_notif(p0.name, b"kvgeom2|req|" + b"0" * 33 + b"|1|" + b"x" * (256 << 10) + str(i).encode())

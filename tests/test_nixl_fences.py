@@ -19,7 +19,9 @@ import pytest
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
-pytest.importorskip("nixl._api", reason="nixl is not installed (pip install 'kvgeom[nixl]')")
+from nixl_env import NIXL_API  # noqa: E402
+
+pytest.importorskip(NIXL_API, reason="nixl is not installed (pip install 'kvgeom[nixl]')")
 pytest.importorskip("torch", reason="torch is not installed (pip install 'kvgeom[nixl]')")
 
 from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, fresh_request, plan_pair  # noqa: E402
@@ -155,9 +157,9 @@ def test_a_read_that_finishes_after_the_hold_ended_is_not_done() -> None:
 
 def _impostor(dep: LocalDeployment, name: str) -> Any:
     """A NIXL agent named as an honest rank, holding D's (or P's) handshake: it can send notifications."""
-    from nixl._api import nixl_agent, nixl_agent_config
+    from kvgeom_nixl.agent import make_agent
 
-    a = nixl_agent(name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
+    a = make_agent(name)
     for ep in dep.endpoints:
         if ep.name != name:
             a.add_remote_agent(ep.rank_agent.metadata())
