@@ -293,6 +293,8 @@ class Endpoint:
         if transfer.settled:
             self._settled(transfer)
             return transfer
+        if not transfer.on_decode:  # what already arrived first: a D attempt that asked and gave up before
+            self.inbox.route(self.rank_agent.drain(), self._reply)  # this one was posted never binds to it
         self.inbox.add(transfer)
         if any(f.request_id == transfer.request_id for f in self._fencing):
             self._deferred.append(transfer)  # a retry waits for the failed attempt's fence (same blocks)
@@ -383,12 +385,6 @@ class Endpoint:
 
     def collected(self, t: Transfer) -> None:
         """A wait or poll reported ``t``'s end: get_finished will not report it again."""
-
-    def rebind(self, t: Transfer, agent: str) -> None:
-        """``t`` forgot ``agent``'s cancelled attempt: hand it that agent's newer req, if one is kept."""
-        entry = self.inbox.pending.pop((t.request_id, agent), None)
-        if entry is not None:
-            t.on_message(entry[1])
 
     def count(self, what: str) -> None:
         """Count a dropped message (``stale``: of another attempt)."""
