@@ -24,10 +24,11 @@ refused (:class:`~kvgeom_nixl.errors.DuplicateRequest`); a retry with the same i
 is safe. A failed transfer stays *fencing* until no NIXL request of it is in progress and no peer
 may still touch its memory; :meth:`Endpoint.get_finished` reports a failure only then.
 
-Threading: an endpoint, its links and its transfers belong to one thread (or to callers that hold
-one lock around every call); nothing polls in the background: every wait loop calls
-``progress()`` on its own endpoint and on the in-process peers it is given, and a connector calls
-:meth:`Endpoint.get_finished` once per step. The contract
+Threading (:mod:`kvgeom_nixl.threads`): every public call of an endpoint, of its links and of its
+transfers' ``cancel`` holds ``endpoint.lock`` (a ``threading.RLock``, or the lock given), so any
+thread may call them; nothing polls in the background unless a :class:`~kvgeom_nixl.Progressor`
+is started: every wait loop calls ``progress()`` on its own endpoint and on the in-process peers it
+is given, and a connector calls :meth:`Endpoint.get_finished` once per step. The contract
 (registration, handshake, failure and invalid blocks) is docs/design.md §8; every copy is checked
 to stay in its regions before posting (docs/design.md §4.2 (invariant 1)).
 
@@ -49,6 +50,7 @@ TP1 -> D TP2 each D rank posts 2 requests, one per P stage.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections import deque
@@ -88,10 +90,11 @@ from .inbox import INBOX_MAX, INBOX_TTL_S, Inbox
 from .lowering import MAX_TABLE_TILES, MODES, capped_table, copy_descs, table_descs
 from .memory import RankMemory
 from .packed import DEFAULT_GRACE_S, PackedTransfer
-from .probe import ProbeRefused
+from .probe import ProbeRefused, prober
 from .protocol import MAX_ID, encode, link_key, new_secret
 from .receive import apply_receive_steps
 from .staging import DEFAULT_SLOTS, StagingBuffer, run_steps
+from .threads import locked
 from .transfer import Poster, Transfer, TransferResult, wait_all
 
 __all__ = ["Endpoint", "Link", "Transfer", "TransferResult", "wait_all", "MAX_TABLE_TILES", "DEFAULT_TIMEOUT_S",
@@ -138,6 +141,26 @@ class Finished:
 class Endpoint:
     """One rank of one engine: a NIXL agent and the rank's regions, registered once.
 
+    **Threading model.** An endpoint is safe to use from several threads: each public call of the
+    endpoint (``handshake``, ``connect``, ``progress``, ``get_finished``, ``close``), of its links
+    (``plan``, ``pull``, ``push``, ``serve_pull``, ``hold``, ``accept_push``, ``close``) and
+    ``Transfer.cancel`` runs under :attr:`lock`, one ``threading.RLock`` per endpoint (pass
+    ``lock=`` to share one among endpoints, e.g. the two of a kv_both instance). Nothing runs in
+    the background by itself: a rank whose engine may idle while a peer reads it (P) needs a
+    :class:`~kvgeom_nixl.Progressor` (a daemon thread calling :meth:`progress` every millisecond
+    under the lock), or its own loop calling :meth:`progress` or :meth:`get_finished`. Reading a
+    transfer's state (``settled``, ``done``, ``failure``) needs no lock.
+
+    **One role.** An endpoint is a prefill or a decode rank. A vLLM ``kv_both`` instance, which
+    serves some requests and pulls others, makes two endpoints over the same tensors (two NIXL
+    agents registering the same memory, one lock): their staging rings must stay apart (one ring
+    serving both roles can fill with D slots waiting on a peer's P slots while the peer's ring fills
+    the same way: a deadlock the slot order of docs/design.md §8.1 cannot break), and so do their
+    request ids and handshakes (a peer connects each role to the other's opposite role).
+
+    ``warm_prober`` (default true) starts the process's metadata prober in the background now, so
+    that the first :meth:`connect` does not wait about a second for it (``benchmarks/connect.py``).
+
     ``regions`` are the caller's buffers in the geometry's region order: torch tensors (CPU ->
     DRAM, CUDA -> VRAM), numpy arrays, or ``(pointer, nbytes)`` (``mem_type``/``device`` then say
     where); or the :class:`kvgeom.LayerTensors` the geometry was read from
@@ -150,7 +173,8 @@ class Endpoint:
                  telemetry: bool = False, progress_thread: bool = False, staging_bytes: int = 0,
                  staging_slots: int = DEFAULT_SLOTS, staging_grace_s: float = DEFAULT_GRACE_S,
                  limits: HandshakeLimits = DEFAULT_LIMITS, budget: PlanBudget = DEFAULT_BUDGET,
-                 inbox_ttl_s: float = INBOX_TTL_S, inbox_max: int = INBOX_MAX) -> None:
+                 inbox_ttl_s: float = INBOX_TTL_S, inbox_max: int = INBOX_MAX, lock: Any = None,
+                 warm_prober: bool = True) -> None:
         check_instance("engine", engine, EngineGeometry, error=ExecutorError)
         check_instance("limits", limits, HandshakeLimits, error=ExecutorError)
         check_instance("budget", budget, PlanBudget, error=ExecutorError)
@@ -164,6 +188,10 @@ class Endpoint:
             what = f"tp={engine.tp}" if engine.topology.trivial else f"the engine's {engine.num_ranks} ranks"
             raise ExecutorError("rank", f"rank {value_text(rank, 60)} outside {what}", actual=value_text(rank, 60),
                                 expected=f"0 <= rank < {engine.num_ranks}")
+        if lock is not None and not (callable(getattr(lock, "acquire", None)) and hasattr(lock, "__enter__")):
+            raise ExecutorError("lock", f"a {type(lock).__name__} is not a lock", actual=type(lock).__name__,
+                                expected="threading.RLock()", fix="pass threading.RLock() (or omit lock=)")
+        self.lock: Any = threading.RLock() if lock is None else lock  # every public call holds it
         self.engine = engine
         self.role = role
         self.rank = int(rank)
@@ -192,6 +220,8 @@ class Endpoint:
             descs = np.concatenate([descs, np.array([self.staging.desc()], np.uint64)])
         self.rank_agent = RankAgent(self.name, descs, self.memory.mem_type, telemetry=telemetry,
                                     progress_thread=progress_thread)
+        if warm_prober:  # the first connect would otherwise wait for the prober process to start
+            prober().warm_async()
 
     @property
     def agent(self) -> Any:
@@ -199,6 +229,7 @@ class Endpoint:
         return self.rank_agent.nixl
 
     # ---- handshake -------------------------------------------------------------------------
+    @locked
     def info(self) -> RankInfo:
         self._open()
         regions = tuple((r.addr, r.nbytes, r.device) for r in self.memory.regions)
@@ -207,10 +238,12 @@ class Endpoint:
         return RankInfo(self.engine, self.role, self.rank, self.name, self.memory.mem_type, regions,
                         self.rank_agent.metadata(), staging, self.secret)
 
+    @locked
     def handshake(self) -> bytes:
         """This rank's payload for the peer engine's :meth:`connect`."""
         return encode_rank(self.info())
 
+    @locked
     def connect(self, payloads: Iterable[bytes | str | RankInfo], *, probe: bool = True) -> Link:
         """Validate the peer engine's payloads (one per peer rank it will use), load their NIXL
         metadata and build the :class:`Pair` once. Raises :class:`HandshakeError` or
@@ -287,6 +320,7 @@ class Endpoint:
             self.rank_agent.remove_peer(n)
 
     # ---- transfers -------------------------------------------------------------------------
+    @locked
     def track(self, transfer: Transfer) -> Transfer:
         """Register ``transfer`` (its nonce routes its messages), send its first messages and advance
         it in every :meth:`progress` until it settles and is fenced; returns it."""
@@ -321,6 +355,7 @@ class Endpoint:
         """Failed transfers whose memory a NIXL request or a peer may still touch."""
         return tuple(self._fencing)
 
+    @locked
     def progress(self) -> None:
         """Route the arrived messages and advance every transfer of this rank (non-blocking)."""
         if self.closed:
@@ -365,11 +400,14 @@ class Endpoint:
         else:
             self._fencing.append(t)
 
-    def get_finished(self) -> Finished:
-        """Progress once, then every transfer that ended since the last call and that no wait or poll
-        has reported yet: results, and failures once fenced (their ``invalid_blocks`` may be reused
-        or recomputed). Never raises for a failed transfer: the connector loop's one call per step."""
-        self.progress()
+    @locked
+    def get_finished(self, *, progress: bool = True) -> Finished:
+        """Progress once (unless ``progress=False``: a :class:`~kvgeom_nixl.Progressor` thread does),
+        then every transfer that ended since the last call and that no wait or poll has reported yet:
+        results, and failures once fenced (their ``invalid_blocks`` may be reused or recomputed).
+        Never raises for a failed transfer: the connector loop's one call per step."""
+        if progress:
+            self.progress()
         done: list[TransferResult] = []
         failed: list[TransferFailed] = []
         while self._finished:
@@ -447,6 +485,7 @@ class Endpoint:
             if key is not None:
                 self._send(agent, encode(key, self.name, agent, "ping", "ping", 0, 0))
 
+    @locked
     def peer_removed(self, agent: str) -> None:
         """A link forgot ``agent``: it can touch nothing any more; its transfers fail (``closed``)."""
         self.inbox.keys.pop(agent, None)
@@ -494,6 +533,7 @@ class Endpoint:
         if self.closed:
             raise ExecutorError("endpoint", f"endpoint {self.name} is closed", fix="make a new Endpoint")
 
+    @locked
     def close(self) -> None:
         """Fail in-flight transfers, release every handle, deregister, drop the buffers."""
         if self.closed:
@@ -537,10 +577,16 @@ class Link:
         self.closed = False
 
     @property
+    def lock(self) -> Any:
+        """The endpoint's lock (every call of the link holds it)."""
+        return self.endpoint.lock
+
+    @property
     def local_is_decode(self) -> bool:
         return self.endpoint.role == "decode"
 
     # ---- planning --------------------------------------------------------------------------
+    @locked
     def plan(self, request: Request, *, strategy: str = "direct", budget: PlanBudget | None = None) -> TransferPlan:
         """The plan for ``request`` on this pair (:func:`kvgeom.planning.plan_pair`) under ``budget``
         (default: the endpoint's); raises :class:`kvgeom.PlanBudgetExceeded` before building a plan
@@ -558,6 +604,7 @@ class Link:
         sizes = [info.staging[3] if info.staging is not None else 0 for info in self.peers.values()]
         return min([own.slot_bytes if own is not None else 0] + sizes)
 
+    @locked
     def rank_plan(self, request: Request, *, strategy: str = "direct", budget: PlanBudget | None = None) -> TransferPlan:
         """What this rank posts and applies for ``request``, planned on the compiled pair for this
         rank only (``plan.for_decode_rank(rank)`` on D, ``plan.for_prefill_rank(rank)``'s copies on
@@ -598,6 +645,7 @@ class Link:
         return self._tile
 
     # ---- initiators ----------------------------------------------------------------------
+    @locked
     def pull(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
              mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct",
              budget: PlanBudget | None = None) -> Transfer:
@@ -621,6 +669,7 @@ class Link:
                 t.consumers = self._consumers(request, plan, strategy, budget, set(t.peers.values()))
         return self.endpoint.track(t)
 
+    @locked
     def push(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
              mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct",
              budget: PlanBudget | None = None) -> Transfer:
@@ -642,6 +691,7 @@ class Link:
         return self.endpoint.track(t)
 
     # ---- passive sides ---------------------------------------------------------------------
+    @locked
     def accept_push(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
                     timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct",
                     budget: PlanBudget | None = None) -> Transfer:
@@ -659,6 +709,7 @@ class Link:
         t.peers = {self._peer(p).agent: p for p in plan.sources_of(rank)}
         return self.endpoint.track(t)
 
+    @locked
     def serve_pull(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
                    timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct",
                    budget: PlanBudget | None = None) -> Transfer:
@@ -687,6 +738,7 @@ class Link:
         t.expect_count = len(consumers)
         return self.endpoint.track(t)
 
+    @locked
     def hold(self, request_id: str, *, consumers: int | None = None,
              timeout_s: float = DEFAULT_TIMEOUT_S) -> Transfer:
         """P rank, direct pulls, knowing only its own blocks: hold them for ``request_id`` until
@@ -949,6 +1001,7 @@ class Link:
         return plan
 
     # ---- teardown --------------------------------------------------------------------------
+    @locked
     def close(self) -> None:
         """Release the prepared peer tables and forget the peer agents."""
         if self.closed:

@@ -77,6 +77,9 @@ class Driver(Protocol):
 class Messenger(Driver, Protocol):
     """What a transfer needs from its endpoint besides progress: signed messages to its peers."""
 
+    @property
+    def lock(self) -> Any: ...
+
     def say(self, t: Transfer, agent: str, kind: str, *args: int) -> bool: ...
 
     def signed(self, t: Transfer, agent: str, kind: str, *args: int) -> bytes: ...
@@ -211,8 +214,10 @@ class Transfer:
         return self.result
 
     def cancel(self, reason: str = "closed", detail: str = "cancelled") -> None:
-        """Fail the transfer now (no-op once settled); its peers are told (``cancel``)."""
-        self.fail(reason, detail)
+        """Fail the transfer now (no-op once settled); its peers are told (``cancel``). Holds the
+        endpoint's lock (any thread may cancel)."""
+        with self.endpoint.lock:
+            self.fail(reason, detail)
 
     # ---- what the link and the endpoint call -----------------------------------------------
     def add_request(self, handle: Any, *, descriptors: int, nbytes: int) -> None:
