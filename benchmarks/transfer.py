@@ -293,3 +293,25 @@ def run_transfer(config: Config, progress: Progress = quiet) -> list[Measurement
                     gc.collect()  # the case's caches are gone with its frame
     out += descriptor_cost(config.nixl_descs, max(3, config.transfer_repeats), progress)
     return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m benchmarks.transfer --baseline REV``: the executor at git revision ``REV`` next to
+    this one, pull and push, interleaved in one process (:mod:`benchmarks.fence_cost`). The full
+    transfer section runs with ``python -m benchmarks --only transfer``."""
+    import argparse
+
+    from .fence_cost import main as fence_main
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.transfer")
+    parser.add_argument("--baseline", required=True, help="git revision of the executor to time next to this one")
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    return fence_main([args.baseline, "--repeats", str(args.repeats)] + (["--json"] if args.json else []))
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

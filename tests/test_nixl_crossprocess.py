@@ -2,10 +2,12 @@
 
 The child hosts every rank of one engine (kvgeom_nixl.testing.engine_process); the parent hosts
 the other. Bytes are verified with the simulator on the D side. Each child costs ~2 s to start
-(torch + NIXL import, UCX load), so there are five: three on TP pairs, and two on topologies
+(torch + NIXL import, UCX load). Five tests cover transfers: three on TP pairs, and two on topologies
 (docs/design.md §11): P PP2 x TP1 -> D TP2 (every stage's ranks hand over their handshakes, each
 D rank pulls layers 0-1 from stage 0 and 2-3 from stage 1), and an MLA pair P TP2 DCP2 -> D TP1
-(the D rank gathers even tokens from P rank 0 and odd ones from P rank 1).
+(the D rank gathers even tokens from P rank 0 and odd ones from P rank 1). Then packed transfers,
+kills in every mode, and a packed WRITE half sent over UCX TCP when P is stopped (SIGSTOP), with
+its control (slots freed on a timer).
 """
 
 from __future__ import annotations
