@@ -9,7 +9,9 @@ The executor never computes geometry: copies, zeros and rearranges come from the
 (:func:`kvgeom.planning.plan_pair`), the tile tables and receive-step rows from
 :mod:`kvgeom.lowering`; it imports only the public faces of kvgeom (docs/design.md §2, §8).
 
-    endpoint   Endpoint, Link: connect, pull / push / accept_push / serve_pull / hold, get_finished (the API)
+    endpoint   Endpoint: handshake, connect, progress, get_finished (one rank and its NIXL agent)
+    link       Link: plan, pull / push / accept_push / serve_pull / hold (one peer engine, one request)
+    posting    a rank's copies as NIXL requests (descriptor lists or prepared-table indices)
     transfer   Transfer: one attempt, posted -> landed -> receiving -> done | failed (-> fenced); wait_all
     threads    the threading model: one lock per endpoint; Progressor, a thread that calls progress()
     protocol   signed messages with both attempts' nonces     inbox   verify and route them, bounded
