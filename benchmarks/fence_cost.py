@@ -124,6 +124,7 @@ def compare(rev: str, repeats: int = 40, cases: Sequence[str] = CASES, warmup: i
                 caches[key] = d
             counters = {k: _count_notifications(dep) for k, dep in deps.items()}
             times: dict[str, list[float]] = {"before": [], "after": []}
+            d_times: dict[str, list[float]] = {"before": [], "after": []}  # D's own wall time, post to done
             notes: dict[str, list[int]] = {"before": [], "after": []}
             try:
                 for i in range(warmup + repeats):
@@ -131,10 +132,11 @@ def compare(rev: str, repeats: int = 40, cases: Sequence[str] = CASES, warmup: i
                     for key in order:
                         n0 = counters[key][0]
                         t0 = time.perf_counter()
-                        deps[key].run(f"{key}-{i}", request, plan, push=push, timeout_s=30)
+                        results = deps[key].run(f"{key}-{i}", request, plan, push=push, timeout_s=30)
                         dt = time.perf_counter() - t0
                         if i >= warmup:
                             times[key].append(dt)
+                            d_times[key].append(max(r.wall_s for r in results if r.role == "decode"))
                             for _ in range(50):  # messages still on their way (P's acked, ended) count too
                                 for ep in deps[key].endpoints:
                                     ep.progress()
@@ -146,6 +148,7 @@ def compare(rev: str, repeats: int = 40, cases: Sequence[str] = CASES, warmup: i
             out["cases"][name] = {
                 "bytes": int(plan.bytes_copied),
                 **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()},
+                **{f"{k}_d_ms": statistics.median(v) * 1e3 for k, v in d_times.items()},
                 **{f"{k}_p90_ms": sorted(v)[int(0.9 * (len(v) - 1))] * 1e3 for k, v in times.items()},
                 **{f"{k}_notifications": statistics.median(v) for k, v in notes.items()},
                 "wrong_bytes_checks": wrong,
@@ -160,14 +163,16 @@ def compare(rev: str, repeats: int = 40, cases: Sequence[str] = CASES, warmup: i
 
 
 def render(res: dict[str, Any]) -> str:
-    head = f"{'case (in process, whole transfer)':<38} {'bytes':>9} {'before ms':>9} {'after ms':>9} {'ratio':>6} " \
-           f"{'+ms':>6} {'notifs before':>13} {'after':>5}"
-    lines = [f"executor before: {res['baseline']} ({res['baseline_commit'][:10]}), after: this tree; "
-             f"medians of {res['repeats']} interleaved runs each", head, "-" * len(head)]
+    head = f"{'case (in process)':<38} {'bytes':>9} | {'whole: before':>13} {'after':>7} {'ratio':>5} | " \
+           f"{'D: before':>9} {'after':>7} {'ratio':>5} | {'notifications':>13} {'after':>5}"
+    lines = [f"executor before: {res['baseline']} ({res['baseline_commit'][:10]}), after: this tree; ms, "
+             f"medians of {res['repeats']} interleaved runs each (whole: every rank done; D: the D rank's "
+             f"transfer, post to done)", head, "-" * len(head)]
     for name, c in res["cases"].items():
-        lines.append(f"{name:<38} {c['bytes']:>9} {c['before_ms']:>9.3f} {c['after_ms']:>9.3f} "
-                     f"{c['after_ms'] / c['before_ms']:>6.2f} {c['after_ms'] - c['before_ms']:>6.3f} "
-                     f"{c['before_notifications']:>13.0f} {c['after_notifications']:>5.0f}")
+        lines.append(f"{name:<38} {c['bytes']:>9} | {c['before_ms']:>13.3f} {c['after_ms']:>7.3f} "
+                     f"{c['after_ms'] / c['before_ms']:>5.2f} | {c['before_d_ms']:>9.3f} {c['after_d_ms']:>7.3f} "
+                     f"{c['after_d_ms'] / c['before_d_ms']:>5.2f} | {c['before_notifications']:>13.0f} "
+                     f"{c['after_notifications']:>5.0f}")
     lines.append("round trips on D's path (docs/design.md §8.1): pull +2 (req/grant before the READ, held after it); "
                  "push: P waits for D's req, ends on D's acked")
     return "\n".join(lines)

@@ -201,7 +201,7 @@ class Link:
             return self._packed("pull", request_id, request, plan, mode, timeout_s, started)
         t = self._transfer("pull", request_id, request, plan, self._mode(mode), timeout_s, started)
         if not self._expired(t, timeout_s):
-            copies = plan.for_decode_rank(self.endpoint.rank).copies
+            copies = t.decode_part().copies
             t.posters = posters(self, t, copies, "READ", blocks)
             if not t.settled:
                 t.peers = {self.peers[p].agent: p for p in sorted(self._peer_ranks(copies))}
@@ -243,8 +243,8 @@ class Link:
         if plan.packed:
             return self._packed("accept_push", request_id, request, plan, "coalesced", timeout_s, started)
         rank = self.endpoint.rank
-        t = self._transfer("accept_push", request_id, request, plan, "-", timeout_s, started,
-                           bytes_moved=plan.for_decode_rank(rank).bytes_copied)
+        t = self._transfer("accept_push", request_id, request, plan, "-", timeout_s, started)
+        t.bytes_moved = t.decode_part().bytes_copied
         t.peers = {self.peer_info(p).agent: p for p in plan.sources_of(rank)}
         return self.endpoint.track(t)
 

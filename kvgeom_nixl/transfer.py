@@ -177,6 +177,7 @@ class Transfer:
         self._ended_sent = False
         self._last_cancel = 0.0
         self._collected = False
+        self._decode_part: TransferPlan | None = None  # plan.for_decode_rank(rank), computed once
 
     # ---- public ----------------------------------------------------------------------------
     @property
@@ -448,7 +449,7 @@ class Transfer:
             self._check_posted()
         if self.state == "landed":
             if self.receive is not None and self.plan is not None:
-                steps = self.plan.for_decode_rank(self.rank)
+                steps = self.decode_part()
                 self.event = self.receive(steps.rearranges, steps.zeros)
             self.state = "receiving"
         if self.state == "receiving":
@@ -456,6 +457,14 @@ class Transfer:
                 return
             self.event = None
             self._finish()
+
+    def decode_part(self) -> TransferPlan:
+        """This D rank's part of the plan (``plan.for_decode_rank(rank)``), computed once."""
+        if self._decode_part is None:
+            if self.plan is None:
+                raise ExecutorError("plan", f"{self.kind} {self.request_id!r} has no plan", fix="pass a plan")
+            self._decode_part = self.plan.for_decode_rank(self.rank)
+        return self._decode_part
 
     def _reap(self, handles: list[Any], what: str) -> list[Any]:
         """Release the finished requests among ``handles`` (counting NIXL's descriptors when
@@ -492,7 +501,7 @@ class Transfer:
     def _finish(self) -> None:
         zeroed = rearranges = 0
         if self.receive is not None and self.plan is not None:
-            steps = self.plan.for_decode_rank(self.rank)
+            steps = self.decode_part()
             zeroed, rearranges = steps.bytes_zeroed, len(steps.rearranges)
         self.state = "done"
         if self.kind in ("accept_push", "pull"):  # D is done: its P ranks may end (push, serve_pull, hold)
