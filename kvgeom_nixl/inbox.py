@@ -11,8 +11,9 @@
       anything else (late, replayed, another attempt's) -----> dropped, counted (stale)
 
 Nothing but those ``req`` entries is stored for a request no attempt waits for, so the inbox holds
-at most ``inbox_max`` x (an id of at most 256 characters + one message): about 2 MB at the default
-4096 entries, whatever a peer floods; each ``route`` costs O(messages that arrived) plus the entries
+at most ``inbox_max`` x (an id of at most 256 characters + one message of at most 512 bytes): about
+4 MB at the default 4096 entries, whatever a peer floods (plus at most 4096 cancelled attempts and
+4096 tombstones); each ``route`` costs O(messages that arrived) plus the entries
 it evicts (oldest first, kept in arrival order).
 
 Worked number: a D rank that pulls ``r1`` before P posts ``serve_pull("r1")`` leaves one entry
