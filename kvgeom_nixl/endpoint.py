@@ -132,7 +132,7 @@ class Endpoint:
     request ids and handshakes (a peer connects each role to the other's opposite role).
 
     ``warm_prober`` (default true) starts the process's metadata prober in the background now, so
-    that the first :meth:`connect` does not wait about a second for it (``benchmarks/connect.py``).
+    that the first :meth:`connect` does not wait most of a second for it (``benchmarks/connect.py``).
 
     ``regions`` are the caller's buffers in the geometry's region order: torch tensors (CPU ->
     DRAM, CUDA -> VRAM), numpy arrays, or ``(pointer, nbytes)`` (``mem_type``/``device`` then say
