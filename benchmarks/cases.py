@@ -76,10 +76,12 @@ class Synthetic:
     heads: int = 8
     head_bytes: int = 256
     strategy: Strategy = "direct"
+    dtype: str = "bfloat16"
 
     def model(self, layers: int | None = None) -> ModelSpec:
         n = self.layers if layers is None else layers
-        return ModelSpec("llama-3-8b-like", (AttentionSpec("attn", "full", n, self.heads, self.head_bytes),))
+        return ModelSpec("llama-3-8b-like", (AttentionSpec("attn", "full", n, self.heads, self.head_bytes),),
+                         dtype=self.dtype)
 
 
 SYNTHETIC: dict[str, Synthetic] = {
@@ -103,6 +105,11 @@ SYNTHETIC: dict[str, Synthetic] = {
     "syn-nhd-hnd-staged": Synthetic("TP1 NHD -> TP1 HND, 16-token pages, K/V packed, strategy staged",
                                     {"tp": 1, "kernel_block_tokens": 16, "layout": "NHD"},
                                     {"tp": 1, "kernel_block_tokens": 16}, strategy="staged"),
+    "syn-cpu-attn-k32-k64": Synthetic("vLLM CPU_ATTN pages (per plane, K transposed; docs/design.md §3.5), "
+                                      "128 float32 elements per head: TP1 32-token blocks -> TP1 64-token blocks",
+                                      {"tp": 1, "kernel_block_tokens": 32, "layout": "CPU_ATTN"},
+                                      {"tp": 1, "kernel_block_tokens": 64, "layout": "CPU_ATTN"},
+                                      head_bytes=512, strategy="packed", dtype="float32"),
 }
 
 

@@ -1,28 +1,36 @@
 """Fault campaign for the executor's fences (issue 19, docs/design.md §8.1): hung peers, late, replayed
-and forged notifications, id reuse, out-of-order posting, floods and killed peers, on real NIXL.
+and forged notifications, id reuse, cancels, out-of-order posting, floods, killed peers and a WRITE
+half sent when its sender stops, on real NIXL.
 
-    python -m benchmarks.faults            # the full campaign (a few minutes on 2 cores)
-    python -m benchmarks.faults --quick    # a slice (about a minute): what tests/test_nixl_fences.py runs
+    python -m benchmarks.faults            # the full campaign (about 10 minutes on a loaded 2-core box)
+    python -m benchmarks.faults --quick    # a slice; tests/test_nixl_fences.py runs one of each in-process case
     python -m benchmarks.faults --json
-    python -m benchmarks.faults --baseline /path/to/a/checkout/before/the/fences   # + the cost, before/after
+    python -m benchmarks.faults --baseline 749dd83^1   # + the executor at that revision, timed in the same run
 
-Every case runs the executor in this process (P TP2 -> D TP1, or P TP1 -> D TP2 for the packed
-order cases) and asserts nothing itself; it counts, and the table gives per case::
+The in-process cases run P TP2 -> D TP1 (direct), or the packed order cases P TP1 -> D TP2 (each
+chunk to 2 D ranks) and MLA P TP2 DCP2 -> D TP2 (each chunk from 2 P ranks into 2 D ranks, over
+slow links). The kill rows SIGKILL a child process (the P engine while a D rank waits, or the D
+engine while a P rank waits) in every mode; the half-sent row stops (SIGSTOP) a child P with a
+packed WRITE half sent over UCX TCP. Cases assert nothing themselves: they count, per case::
 
     tried        scenarios run                      done       transfers that reported done
-    false done   done although some D byte is wrong (the oracle: kvgeom.checking.check_decode)
+    false done   done although some D byte is wrong (the oracle: kvgeom.checking.check_decode), or
+                 done for an attempt its peer gave up on
     wrong B      wrong D bytes in a request whose transfer reported done, or in blocks a later
                  request reused after the executor handed them back
-    leaked       staging slots not free and NIXL handles not released once everything settled
+    leaked       staging slots not free and NIXL handles not released once everything settled, and
+                 (half-sent row) a half-written slot handed back while its writer may still write
+    stalled      transfers that should have completed (or ended "aborted") but waited for a deadline
     inbox KB     the largest inbox (kept entries) seen       worst ms   the slowest progress() call
+    detect ms    kill rows: from the SIGKILL to the typed ``peer_disconnected`` failure
 
-and the kill rows (a child process SIGKILLed while each mode waits) give the time from the kill to
-the typed ``peer_disconnected`` failure. The goal: 0 false done, 0 wrong bytes, 0 leaked, inbox under
-64 MB, every kill detected in under 1 s.
+The goal, every row: 0 false done, 0 wrong bytes, 0 leaked, 0 stalled, inbox under 64 MB, every
+kill detected in under 1 s (``Row.ok``; the exit status is 1 otherwise).
 
 The fence's cost (same run, the same descriptor lists): a direct pull through the executor (req,
 grant, READ, held) against bare NIXL READs of the same lists with one notification, the old
-executor's path; and one notification round trip between two agents.
+executor's path; one notification round trip between two agents; and with ``--baseline`` the
+executor at that revision next to this one (:mod:`benchmarks.fence_cost`).
 
 Worked number: a fenced pull pays one notification round trip before its READ and one message after
 it, so with a 60 us round trip a 0.2 ms pull costs about 0.3 ms.
@@ -59,10 +67,11 @@ class Row:
     inbox_kb: float = 0.0
     worst_ms: float = 0.0
     detect_ms: float = 0.0
+    stalled: int = 0  # transfers that should have completed (or ended "aborted") but waited for a deadline
 
     def ok(self) -> bool:
         return (self.false_done == 0 and self.wrong_bytes == 0 and self.leaked == 0 and self.inbox_kb < 64 * 1024
-                and self.detect_ms < 1000.0)
+                and self.detect_ms < 1000.0 and self.stalled == 0)
 
 
 def _env() -> None:
@@ -205,11 +214,11 @@ def _pull_after_expiry(b: _Bench, row: Row, r: random.Random) -> None:
 
 def _forged(b: _Bench, row: Row, r: random.Random) -> None:
     """Row 5: an agent named as an honest P rank (it holds D's handshake) sends every kind of message."""
-    from nixl._api import nixl_agent, nixl_agent_config
+    from kvgeom_nixl.agent import make_agent
 
     dep = b.dep
     if b.evil is None:
-        b.evil = nixl_agent(dep.p[0].name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
+        b.evil = make_agent(dep.p[0].name)
         b.evil.add_remote_agent(dep.d[0].rank_agent.metadata())
     rid = f"f{row.tried}"
     t = dep.d_links[0].accept_push(rid, b.request, plan=b.plan, timeout_s=0.1)
@@ -238,6 +247,7 @@ def _id_reuse(b: _Bench, row: Row, r: random.Random) -> None:
     except DuplicateRequest:
         pass
     b.drive(lambda: t.settled, eps=dep.d)
+    b.drive(lambda: all((dep.d[0].name, t.nonce) in p.inbox.cancelled for p in dep.p))  # P saw D give up
     b.refill()
     ts = dep.post(rid, b.request, b.plan, timeout_s=10)
     b.drive(lambda: all(x.settled for x in ts))
@@ -255,10 +265,9 @@ def _flood(b: _Bench, row: Row, r: random.Random) -> None:
     dep = b.dep
     p0, d0 = dep.p[0], dep.d[0]
     if b.flooder is None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from kvgeom_nixl.agent import make_agent
 
-        b.flooder = nixl_agent(f"made-up-{r.getrandbits(32)}", nixl_agent_config(backends=["UCX"],
-                                                                               enable_prog_thread=False))
+        b.flooder = make_agent(f"made-up-{r.getrandbits(32)}")
         b.flooder.add_remote_agent(p0.rank_agent.metadata())
     for i in range(50):
         b.flooder.send_notif(p0.name, b"kvgeom2|req|" + b"0" * 33 + b"|1|" + b"x" * (256 << 10) + str(i).encode())
@@ -273,40 +282,102 @@ def _flood(b: _Bench, row: Row, r: random.Random) -> None:
     row.inbox_kb = max(row.inbox_kb, b.inbox_kb())
 
 
-def _order(push: bool) -> Callable[[Any, Row, random.Random], None]:
+def _cancel_outcome(b: _Bench, row: Row, r: random.Random) -> None:
+    """D gives up (cancel, or its deadline) before P's grant reached it, after it, or with its READs
+    posted: every P attempt serving it ends "aborted" (docs/design.md §8.1), never done, never left
+    holding until its own deadline."""
+    dep, rid = b.dep, f"g{row.tried}"
+    when = r.choice(["before the grant", "after the grant", "after the READ"])
+    serves = [lk.hold(rid, timeout_s=30) if r.random() < 0.5 else lk.serve_pull(rid, b.request, plan=b.plan,
+                                                                                   timeout_s=30)
+              for lk in dep.p_links]
+    t = dep.d_links[0].pull(rid, b.request, plan=b.plan, timeout_s=30)
+    if when == "after the grant":
+        b.drive(lambda: len(t.granted) == 2, eps=dep.d + dep.p)
+    elif when == "after the READ":
+        b.drive(lambda: t.nixl_requests == 2, eps=dep.d + dep.p)
+    if r.random() < 0.5:
+        t.cancel("closed", "the request was aborted on D")
+    else:
+        t.deadline = 0.0  # its deadline passes now
+    b.drive(lambda: all(s.settled for s in serves) and t.settled, limit_s=5)
+    row.done += sum(s.done for s in serves) + t.done
+    row.false_done += sum(s.done for s in serves) + t.done
+    row.stalled += sum(not s.settled or (s.failure is not None and s.failure.reason != "aborted") for s in serves)
+
+
+def _slow_links(dep: Any, hold_s: float) -> None:
+    """D rank d gets P rank d + 1's messages ``hold_s`` late (a slow link), in their order."""
+    for rank, ep in enumerate(dep.d):
+        slow, drain, until = dep.p[(rank + 1) % len(dep.p)].name, ep.rank_agent.drain, time.perf_counter() + hold_s
+        held: list[tuple[str, bytes]] = []
+
+        def slowed(slow: str = slow, drain: Any = drain, until: float = until,
+                   held: list[tuple[str, bytes]] = held) -> list[tuple[str, bytes]]:
+            got = drain()
+            if time.perf_counter() < until:
+                held += [m for m in got if m[0] == slow]
+                return [m for m in got if m[0] != slow]
+            out = held + got
+            held.clear()
+            return out
+
+        ep.rank_agent.drain = slowed
+
+
+def _order(push: bool, fan: str = "1x2") -> Callable[[Any, Row, random.Random], None]:
     def run(_: Any, row: Row, r: random.Random) -> None:
-        """Packed requests posted in different orders on the two D ranks (P TP1 -> D TP2)."""
-        from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, fresh_request
+        """Packed requests posted in a different order on every rank: P TP1 -> D TP2 (each chunk to 2 D
+        ranks), or MLA P TP2 DCP2 -> D TP2 (each chunk from 2 P ranks into 2 D ranks) with slow links
+        (each D rank hears the two P ranks' orders in another interleaving)."""
+        from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, Topology, fresh_request
         from kvgeom_nixl.local import LocalDeployment, allocate_caches, check_caches, fill_caches, slot_bytes_for
 
-        m = ModelSpec("m", [AttentionSpec("attn", "full", 4, 4, 64)])
-        pair = Pair(EngineGeometry.build(m, tp=1, kernel_block_tokens=16, num_blocks=8, name="prefill"),
-                    EngineGeometry.build(m, tp=2, kernel_block_tokens=16, num_blocks=8, name="decode",
-                                         layout="NHD"))
+        if fan == "2x2":
+            m = ModelSpec("mla", [AttentionSpec("mla", "mla", 4, 1, 128)])
+            pair = Pair(EngineGeometry.build(m, tp=2, kernel_block_tokens=16, num_blocks=8, name="prefill",
+                                             topology=Topology(dcp=2)),
+                        EngineGeometry.build(m, tp=2, kernel_block_tokens=16, num_blocks=8, name="decode"))
+        else:
+            m = ModelSpec("m", [AttentionSpec("attn", "full", 4, 4, 64)])
+            pair = Pair(EngineGeometry.build(m, tp=1, kernel_block_tokens=16, num_blocks=8, name="prefill"),
+                        EngineGeometry.build(m, tp=2, kernel_block_tokens=16, num_blocks=8, name="decode",
+                                             layout="NHD"))
         request = fresh_request(pair, 60, prefill_first_block=1, decode_first_block=2)
         slot = max(slot_bytes_for(pair.plan(request, strategy="packed", staging_bytes=1 << 20)) // 4, 4096)
         plan = pair.plan(request, strategy="packed", staging_bytes=slot)
         p, d = allocate_caches(pair.prefill), allocate_caches(pair.decode)
         fill_caches(pair, request, p, d)
         ids = [f"s{i}" for i in range(20)]
-        other = list(ids)
-        r.shuffle(other)
+        orders = []
+        for _ in range(4):
+            o = list(ids)
+            r.shuffle(o)
+            orders.append(o)
         with LocalDeployment(pair, p, d, staging_bytes=slot_bytes_for(plan)) as dep:
+            if fan == "2x2":
+                _slow_links(dep, 0.3)
+            p_orders, d_orders = orders[:len(dep.p)], [ids, *orders[2:]][:len(dep.d)]
             if push:
-                ts = [dep.p_links[0].push(i, request, plan=plan, timeout_s=20) for i in other]
-                ts += [dep.d_links[0].accept_push(i, request, plan=plan, timeout_s=20) for i in ids]
-                ts += [dep.d_links[1].accept_push(i, request, plan=plan, timeout_s=20) for i in reversed(ids)]
+                ts = [lk.push(i, request, plan=plan, timeout_s=20) for lk, o in zip(dep.p_links, p_orders) for i in o]
+                ts += [lk.accept_push(i, request, plan=plan, timeout_s=20) for lk, o in zip(dep.d_links, d_orders)
+                       for i in o]
             else:
-                ts = [dep.d_links[0].pull(i, request, plan=plan, timeout_s=20) for i in ids]
-                ts += [dep.d_links[1].pull(i, request, plan=plan, timeout_s=20) for i in other]
-                ts += [dep.p_links[0].serve_pull(i, request, plan=plan, timeout_s=20) for i in reversed(ids)]
+                ts = [lk.pull(i, request, plan=plan, timeout_s=20) for lk, o in zip(dep.d_links, d_orders) for i in o]
+                ts += [lk.serve_pull(i, request, plan=plan, timeout_s=20) for lk, o in zip(dep.p_links, p_orders)
+                       for i in o]
             deadline = time.perf_counter() + 30
             while not all(t.settled for t in ts) and time.perf_counter() < deadline:
                 for ep in dep.endpoints:
                     ep.progress()
             row.done += sum(t.done for t in ts if t.role == "decode")
-            row.leaked += sum(not t.done for t in ts)  # here a failure is a storm: every request must complete
+            row.stalled += sum(not t.done for t in ts)  # here a failure is a storm: every request must complete
+            deadline = time.perf_counter() + 10
+            while any(ep.in_flight or ep.fencing for ep in dep.endpoints) and time.perf_counter() < deadline:
+                for ep in dep.endpoints:
+                    ep.progress()
             row.leaked += sum(ep.staging.slots - ep.staging.free() for ep in dep.endpoints if ep.staging)
+            row.inbox_kb = max(row.inbox_kb, max(ep.inbox.nbytes() for ep in dep.endpoints) / 1024)
             n = len(check_caches(pair, request, d)[0])
             row.wrong_bytes += n
             row.false_done += n > 0
@@ -319,9 +390,12 @@ CASES: dict[str, Callable[[Any, Row, random.Random], None]] = {
     "pull after P's expiry": _pull_after_expiry,
     "forged notifications": _forged,
     "id reuse": _id_reuse,
+    "D gives up: P ends aborted": _cancel_outcome,
     "floods": _flood,
-    "packed pulls, any order": _order(False),
-    "packed pushes, any order": _order(True),
+    "packed pulls, any order, 1 P -> 2 D": _order(False),
+    "packed pushes, any order, 1 P -> 2 D": _order(True),
+    "packed pulls, any order, 2 P -> 2 D": _order(False, "2x2"),
+    "packed pushes, any order, 2 P -> 2 D": _order(True, "2x2"),
 }
 
 
@@ -338,7 +412,8 @@ def campaign(counts: dict[str, int], seed: int = 19) -> list[Row]:
                 fn(b, row, random.Random(seed * 1_000_003 + i))
                 row.tried += 1
                 row.leaked += b.settle()
-                row.inbox_kb = max(row.inbox_kb, b.inbox_kb())
+                if "order" not in name:  # (the order cases run their own deployments and measure those)
+                    row.inbox_kb = max(row.inbox_kb, b.inbox_kb())
                 row.worst_ms = max(row.worst_ms, b.worst * 1e3)
             rows.append(row)
     finally:
@@ -348,12 +423,69 @@ def campaign(counts: dict[str, int], seed: int = 19) -> list[Row]:
 
 # ---- killed peers --------------------------------------------------------------------------------------
 
-def _kill_one(mode: str) -> float:
-    """A child P process SIGKILLed while this D rank waits in ``mode``: ms from the kill to the failure."""
-    from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, dump_pair_file, fresh_request, plan_pair
-    from kvgeom_nixl import Endpoint, TransferFailed
-    from kvgeom_nixl.local import allocate_caches, rank_buffers
-    from kvgeom_nixl.testing import engine_process
+class _ChildEngine:
+    """One engine of the pair in a spawned process (kvgeom_nixl.testing.engine_process), linked to
+    endpoints of the other engine made here."""
+
+    def __init__(self, pair: Any, request: Any, side: str, slot: int, ranks: Sequence[int] | None = None) -> None:
+        from kvgeom import dump_pair_file
+        from kvgeom_nixl import Endpoint
+        from kvgeom_nixl.local import allocate_caches, fill_caches, rank_buffers
+        from kvgeom_nixl.testing import engine_process
+
+        ctx = mp.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=engine_process, args=(child_conn, dump_pair_file(pair, request), side, "cpu",
+                                                             slot), daemon=True)
+        self.proc.start()
+        child_conn.close()
+        if self.proc.pid is None:
+            raise RuntimeError("the child process did not start")
+        self.pid: int = self.proc.pid
+        self.eps: list[Any] = []
+        try:
+            hello = self.recv("hello", 300)[1]  # (a loaded machine: spawning torch + NIXL takes a while)
+            mine = pair.decode if side == "prefill" else pair.prefill
+            self.caches = allocate_caches(mine)
+            other = allocate_caches(pair.prefill if side == "prefill" else pair.decode)
+            if side == "prefill":
+                fill_caches(pair, request, other, self.caches)
+            else:
+                fill_caches(pair, request, self.caches, other)
+            role = "decode" if side == "prefill" else "prefill"
+            for r in ranks if ranks is not None else range(mine.num_ranks):
+                self.eps.append(Endpoint(mine, role, r, rank_buffers(mine, self.caches, r), staging_bytes=slot))
+            self.links = [ep.connect(hello) for ep in self.eps]
+            self.conn.send(("connect", [ep.handshake() for ep in self.eps]))
+            self.recv("ready", 60)
+        except BaseException:
+            self.close()
+            raise
+
+    def recv(self, tag: str, timeout_s: float) -> Any:
+        if not self.conn.poll(timeout_s):
+            raise RuntimeError(f"the child sent nothing for {timeout_s} s (waiting for {tag!r})")
+        msg = self.conn.recv()
+        if msg[0] != tag:
+            raise RuntimeError(f"the child answered {msg!r}, expected {tag!r}")
+        return msg
+
+    def close(self) -> None:
+        import signal
+
+        if self.proc.is_alive():
+            os.kill(self.pid, signal.SIGCONT)
+            self.proc.kill()
+        self.proc.join(10)
+        for ep in self.eps:
+            ep.close()
+
+
+def _kill_one(mode: str, victim: str = "P") -> float:
+    """A child process (the P engine, or the D engine) SIGKILLed while a rank of the other engine here
+    waits in ``mode``: ms from the kill to the typed ``peer_disconnected`` failure."""
+    from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, fresh_request, plan_pair
+    from kvgeom_nixl import TransferFailed
 
     m = ModelSpec("m", [AttentionSpec("attn", "full", 2, 4, 128)])
     pair = Pair(EngineGeometry.build(m, tp=2, kernel_block_tokens=16, num_blocks=16, name="prefill"),
@@ -361,54 +493,148 @@ def _kill_one(mode: str) -> float:
     request = fresh_request(pair, 190, prefill_first_block=1, decode_first_block=3)
     packed = mode.startswith("packed")
     slot = 1 << 16 if packed else 0
-    ctx = mp.get_context("spawn")
-    conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=engine_process, args=(child_conn, dump_pair_file(pair, request), "prefill", "cpu",
-                                                    slot), daemon=True)
-    proc.start()
-    child_conn.close()
+    child = _ChildEngine(pair, request, "prefill" if victim == "P" else "decode", slot, ranks=[0])
     try:
-        if not conn.poll(60):
-            raise RuntimeError("the child did not start")
-        hello = conn.recv()[1]
-        d = allocate_caches(pair.decode)
-        ep = Endpoint(pair.decode, "decode", 0, rank_buffers(pair.decode, d, 0), staging_bytes=slot)
-        link = ep.connect(hello)
-        conn.send(("connect", [ep.handshake()]))
-        conn.recv()
+        ep, link = child.eps[0], child.links[0]
         plan = link.plan(request, strategy="packed") if packed else plan_pair(pair, request)
-        if mode.endswith("pull"):
-            t = link.pull("k", request, plan=plan, timeout_s=20)
-        else:
+        kind = mode.split()[-1]
+        if kind == "hold":
+            t = link.hold("k", timeout_s=20)
+        elif kind == "serve":
+            t = link.serve_pull("k", request, plan=plan, timeout_s=20)
+        elif kind == "accept":
             t = link.accept_push("k", request, plan=plan, timeout_s=20)
+        else:
+            t = getattr(link, kind)("k", request, plan=plan, timeout_s=20)
         for _ in range(20):
             ep.progress()
-        proc.kill()  # SIGKILL
-        proc.join(10)
+        child.proc.kill()  # SIGKILL
+        child.proc.join(10)
         t0 = time.perf_counter()
         try:
             t.wait()
         except TransferFailed as e:
             if e.reason != "peer_disconnected":
                 return float("inf")
-        ms = (time.perf_counter() - t0) * 1e3
-        ep.close()
-        return ms
+        return (time.perf_counter() - t0) * 1e3
     finally:
-        if proc.is_alive():
-            proc.kill()
+        child.close()
+
+
+KILLS = (("P", "pull"), ("P", "accept"), ("P", "packed pull"), ("P", "packed accept"),
+         ("D", "hold"), ("D", "serve"), ("D", "push"), ("D", "packed serve"), ("D", "packed push"))
 
 
 def kill_rows(repeats: int = 1) -> list[Row]:
     _env()
     rows = []
-    for mode in ("pull", "push", "packed pull", "packed push"):
-        row = Row(f"SIGKILL of P, D waiting in {mode}")
+    for victim, mode in KILLS:
+        waiting = "D" if victim == "P" else "P"
+        row = Row(f"SIGKILL of {victim}, {waiting} in {mode}")
         for _ in range(repeats):
-            row.detect_ms = max(row.detect_ms, _kill_one(mode))
+            row.detect_ms = max(row.detect_ms, _kill_one(mode, victim))
             row.tried += 1
         rows.append(row)
     return rows
+
+
+# ---- a packed WRITE half sent when P stops (UCX over TCP) -------------------------------------------------
+
+def _half_sent_one(row: Row) -> None:
+    """P (a child) pushes a packed request of two 16 MiB chunks over UCX TCP and is stopped (SIGSTOP)
+    when the first bytes land in D's slot; D's accept times out and D posts R2; the half-written slot
+    must stay fenced (never granted to R2) until the WRITE's bytes have landed or P said ended; P
+    resumes (SIGCONT) and pushes R2, which must land every byte; nothing may be left behind."""
+    import signal
+
+    from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, fresh_request
+    from kvgeom_nixl import TransferFailed, wait_all
+    from kvgeom_nixl.local import check_caches
+
+    os.environ["UCX_TLS"] = "tcp"  # (before the child is spawned and the endpoint made)
+    try:
+        m = ModelSpec("big", [AttentionSpec("attn", "full", 4, 8, 256)])
+        pair = Pair(EngineGeometry.build(m, tp=1, kernel_block_tokens=16, num_blocks=136, name="prefill",
+                                         layout="NHD"),
+                    EngineGeometry.build(m, tp=1, kernel_block_tokens=16, num_blocks=136, name="decode"))
+        request = fresh_request(pair, 2048, prefill_first_block=3, decode_first_block=5)
+        child = _ChildEngine(pair, request, "prefill", 16 << 20)
+    finally:
+        del os.environ["UCX_TLS"]
+    stopped = False
+    try:
+        ep, link = child.eps[0], child.links[0]
+        plan = link.plan(request, strategy="packed")
+        ring = ep.staging
+        ring.tensor.fill_(0xEE)
+        ends = {c: int((plan.wire.d_offset + plan.wire.nbytes)[plan.wire.chunk == c].max())
+                for c in range(len(plan.chunks))}
+
+        def landed(slot: int, lo: int, hi: int) -> bool:
+            return bool((ring.view(slot)[lo:hi] != 0xEE).any())
+
+        t1 = link.accept_push(f"h1-{row.tried}", request, plan=plan, timeout_s=120)
+        child.conn.send(("push", t1.request_id, "coalesced", 120.0, "packed"))
+        deadline = time.perf_counter() + 60
+        while not any(landed(s, 0, 4096) for s in range(ring.slots)):
+            ep.progress()
+            if time.perf_counter() > deadline or t1.settled:
+                raise RuntimeError("P's WRITE never started")
+        os.kill(child.pid, signal.SIGSTOP)
+        stopped = True
+        until = time.perf_counter() + 1.0
+        while time.perf_counter() < until:
+            ep.progress()
+        owners = {s: o for s, o in enumerate(ring.owner) if o is not None}
+        half = [s for s, (_, c) in owners.items() if landed(s, 0, 4096) and not landed(s, ends[c] - 4096, ends[c])]
+        if not half:
+            raise RuntimeError(f"no WRITE is half sent (slots {owners}): the scenario did not happen")
+
+        def fence_broken() -> bool:
+            return any(ring.owner[s] != owners[s] and not landed(s, ends[owners[s][1]] - 4096, ends[owners[s][1]])
+                       for s in half)
+
+        try:
+            t1.wait(timeout_s=0.2)
+            row.false_done += 1  # done although P is stopped mid-WRITE
+        except TransferFailed:
+            pass
+        t2 = link.accept_push(f"h2-{row.tried}", request, plan=plan, timeout_s=120)
+        until = time.perf_counter() + 1.0
+        while time.perf_counter() < until:
+            ep.progress()
+            row.leaked += fence_broken()  # a half-written slot handed back while P may write it
+        os.kill(child.pid, signal.SIGCONT)
+        stopped = False
+        child.recv("failed", 60)
+        child.conn.send(("push", t2.request_id, "coalesced", 120.0, "packed"))
+        deadline = time.perf_counter() + 60
+        while not t2.settled and time.perf_counter() < deadline:
+            ep.progress()
+            row.leaked += fence_broken()
+        wait_all([t2], peers=child.eps)
+        child.recv("done", 60)
+        row.done += 1
+        n = len(check_caches(pair, request, child.caches, max_per_kind=None)[0])
+        row.wrong_bytes += n
+        row.false_done += n > 0
+        child.conn.send(("status",))
+        status = child.recv("status", 30)[1]
+        row.leaked += status["unreleased"] + status["in_flight"] + status["fencing"]
+        row.leaked += status["slots"] - status["slots_free"] + (ring.slots - ring.free()) + len(ep.fencing)
+    finally:
+        if stopped:
+            os.kill(child.pid, signal.SIGCONT)
+        child.close()
+
+
+def half_sent_row(repeats: int = 1) -> Row:
+    _env()
+    row = Row("packed WRITE half sent (TCP, P stopped)")
+    for _ in range(repeats):
+        _half_sent_one(row)
+        row.tried += 1
+    return row
 
 
 # ---- the fence's cost ------------------------------------------------------------------------------------
@@ -449,59 +675,20 @@ def fence_cost(repeats: int = 30) -> dict[str, float]:
         b.close()
 
 
-_TIME_RUNS = """
-import os, statistics, sys, time
-sys.path.insert(0, os.getcwd())
-from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, fresh_request, plan_pair
-from kvgeom_nixl.local import LocalDeployment, allocate_caches, fill_caches
-m = ModelSpec("m", [AttentionSpec("attn", "full", 2, 4, 128)])
-pair = Pair(EngineGeometry.build(m, tp=2, kernel_block_tokens=16, num_blocks=8, name="prefill"),
-            EngineGeometry.build(m, tp=1, kernel_block_tokens=16, num_blocks=8, name="decode"))
-req = fresh_request(pair, 50, prefill_first_block=1, decode_first_block=4)
-plan = plan_pair(pair, req)
-p, d = allocate_caches(pair.prefill), allocate_caches(pair.decode)
-fill_caches(pair, req, p, d)
-with LocalDeployment(pair, p, d) as dep:
-    ts = []
-    for i in range(int(sys.argv[1]) + 5):
-        t0 = time.perf_counter()
-        dep.run(f"c{i}", req, plan, timeout_s=10)
-        ts.append(time.perf_counter() - t0)
-print(statistics.median(ts[5:]) * 1e3)
-"""
-
-
-def before_after(baseline: str, repeats: int = 50) -> dict[str, float]:
-    """Median ms of one whole pull (D pulls, both P ranks serve, in process) by this checkout's executor
-    and by the one at ``baseline`` (e.g. the executor before the fences), alternating, same machine."""
-    import subprocess
-
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out: dict[str, list[float]] = {"after_ms": [], "before_ms": []}
-    for _ in range(3):
-        for key, cwd in (("before_ms", baseline), ("after_ms", here)):
-            res = subprocess.run([sys.executable, "-c", _TIME_RUNS, str(repeats)], cwd=cwd, capture_output=True,
-                                 text=True, timeout=300, env={**os.environ, "PYTHONPATH": cwd})
-            out[key].append(float(res.stdout.strip().splitlines()[-1]))
-    return {k: statistics.median(v) for k, v in out.items()}
-
-
 def render(rows: Sequence[Row], cost: dict[str, float] | None = None) -> str:
-    head = f"{'case':<36} {'tried':>5} {'done':>5} {'false done':>10} {'wrong B':>8} {'leaked':>6} " \
-           f"{'inbox KB':>8} {'worst ms':>8} {'detect ms':>9}"
+    head = f"{'case':<40} {'tried':>5} {'done':>5} {'false done':>10} {'wrong B':>8} {'leaked':>6} {'stalled':>7} " \
+           f"{'inbox KB':>8} {'worst ms':>8} {'detect ms':>9} ok"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.case:<36} {r.tried:>5} {r.done:>5} {r.false_done:>10} {r.wrong_bytes:>8} {r.leaked:>6} "
-                     f"{r.inbox_kb:>8.1f} {r.worst_ms:>8.1f} {r.detect_ms:>9.1f}")
+        lines.append(f"{r.case:<40} {r.tried:>5} {r.done:>5} {r.false_done:>10} {r.wrong_bytes:>8} {r.leaked:>6} "
+                     f"{r.stalled:>7} {r.inbox_kb:>8.1f} {r.worst_ms:>8.1f} {r.detect_ms:>9.1f} "
+                     f"{'yes' if r.ok() else 'NO'}")
     if cost:
         lines.append("")
         lines.append(f"fence cost ({cost['bytes'] / 1024:.0f} KiB direct pull, P TP2 -> D TP1, in process): "
                      f"fenced pull {cost['fenced_pull_ms']:.3f} ms, bare NIXL READs of the same lists "
                      f"{cost['bare_read_ms']:.3f} ms ({cost['fenced_pull_ms'] / cost['bare_read_ms']:.2f}x), "
                      f"one notification round trip {cost['notification_rtt_ms']:.3f} ms")
-        if "before_ms" in cost:
-            lines.append(f"whole pull (D + both P ranks, executor): before the fences {cost['before_ms']:.3f} ms, "
-                         f"after {cost['after_ms']:.3f} ms ({cost['after_ms'] / cost['before_ms']:.2f}x)")
     return "\n".join(lines)
 
 
@@ -509,18 +696,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.faults", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a slice (what the tests run)")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--baseline", help="a checkout of the executor before the fences, timed in the same run")
+    parser.add_argument("--baseline", help="a git revision of the executor (e.g. 749dd83^1, before the fences), "
+                                           "timed next to this one in the same run (benchmarks.fence_cost)")
     args = parser.parse_args(argv)
     n = 3 if args.quick else 30
     counts = {name: (1 if "order" in name else n) for name in CASES}
-    rows = campaign(counts) + kill_rows(1 if args.quick else 3)
+    rows = campaign(counts) + kill_rows(1 if args.quick else 3) + [half_sent_row(1 if args.quick else 3)]
     cost = fence_cost(10 if args.quick else 50)
+    before: dict[str, Any] | None = None
     if args.baseline:
-        cost.update(before_after(args.baseline, 20 if args.quick else 50))
+        from benchmarks.fence_cost import compare
+        from benchmarks.fence_cost import render as render_compare
+
+        before = compare(args.baseline, 10 if args.quick else 40)
     if args.json:
-        print(json.dumps({"rows": [attrs.asdict(r) for r in rows], "cost": cost}))
+        print(json.dumps({"rows": [attrs.asdict(r) for r in rows], "cost": cost, "baseline": before}))
     else:
         print(render(rows, cost))
+        if before is not None:
+            print()
+            print(render_compare(before))
     return 0 if all(r.ok() for r in rows) else 1
 
 

@@ -10,6 +10,9 @@ and staged plans of the same request next to them, all in one run.
       pack    every P rank's pack steps into slot 0;  unpack  every D rank's unpack steps from slot 0
     then direct and staged end to end (fewer repeats: a million descriptors take seconds)
 
+The planning rows include ``plan/packed/syn-cpu-attn-k32-k64/<M>``: vLLM's CPU_ATTN pages
+(per-plane layouts, docs/design.md §3.5) from 32- to 64-token blocks, packed against direct.
+
 Goals (the issue's): wire descriptors <= P ranks x D ranks x chunks; wire <= 1.3x copyto; end to
 end <= 3.5x copyto; planning a packed 16k-token request <= 5 ms (``plan/packed/<pair>/<M>``).
 The staging rings live in numpy memory (huge pages); the caches are ``torch.empty`` (4 KiB pages).
@@ -180,7 +183,39 @@ def run_packed_planning(config: Config, progress: Progress = quiet) -> list[Meas
                                note=f"{med['packed'] * 1e3:.2f} ms; {len(plan.chunks)} chunks, "
                                     f"{len(plan.packs) + len(plan.unpacks)} steps listing {steps} pages and layer "
                                     f"entries, {len(plan.wire)} wire rows"))
+    out.append(_per_plane_planning(config, progress))
     return out
+
+
+def _per_plane_planning(config: Config, progress: Progress) -> Measurement:
+    """``plan/packed/syn-cpu-attn-k32-k64/<M>``: per-plane pages between block sizes (docs/design.md §3.5),
+    where the direct plan moves every K element on its own (~16.9M rows at 16k tokens), planned packed
+    (the reference planner: packed plans are never compiled) against planned direct once on the
+    compiled path (its fastest; the reference path takes about 5x longer)."""
+    import gc
+
+    M = config.packed_tokens
+    name = "syn-cpu-attn-k32-k64"
+    case = build_case(name, M)
+    pair, request = case.pair, case.fresh()
+    progress(f"plan packed {name} M={M}")
+    packed = functools.partial(pair.plan, request, strategy="packed", budget=None)
+    plan = packed()
+    med = interleaved_medians({"packed": packed}, config.plan_repeats)["packed"]
+    steps = sum(len(s.pages) + len(s.regions) for s in plan.packs + plan.unpacks)
+    compiled = pair.compile()
+    gc.collect()
+    t0 = time.perf_counter()
+    direct = compiled.plan(request, strategy="direct", budget=None)
+    direct_s = time.perf_counter() - t0
+    rows = len(direct.copies)
+    del direct
+    gc.collect()
+    return measurement("plan", f"plan/packed/{name}/{M}", med, "s", direct_s,
+                       "planning the same request direct (compiled, once)",
+                       note=f"packed {med * 1e3:.1f} ms: {len(plan.chunks)} chunks, {len(plan.packs)} packs and "
+                            f"{len(plan.unpacks)} unpacks listing {steps} pages and layer entries, {len(plan.wire)} "
+                            f"wire rows; direct {direct_s:.2f} s: {rows:,} copy rows")
 
 
 def run_packed(config: Config, progress: Progress = quiet) -> list[Measurement]:

@@ -86,14 +86,21 @@ def read_and_wait(posts: Sequence[tuple[Any, Any, Any, str]], targets: Sequence[
         pending = still
 
 
-def nixl_missing(modules: tuple[str, ...] = ("torch", "nixl._api", "kvgeom_nixl.local")) -> str | None:
-    """Why a section needing ``modules`` cannot run here, or ``None``."""
+def nixl_missing(modules: tuple[str, ...] = ("torch", "kvgeom_nixl.local")) -> str | None:
+    """Why a section needing ``modules`` and NIXL's Python API (the ``nixl`` meta package or one
+    CUDA flavour alone, :func:`kvgeom_nixl.agent.nixl_api`) cannot run here, or ``None``."""
     set_nixl_env()
     for mod in modules:
         try:
             __import__(mod)
         except ImportError as e:
             return f"cannot import {mod}: {e}"
+    from kvgeom_nixl.agent import nixl_api
+
+    try:
+        nixl_api()
+    except ImportError as e:
+        return f"cannot import NIXL's Python API: {e}"
     return None
 
 
@@ -118,12 +125,12 @@ def _descs(base: int, count: int, stride: int, length: int) -> np.ndarray:
 def descriptor_cost(n: int, repeats: int, progress: Progress = quiet) -> list[Measurement]:
     """Seconds per extra NIXL descriptor, post path and repost (see the module docstring)."""
     set_nixl_env()
-    from nixl._api import nixl_agent, nixl_agent_config
+    from kvgeom_nixl.agent import make_agent
 
     progress(f"nixl per-descriptor cost, {n} x 64 B")
     tag = uuid.uuid4().hex[:8]
-    a = nixl_agent(f"bench-d-{tag}", nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
-    b = nixl_agent(f"bench-p-{tag}", nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
+    a = make_agent(f"bench-d-{tag}")
+    b = make_agent(f"bench-p-{tag}")
     stride, unit = 4096, 64
     src = np.ones(n * stride, np.uint8)
     dst = np.zeros(n * stride, np.uint8)
@@ -286,3 +293,25 @@ def run_transfer(config: Config, progress: Progress = quiet) -> list[Measurement
                     gc.collect()  # the case's caches are gone with its frame
     out += descriptor_cost(config.nixl_descs, max(3, config.transfer_repeats), progress)
     return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m benchmarks.transfer --baseline REV``: the executor at git revision ``REV`` next to
+    this one, pull and push, interleaved in one process (:mod:`benchmarks.fence_cost`). The full
+    transfer section runs with ``python -m benchmarks --only transfer``."""
+    import argparse
+
+    from .fence_cost import main as fence_main
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.transfer")
+    parser.add_argument("--baseline", required=True, help="git revision of the executor to time next to this one")
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    return fence_main([args.baseline, "--repeats", str(args.repeats)] + (["--json"] if args.json else []))
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

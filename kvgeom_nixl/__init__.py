@@ -9,8 +9,11 @@ The executor never computes geometry: copies, zeros and rearranges come from the
 (:func:`kvgeom.planning.plan_pair`), the tile tables and receive-step rows from
 :mod:`kvgeom.lowering`; it imports only the public faces of kvgeom (docs/design.md §2, §8).
 
-    endpoint   Endpoint, Link: connect, pull / push / accept_push / serve_pull / hold, get_finished (the API)
+    endpoint   Endpoint: handshake, connect, progress, get_finished (one rank and its NIXL agent)
+    link       Link: plan, pull / push / accept_push / serve_pull / hold (one peer engine, one request)
+    posting    a rank's copies as NIXL requests (descriptor lists or prepared-table indices)
     transfer   Transfer: one attempt, posted -> landed -> receiving -> done | failed (-> fenced); wait_all
+    threads    the threading model: one lock per endpoint; Progressor, a thread that calls progress()
     protocol   signed messages with both attempts' nonces     inbox   verify and route them, bounded
     agent      RankAgent: one rank's NIXL agent (the only module that imports NIXL)
     lowering   descriptors for the coalesced and prepped modes     receive    torch receive steps
@@ -40,6 +43,7 @@ from .handshake import HANDSHAKE_VERSION, HandshakeLimits, RankInfo, decode_rank
 from .lowering import MODES
 from .memory import RankMemory, RegionMemory, region_buffers
 from .receive import apply_rearranges, apply_receive_steps, apply_zeros
+from .threads import Progressor
 from .transfer import Transfer, TransferResult, wait_all
 
 __all__ = [
@@ -53,6 +57,7 @@ __all__ = [
     "HandshakeLimits",
     "Link",
     "MODES",
+    "Progressor",
     "RankInfo",
     "RankMemory",
     "RegionMemory",

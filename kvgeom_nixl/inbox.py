@@ -11,8 +11,9 @@
       anything else (late, replayed, another attempt's) -----> dropped, counted (stale)
 
 Nothing but those ``req`` entries is stored for a request no attempt waits for, so the inbox holds
-at most ``inbox_max`` x (an id of at most 256 characters + one message): about 2 MB at the default
-4096 entries, whatever a peer floods; each ``route`` costs O(messages that arrived) plus the entries
+at most ``inbox_max`` x (an id of at most 256 characters + one message of at most 512 bytes): about
+4 MB at the default 4096 entries, whatever a peer floods (plus at most 4096 cancelled attempts and
+4096 tombstones); each ``route`` costs O(messages that arrived) plus the entries
 it evicts (oldest first, kept in arrival order).
 
 Worked number: a D rank that pulls ``r1`` before P posts ``serve_pull("r1")`` leaves one entry
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 INBOX_TTL_S = 300.0  # a D rank's req no attempt took is evicted after this
 INBOX_MAX = 4096  # such reqs kept at most (the oldest evicted first)
+TOMB_S = 30.0  # how long a failed P attempt answers the reqs of D ranks it never heard from with "cancel"
 _CANCELLED_MAX = 4096  # (sender, D nonce) of reqs cancelled before they were taken
 
 Reply = Callable[[str, str, str, int, int], None]  # (agent, kind, request id, D nonce, P nonce)
@@ -69,12 +71,14 @@ class Inbox:
 
     def settle(self, t: Any) -> None:
         """``t`` settled: its id may be used again (its nonce still routes, until :meth:`forget`). A
-        failed P attempt leaves a tombstone for ``t.resend_s``: a D rank's req for the id that arrives
-        meanwhile (P failed before it heard of D's attempt) is answered ``cancel``, not kept."""
+        failed P attempt leaves a tombstone for :data:`TOMB_S`: the req of a D rank it never heard from
+        (P failed before D's attempt reached it; the others had its ``cancel``) that arrives meanwhile
+        is answered ``cancel``, not kept, so that D fails at once instead of at its deadline."""
         if self.by_id.get(t.request_id) == t:  # (identity: transfers have no __eq__)
             del self.by_id[t.request_id]
-            if not self.on_decode and t.failure is not None:
-                self.tombs[t.request_id] = (time.monotonic() + t.resend_s, frozenset(t.peers))
+            unheard = frozenset(set(t.peers) - t.contacted)
+            if not self.on_decode and t.failure is not None and unheard:
+                self.tombs[t.request_id] = (time.monotonic() + TOMB_S, unheard)
                 self.tombs.move_to_end(t.request_id)
                 while len(self.tombs) > _CANCELLED_MAX:
                     self.tombs.popitem(last=False)
@@ -175,7 +179,8 @@ class Inbox:
 
     def nbytes(self) -> int:
         """An upper bound of the bytes the kept entries hold (ids, senders, one message each)."""
-        return sum(2 * (len(rid) + len(sender)) + 400 for rid, sender in self.pending) + 64 * len(self.cancelled)
+        tombs = sum(2 * len(rid) + 100 + sum(2 * len(a) + 60 for a in agents) for rid, (_, agents) in self.tombs.items())
+        return sum(2 * (len(rid) + len(sender)) + 400 for rid, sender in self.pending) + 64 * len(self.cancelled) + tombs
 
     def clear(self) -> None:
         self.pending.clear()

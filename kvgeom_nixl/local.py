@@ -97,7 +97,7 @@ class LocalDeployment:
         self.p: list[Endpoint] = []
         self.d: list[Endpoint] = []
         staging: dict[str, Any] = {"staging_bytes": staging_bytes, "staging_slots": staging_slots,
-                                   "staging_grace_s": staging_grace_s}
+                                   "staging_grace_s": staging_grace_s, "warm_prober": False}  # connects unprobed
         try:
             self.p = [Endpoint(pair.prefill, "prefill", r, rank_buffers(pair.prefill, p_caches, r),
                                telemetry=telemetry, **staging) for r in range(pair.prefill.num_ranks)]

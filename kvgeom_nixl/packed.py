@@ -2,27 +2,30 @@
 
     D rank (pull | accept_push)                           P rank (serve_pull | push)
       req --------------------------------------------->  (every consumer of the request asked)
-          <---------------------------------------------  want c            (P's order, every chunk)
+          <---------------------------------------------  want c            (to the chunk's lowest D rank)
       (every source of c wants it; slots granted in the
        order chunks became wanted, one queue per ring)
-      slot c s_d -------------------------------------->  (every consumer granted c) reserve s_p, pack c
+      slot c s_d -------------------------------------->  next D rank of c: want c ... (one at a time)
+                                                          (every D rank of c granted) reserve s_p, pack c
       pull:  <-- packed c s_p --  READ s_p -> s_d + NIXL "chunk_pulled c" -->  free s_p
+             (D READs each P rank's part as soon as that rank's "packed" arrives)
       push:  <-- WRITE s_p -> s_d + NIXL "landed c" --                        free s_p once written
-      unpack c from s_d, free s_d;  after the last chunk: zeros (D), done (push: acked --> P done)
+      unpack c from s_d, free s_d;  after the last chunk: zeros (D), done, acked --> P done
 
 Every chunk is a small state machine (``new`` -> ``queued`` -> ``granted`` -> ``wire`` | ``landed``
 -> ``unpacking`` -> ``done`` on D; ``new`` -> ``wanted`` -> ``slotted`` -> ``packing`` ->
 ``served`` | ``wire`` -> ``done`` on P); :meth:`PackedTransfer.advance` moves each as far as it can
-without blocking. P decides the order (its ``want`` messages), a D ring grants slots first come
-first served, and a P slot is reserved only once its D slots are granted, so no rank holds a slot
-waiting for a peer that holds one waiting for it: requests posted in different orders on
-different ranks all complete (capacity limits throughput, not liveness). A failure sends
-``cancel`` to the peers and keeps each slot a NIXL request or a peer may still touch until NIXL
-reports the request finished and the peer has said so (its ``landed``/``chunk_pulled``, its
-``ended``) or is gone; no timer frees a slot.
+without blocking. A chunk takes its D slots one D rank at a time in rank order and its P slots
+last, and a P slot never waits for another P rank, so no rank holds a slot waiting for a peer that
+holds one waiting for it: requests posted in different orders on different ranks all complete,
+whatever the fan-in and fan-out of the chunks (capacity limits throughput, not liveness;
+docs/design.md §8.1). A failure sends ``cancel`` to the peers and keeps each slot a NIXL request or
+a peer may still touch until NIXL reports the request finished and the peer has said so (its
+``landed``/``chunk_pulled``, its ``ended``) or is gone; no timer frees a slot.
 
 Worked number: a D rank with 2 slots and a 5-chunk request holds chunks 0 and 1 first; chunk 2 is
-granted as soon as chunk 0 is unpacked and its slot freed.
+granted as soon as chunk 0 is unpacked and its slot freed. A chunk of P TP1 -> D TP2 asks D rank 0,
+then D rank 1: one ``want``/``slot`` round trip more for the first chunk of a request.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class _Chunk:
     phase: str = "new"
     slot: int = -1
     peer_slots: dict[int, int] = attrs.Factory(dict)
+    wanted_from: set[int] = attrs.Factory(set)  # P: D ranks sent "want" for this chunk (one at a time, in rank order)
     heard: set[int] = attrs.Factory(set)  # peers whose want (D) / chunk_pulled (P serve) / landed (D push) arrived
     handles: list[Any] = attrs.Factory(list)
     touching: set[str] = attrs.Factory(set)  # after a failure: peer agents that may still touch the slot
@@ -148,7 +152,7 @@ class PackedTransfer(Transfer):
         if k == "req" and not self.on_decode:
             self.asked.add(self.peers[m.sender])
             return
-        if k == "acked" and self.kind == "push":
+        if k == "acked" and self.kind in ("push", "serve_pull"):  # D is done
             self.confirmed.add(m.sender)
             return
         got = self._chunk_of(m) if k in ("want", "slot", "packed", "chunk_pulled", "landed") else None
@@ -163,19 +167,23 @@ class PackedTransfer(Transfer):
                 ch.phase = "queued"
                 ch.heard = set()
                 self.buffer.waiting.append((self, ch.index))  # granted in the order chunks became wanted
-        elif self.on_decode and k == "packed" and self.kind == "pull" and ch.phase == "granted":
+        elif self.on_decode and k == "packed" and self.kind == "pull" and ch.phase == "granted" \
+                and rank not in ch.peer_slots:  # READ each P rank's part as soon as it is packed
             ch.peer_slots[rank] = self._slot_arg(rank, m.args[1])
+            self._post_peer(ch, rank, "READ", "chunk_pulled")
             if len(ch.peer_slots) == len(ch.peers):
-                self._post(ch, "READ", "chunk_pulled")
                 ch.phase = "wire"
         elif self.on_decode and k == "landed" and self.kind == "accept_push" and ch.phase == "granted":
             ch.heard.add(rank)
             if len(ch.heard) == len(ch.peers):
                 ch.phase = "landed"
-        elif not self.on_decode and k == "slot" and ch.phase == "wanted":
+        elif not self.on_decode and k == "slot" and ch.phase == "wanted" and rank in ch.wanted_from \
+                and rank not in ch.peer_slots:
             ch.peer_slots[rank] = self._slot_arg(rank, m.args[1])
             if len(ch.peer_slots) == len(ch.peers):
                 ch.phase = "slotted"
+            else:
+                self._want_next(ch)
         elif not self.on_decode and k == "chunk_pulled" and self.kind == "serve_pull" and ch.phase == "served":
             ch.heard.add(rank)
             if len(ch.heard) == len(ch.peers):
@@ -216,7 +224,7 @@ class PackedTransfer(Transfer):
             else:
                 self._advance_prefill()
             if all(ch.phase == "done" for ch in self.chunks) and (
-                    self.kind != "push" or len(self.confirmed) == len(self.peers)):
+                    self.on_decode or len(self.confirmed) == len(self.peers)):  # P: once D said done
                 self.state = "landed"  # the zeros (D) and the result: Transfer's own steps
         if self.state in ("landed", "receiving"):
             super()._step()
@@ -245,25 +253,30 @@ class PackedTransfer(Transfer):
 
     def _post(self, ch: _Chunk, op: str, notif_kind: str) -> None:
         """One NIXL request per peer: this rank's slot rows against the peer's slot rows."""
-        w = self.wire
-        ch.started = time.perf_counter()
         for peer in ch.peers:
-            info = self.infos[peer]
-            staging = info.staging
-            if staging is None:
-                raise ExecutorError("peer staging", f"peer rank {peer} has no staging buffer")
-            peer_slot = ch.peer_slots[peer]
-            rows = ch.rows[(w.p_rank if self.on_decode else w.d_rank)[ch.rows] == peer]
-            own = (w.d_offset if self.on_decode else w.p_offset)[rows]
-            theirs = (w.p_offset if self.on_decode else w.d_offset)[rows]
-            n = w.nbytes[rows]
-            local = _descs(self.buffer.addr + self.buffer.base(ch.slot), own, n, self.buffer.device_id)
-            remote = _descs(staging[0] + peer_slot * staging[3], theirs, n, staging[2])
-            notif = self.endpoint.signed(self, info.agent, notif_kind, ch.index)
-            h = self.agent.post_coalesced(op, local, remote, info.mem_type, info.agent, notif)
-            ch.handles.append(h)
-            self.descriptors += len(rows)
-            self.nixl_requests += 1
+            self._post_peer(ch, peer, op, notif_kind)
+
+    def _post_peer(self, ch: _Chunk, peer: int, op: str, notif_kind: str) -> None:
+        """The NIXL request of chunk ``ch`` with one peer rank (its slot rows against this rank's)."""
+        w = self.wire
+        if not ch.handles:
+            ch.started = time.perf_counter()
+        info = self.infos[peer]
+        staging = info.staging
+        if staging is None:
+            raise ExecutorError("peer staging", f"peer rank {peer} has no staging buffer")
+        peer_slot = ch.peer_slots[peer]
+        rows = ch.rows[(w.p_rank if self.on_decode else w.d_rank)[ch.rows] == peer]
+        own = (w.d_offset if self.on_decode else w.p_offset)[rows]
+        theirs = (w.p_offset if self.on_decode else w.d_offset)[rows]
+        n = w.nbytes[rows]
+        local = _descs(self.buffer.addr + self.buffer.base(ch.slot), own, n, self.buffer.device_id)
+        remote = _descs(staging[0] + peer_slot * staging[3], theirs, n, staging[2])
+        notif = self.endpoint.signed(self, info.agent, notif_kind, ch.index)
+        h = self.agent.post_coalesced(op, local, remote, info.mem_type, info.agent, notif)
+        ch.handles.append(h)
+        self.descriptors += len(rows)
+        self.nixl_requests += 1
 
     def _handles_done(self, ch: _Chunk) -> bool:
         still = ch.handles = self._reap(ch.handles, "a wire request")
@@ -282,12 +295,20 @@ class PackedTransfer(Transfer):
                 self.buffer.release(ch.slot)
                 ch.slot, ch.phase = -1, "done"
 
+    def _want_next(self, ch: _Chunk) -> None:
+        """P: ask the next D rank of ``ch`` (in rank order) for a slot, once the lower ones granted
+        theirs: every chunk takes D slots in one global order, so no two chunks wait on each other."""
+        nxt = next((d for d in ch.peers if d not in ch.peer_slots), None)
+        if nxt is not None and nxt not in ch.wanted_from and nxt in self.asked:
+            ch.wanted_from.add(nxt)
+            self._say(self.infos[nxt].agent, "want", ch.index)
+
     def _advance_prefill(self) -> None:
         for ch in self.chunks:
             if ch.phase == "new" and all(d in self.asked for d in ch.peers):
-                for d in ch.peers:
-                    self._say(self.infos[d].agent, "want", ch.index)
                 ch.phase = "wanted"
+            if ch.phase == "wanted":
+                self._want_next(ch)
         for ch in self.chunks:  # in chunk order: a P slot only for a chunk whose D slots are granted
             if ch.phase == "slotted":
                 slot = self.buffer.acquire((self.request_id, ch.index))

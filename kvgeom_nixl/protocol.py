@@ -42,7 +42,7 @@ KINDS = {
     "pulled": 0,  # D -> P: NIXL's notification of D's READ (after the data)
     "held": 0,  # P -> D: P still held its blocks when the READ finished (a direct pull is done)
     "pushed": 0,  # P -> D: NIXL's notification of P's WRITE (after the data)
-    "acked": 0,  # D -> P: D's attempt took the pushed bytes (a push is done)
+    "acked": 0,  # D -> P: D's attempt is done (a push, a serve_pull or a hold ends done on it)
     "cancel": 0,  # either: the sender's attempt is over (failed); the receiver fails its own
     "ended": 0,  # either: nothing of the sender's attempt touches the receiver's memory any more
     "ping": 0,  # either: liveness (a dead peer makes NIXL refuse the send)

@@ -9,6 +9,8 @@
       ("serve_pull" | "pull" | "push" | "accept_push", request_id, mode, timeout_s[, strategy])
                                         ------->  post on every rank, drive to the end
                                         <-------  ("done", [result dicts], verdict) | ("failed", reason, detail)
+      ("status",)                       ------->  ("status", {in_flight, fencing, slots_free, slots,
+                                                  unreleased}) after driving fences for up to 10 s
       ("die",)                          ------->  os._exit(0) with no cleanup (a crashed peer)
       ("close",)                        ------->  close every endpoint and exit
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import attrs
@@ -62,6 +65,7 @@ def engine_process(conn: Any, pair_file_text: str, side: str, device: str = "cpu
     del scratch
     eps = [Endpoint(engine, side, r, rank_buffers(engine, mine, r), staging_bytes=staging_bytes)
            for r in range(engine.num_ranks)]
+    posted = _record_handles(eps)
     conn.send(("hello", [e.handshake() for e in eps]))
     links: list[Any] = []
     while True:
@@ -88,6 +92,8 @@ def engine_process(conn: Any, pair_file_text: str, side: str, device: str = "cpu
                 violations, checked = check_caches(pair, request, mine)
                 verdict = (len(violations), checked, [str(v) for v in violations[:3]])
             conn.send(("done", [result_dict(r) for r in results], verdict))
+        elif cmd == "status":
+            conn.send(("status", _status(eps, posted)))
         elif cmd == "die":
             os._exit(0)
         elif cmd == "close":
@@ -95,6 +101,36 @@ def engine_process(conn: Any, pair_file_text: str, side: str, device: str = "cpu
                 ep.close()
             conn.send(("closed",))
             return
+
+
+def _record_handles(eps: list[Endpoint]) -> list[Any]:
+    """Every NIXL request handle the endpoints' agents post from now on (for ``status``)."""
+    posted: list[Any] = []
+
+    def recording(post: Any) -> Any:
+        def recorded(*args: Any) -> Any:
+            handle = post(*args)
+            posted.append(handle)
+            return handle
+        return recorded
+
+    for ep in eps:
+        for name in ("post_coalesced", "post_prepped"):
+            setattr(ep.rank_agent, name, recording(getattr(ep.rank_agent, name)))
+    return posted
+
+
+def _status(eps: list[Endpoint], posted: list[Any]) -> dict[str, int]:
+    """Drive every endpoint until nothing is in flight or fencing (10 s at most), then count what is
+    left: transfers, staging slots not free, and posted handles NIXL was never told to release."""
+    deadline = time.perf_counter() + 10
+    while any(ep.in_flight or ep.fencing for ep in eps) and time.perf_counter() < deadline:
+        for ep in eps:
+            ep.progress()
+    rings = [ep.staging for ep in eps if ep.staging is not None]
+    return {"in_flight": sum(len(ep.in_flight) for ep in eps), "fencing": sum(len(ep.fencing) for ep in eps),
+            "slots_free": sum(r.free() for r in rings), "slots": sum(r.slots for r in rings),
+            "unreleased": sum(not getattr(h, "_released", True) for h in posted), "posted": len(posted)}
 
 
 def requested_device(name: str | None = None) -> str:

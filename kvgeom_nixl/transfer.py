@@ -15,8 +15,9 @@ cancelled one, of the same request id) is dropped and counted. The direct protoc
     pull (D)                                   serve_pull / hold (P)
       req(consumers) ------------------------>   (held for the id: P's blocks stay as they are)
                      <------------------------   grant
-      READ + NIXL notification "pulled" ------>   P still holds? -> held (P: done for that D rank)
+      READ + NIXL notification "pulled" ------>   P still holds? -> held
                      <------------------------   held      (D: done; a late READ gets cancel instead)
+      acked (D is done) ---------------------->   P: done for that D rank (P's end mirrors D's)
 
     accept_push (D)                            push (P)
       req ------------------------------------>   WRITE + NIXL notification "pushed"
@@ -29,10 +30,15 @@ called by its endpoint's ``progress()`` (which first routes the arrived messages
 On failure a D rank reports as invalid the D blocks the transfer may have written (the request's
 writable blocks, docs/design.md §8); those are free to reuse once :attr:`Transfer.fenced`.
 
+A D rank that gives up (its ``cancel``) ends every P attempt serving it as failed (``aborted``),
+whatever P had seen of it; a P attempt is done only once each of its D ranks said it is done
+(``acked``): P's outcome mirrors D's, never "done" for a pull D did not complete (docs/design.md §8.1).
+
 Worked number: a pull on a D rank that reads from P ranks 0 and 1 sends 2 ``req``; after the two
 ``grant`` it is ``posted`` with 2 handles; after both DONE and both ``held`` it is ``landed``, and
-``done`` within the same ``advance`` call when it has no rearranges or zeros: 2 round trips of
-notifications more than the READ alone.
+``done`` within the same ``advance`` call when it has no rearranges or zeros: one notification
+round trip before the READ and one message after it more than the READ alone (``acked`` follows
+D's done, off D's path).
 """
 
 from __future__ import annotations
@@ -71,13 +77,14 @@ class Driver(Protocol):
 class Messenger(Driver, Protocol):
     """What a transfer needs from its endpoint besides progress: signed messages to its peers."""
 
+    @property
+    def lock(self) -> Any: ...
+
     def say(self, t: Transfer, agent: str, kind: str, *args: int) -> bool: ...
 
     def signed(self, t: Transfer, agent: str, kind: str, *args: int) -> bytes: ...
 
     def count(self, what: str) -> None: ...
-
-    def rebind(self, t: Transfer, agent: str) -> None: ...
 
     def collected(self, t: Transfer) -> None: ...
 
@@ -156,6 +163,7 @@ class Transfer:
         self.expect_count = expect_count
         self.granted: set[str] = set()  # hold: D ranks told they may READ; pull: P ranks that granted
         self.confirmed: set[str] = set()  # held (pull), pulled (hold), pushed (accept), acked (push)
+        self.acked: set[str] = set()  # serve_pull / hold: D ranks that said their pull is done
         self.receive = receive
         self.event: Any = None
         self.failure: TransferFailed | None = None
@@ -169,6 +177,7 @@ class Transfer:
         self._ended_sent = False
         self._last_cancel = 0.0
         self._collected = False
+        self._decode_part: TransferPlan | None = None  # plan.for_decode_rank(rank), computed once
 
     # ---- public ----------------------------------------------------------------------------
     @property
@@ -206,8 +215,10 @@ class Transfer:
         return self.result
 
     def cancel(self, reason: str = "closed", detail: str = "cancelled") -> None:
-        """Fail the transfer now (no-op once settled); its peers are told (``cancel``)."""
-        self.fail(reason, detail)
+        """Fail the transfer now (no-op once settled); its peers are told (``cancel``). Holds the
+        endpoint's lock (any thread may cancel)."""
+        with self.endpoint.lock:
+            self.fail(reason, detail)
 
     # ---- what the link and the endpoint call -----------------------------------------------
     def add_request(self, handle: Any, *, descriptors: int, nbytes: int) -> None:
@@ -327,12 +338,8 @@ class Transfer:
             if not self.settled:
                 self.fail("aborted", f"peer {a} ended its attempt")
             return
-        if m.kind == "cancel":
-            if not self.settled and self.kind in ("serve_pull", "hold") and a not in self.confirmed:
-                self.granted.discard(a)  # that D attempt gave up; P still holds: a retry may ask again
-                self.peer_nonce.pop(a, None)
-                self.endpoint.rebind(self, a)
-            elif not self.settled:
+        if m.kind == "cancel":  # the peer gave up: so does this attempt (a serve is never done for it)
+            if not self.settled:
                 self.fail("aborted", f"peer {a} gave up on the request")
             return
         try:
@@ -383,6 +390,8 @@ class Transfer:
         elif self.kind in ("serve_pull", "hold") and k == "pulled" and a in self.granted:
             self.confirmed.add(a)
             self._say(a, "held")
+        elif self.kind in ("serve_pull", "hold") and k == "acked" and a in self.confirmed:
+            self.acked.add(a)
         elif self.kind == "accept_push" and k == "pushed":
             self.confirmed.add(a)
             self.touching.discard(a)
@@ -428,6 +437,9 @@ class Transfer:
             return "NIXL requests"
         if self.kind == "pull":
             return "P's grant" if len(self.granted) < len(self.peers) else "P's confirmation (held)"
+        if self.kind in ("serve_pull", "hold"):
+            return "D's READ (pulled)" if len(self.confirmed) > len(self.acked) or not self.confirmed \
+                else "D's acknowledgement (acked)"
         if self.kind == "push":
             return "D's req" if len(self.granted) < len(self.peers) else "D's acknowledgement"
         return "notifications"
@@ -437,7 +449,7 @@ class Transfer:
             self._check_posted()
         if self.state == "landed":
             if self.receive is not None and self.plan is not None:
-                steps = self.plan.for_decode_rank(self.rank)
+                steps = self.decode_part()
                 self.event = self.receive(steps.rearranges, steps.zeros)
             self.state = "receiving"
         if self.state == "receiving":
@@ -445,6 +457,14 @@ class Transfer:
                 return
             self.event = None
             self._finish()
+
+    def decode_part(self) -> TransferPlan:
+        """This D rank's part of the plan (``plan.for_decode_rank(rank)``), computed once."""
+        if self._decode_part is None:
+            if self.plan is None:
+                raise ExecutorError("plan", f"{self.kind} {self.request_id!r} has no plan", fix="pass a plan")
+            self._decode_part = self.plan.for_decode_rank(self.rank)
+        return self._decode_part
 
     def _reap(self, handles: list[Any], what: str) -> list[Any]:
         """Release the finished requests among ``handles`` (counting NIXL's descriptors when
@@ -469,22 +489,24 @@ class Transfer:
         if self.handles or self.posters:
             return
         k, n = self.kind, len(self.peers)
-        if k in ("pull", "accept_push", "push", "serve_pull"):
+        if k in ("pull", "accept_push", "push"):
             ready = len(self.confirmed) == n and (k != "pull" or len(self.granted) == n)
+        elif k == "serve_pull":  # every consumer READ under the hold and said it is done
+            ready = len(self.acked) == n
         else:  # hold: as many D ranks as they (or the caller) say
-            ready = self.expect_count is not None and len(self.confirmed) >= self.expect_count
+            ready = self.expect_count is not None and len(self.acked) >= self.expect_count
         if ready:
             self.state = "landed"
 
     def _finish(self) -> None:
         zeroed = rearranges = 0
         if self.receive is not None and self.plan is not None:
-            steps = self.plan.for_decode_rank(self.rank)
+            steps = self.decode_part()
             zeroed, rearranges = steps.bytes_zeroed, len(steps.rearranges)
         self.state = "done"
-        if self.kind == "accept_push":
+        if self.kind in ("accept_push", "pull"):  # D is done: its P ranks may end (push, serve_pull, hold)
             for a in self.peers:
-                self._say(a, "acked")
+                self._tell(a, "acked")
         self.result = TransferResult(self.request_id, self.kind, self.role, self.rank, self.mode, self.bytes_moved,
                                      self.descriptors, self.nixl_requests, self.nixl_descs, zeroed, rearranges,
                                      time.perf_counter() - self.started, tuple(self.notes))

@@ -9,7 +9,9 @@ values at P's slots; kvgeom plans the request (its engine from ``layout="CPU_ATT
 copy and zero rows are applied to the raw bytes; the expected D cache is vLLM's kernel writing
 the same K/V at D's slots. Equal bytes mean kvgeom put every K and V row where vLLM's own
 kernel puts it. A control plans with the naive belief (K rows in token order, what vLLM's
-NixlConnector assumes) and must differ wherever the two block sizes tile K differently.
+NixlConnector assumes) and must differ wherever the two block sizes tile K differently. The packed
+plan (``packed_equal``: pack steps through P's per-plane mapping, wire rows, unpack steps through
+D's, in several chunks) is applied the same way and must give the same bytes.
 
 Prints one JSON line: ``{"cells": [{"p": 32, "d": 64, "d_tp": 1, "equal": true, "naive_equal":
 false, "copies": ...}, ...], "isa": "vec"}``.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import sys
 
+import attrs
 import numpy as np
 import torch
 from vllm import _custom_ops as ops
@@ -87,6 +90,34 @@ def apply(plan, p_mem: list[list[np.ndarray]], d_mem: list[list[np.ndarray]]) ->
         dst[int(z.d_offset[i]):int(z.d_offset[i]) + int(z.nbytes[i])] = 0
 
 
+def apply_packed(plan, p_mem: list[list[np.ndarray]], d_mem: list[list[np.ndarray]]) -> None:  # type: ignore[no-untyped-def]
+    """A packed plan chunk by chunk on the raw bytes (docs/design.md §12.1): packs into each P rank's
+    slot, wire rows into each D rank's slot, unpacks into D's pages; then the zeros."""
+    for c in range(len(plan.chunks)):
+        slots = {side: {r: np.zeros(max(1, int(plan.staging_used(side)[c, r])), np.uint8)
+                        for r in range(plan.staging_used(side).shape[1])} for side in ("prefill", "decode")}
+        for steps, mem in ((plan.packs, p_mem), (plan.unpacks, d_mem)):
+            for st in steps:
+                if st.chunk != c:
+                    continue
+                u = np.arange(st.unit_bytes)
+                slot = slots[st.side][st.rank]
+                for lam in range(len(st.regions)):
+                    cache = (st.cache_offsets(lam)[..., None] + u).ravel()
+                    staged = (st.staging_offsets(lam)[..., None] + u).ravel()
+                    region = mem[st.rank][int(st.regions[lam])]
+                    if st.side == "prefill":
+                        slot[staged] = region[cache]
+                    else:
+                        region[cache] = slot[staged]
+            if steps is plan.packs:
+                w = plan.wire
+                for i in np.flatnonzero(w.chunk == c):
+                    n, po, do = int(w.nbytes[i]), int(w.p_offset[i]), int(w.d_offset[i])
+                    slots["decode"][int(w.d_rank[i])][do:do + n] = slots["prefill"][int(w.p_rank[i])][po:po + n]
+    apply(attrs.evolve(plan, copies=type(plan.copies).empty()), p_mem, d_mem)  # the zeros
+
+
 def raw(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint8).numpy().reshape(-1)
 
@@ -130,14 +161,19 @@ def cell(bp: int, bd: int, d_tp: int, isa: str, hd: int) -> dict[str, object]:
     engines = {"equal": (P, D)}
     for which in ("rows", "tiled32"):
         engines[f"{which}_equal"] = (belief(P, bp, hd, eb, which), belief(D, bd, hd, eb, which))
+    engines["packed_equal"] = (P, D)
+    engines["packed_rows_equal"] = engines["rows_equal"]  # the control of the packed plan
     for label, (pe, de) in engines.items():
         pair = Pair(pe, de)
-        plan = plan_reference(pair, request, strategy="direct", budget=None)
+        packed = label.startswith("packed")  # the packed plan (docs/design.md §12), in chunks of ~40 tokens
+        plan = plan_reference(pair, request, strategy="packed" if packed else "direct", budget=None,
+                              staging_bytes=40 * 2 * HEADS * hd * eb if packed else 0)
         got = [caches(bd, hh, hd, isa) for _ in range(d_tp)]
         for r in range(d_tp):  # stale bytes D's zero rows must clear
             for t in got[r]:
                 raw(t)[:] = 0x5A
-        apply(plan, [[raw(t) for t in p_cache]], [[raw(t) for t in got[r]] for r in range(d_tp)])
+        (apply_packed if packed else apply)(plan, [[raw(t) for t in p_cache]],
+                                            [[raw(t) for t in got[r]] for r in range(d_tp)])
         # the blocks D lists, bytewise (unlisted blocks are never written)
         out[label] = all(bool(np.array_equal(raw(got[r][layer][d_ids].contiguous()),
                                              raw(expected[r][layer][d_ids].contiguous())))
@@ -145,6 +181,8 @@ def cell(bp: int, bd: int, d_tp: int, isa: str, hd: int) -> dict[str, object]:
         if label == "equal":
             out["copies"] = len(plan.copies)
             out["zeros"] = len(plan.zeros)
+        if label == "packed_equal":
+            out["packed_chunks"] = len(plan.chunks)
     return out
 
 

@@ -182,6 +182,7 @@ def test_packed_section_gives_the_schema() -> None:
             assert f"transfer/packed/{pair}/256/{part}" in names
         assert f"transfer/direct/{pair}/256" in names
     assert "plan/packed/llama3-70b-tp8-tp4/256" in names
+    assert "plan/packed/syn-cpu-attn-k32-k64/256" in names  # per-plane pages (docs/design.md §3.5)
     desc = [r for r in rows if r["name"].endswith("/descriptors")]
     assert all(r["met"] is True and r["value"] < r["baseline"] for r in desc)
     assert all(r["met"] is None for r in rows if r["name"].endswith(("/wire", "/e2e")))  # 256 < 16k tokens

@@ -405,7 +405,7 @@ def test_an_allocation_beyond_the_machine_does_not_suggest_raising_the_budget(
         capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 20 (8): ``--tokens 100000000`` suggested ``--budget-mb 6250001`` (6 TB); one that fits
     the machine still names the budget that admits it."""
-    from kvgeom.tools.cli import machine_bytes
+    from kvgeom.tools.limits import machine_bytes
 
     have = machine_bytes()
     assert have is not None and have < 6_000 * 2**30

@@ -35,7 +35,6 @@ from kvgeom import (
 )
 from kvgeom.building import PRESETS, get_preset
 from kvgeom.lowering import TileTable, tile_index_blocks, tile_index_pairs, tile_table
-from kvgeom.planning.sides import packed_refusal
 from kvgeom.tools import strategies as kst
 from kvgeom.values import CopyBlock, blocks_to_copies
 
@@ -238,8 +237,6 @@ def test_rank_plans_and_blocks_are_the_whole_plans_projections(t: Any) -> None:
     pair = Pair(*t.pair)
     compiled = pair.compile()
     for strategy in STRATEGIES:
-        if strategy == "packed" and packed_refusal(pair) is not None:
-            continue  # packed refuses per-plane layouts (docs/design.md §3.5; both paths: test_every_strategy...)
         full = plan_reference(pair, t.request, strategy=strategy)
         for d in range(pair.decode.num_ranks):
             mine = compiled.plan(t.request, strategy=strategy, decode_rank=d)

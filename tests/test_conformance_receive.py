@@ -19,6 +19,7 @@ import pytest
 from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair, PlanError, ViolationKind, request_from_block_tables
 from kvgeom.checking import simulate
 from kvgeom.conformance import (
+    ConnectorRows,
     DescriptorTable,
     Read,
     check_connector,
@@ -155,3 +156,29 @@ def test_bad_arguments_are_typed_errors() -> None:
     with pytest.raises(PlanError, match="rearranges"):
         rows_from_descriptors(PAIR, prefill_bases=P_BASES, decode_bases=D_BASES, reads=[vllm_read()],
                               rearranges="LBHNC")  # type: ignore[arg-type]
+
+
+def test_a_per_plane_finding_names_the_tokens_its_bytes_hold() -> None:
+    """On vLLM's CPU_ATTN page (design §3.5: K transposed, element d of token s at d * 32 + s) a wrong
+    byte range's first byte need not hold its first token. 32-token pages, 2 heads of 32 float32 (a
+    K plane of 4096 B per head), one layer, one block: a connector copies P's page whole, except
+    bytes [20, 140) of head 0's K, read from the wrong P page. Those are K elements 5..34: dim 0 of
+    tokens 5..31 and dim 1 of tokens 0..2, so the finding covers tokens 0..31 (by the first and last
+    bytes alone it would read "tokens 5..2")."""
+    model = ModelSpec("cpu", [AttentionSpec("attn", "full", num_layers=1, num_kv_heads=2, head_bytes=128)],
+                      dtype="float32")
+    p = EngineGeometry.build(model, tp=1, kernel_block_tokens=32, num_blocks=4, layout="CPU_ATTN", name="prefill")
+    d = EngineGeometry.build(model, tp=1, kernel_block_tokens=32, num_blocks=4, layout="CPU_ATTN", name="decode")
+    pair = Pair(p, d)
+    request = request_from_block_tables(pair, 32, [[1]], [[2]])
+    page = p.regions[0].page_bytes
+    assert page == 2 * 2 * 32 * 128
+    good = [(0, 0, page, 0, 0, 2 * page, page)]
+    bad = [(0, 0, page, 0, 0, 2 * page, 20), (0, 0, 3 * page + 20, 0, 0, 2 * page + 20, 120),
+           (0, 0, page + 140, 0, 0, 2 * page + 140, page - 140)]
+    assert check_connector(pair, request, ConnectorRows.from_rows(good)).ok
+    report = check_connector(pair, request, ConnectorRows.from_rows(bad))
+    wrong = report.of_kind(ViolationKind.WRONG_DATA)
+    assert [(v.offset, v.nbytes, v.block, v.layer, v.tokens, v.rows) for v in wrong] == [
+        (2 * page + 20, 120, 2, 0, (0, 31), ("descriptor 1",))]
+    assert "tokens 0..31" in str(wrong[0])

@@ -2,10 +2,12 @@
 
 The child hosts every rank of one engine (kvgeom_nixl.testing.engine_process); the parent hosts
 the other. Bytes are verified with the simulator on the D side. Each child costs ~2 s to start
-(torch + NIXL import, UCX load), so there are five: three on TP pairs, and two on topologies
+(torch + NIXL import, UCX load). Five tests cover transfers: three on TP pairs, and two on topologies
 (docs/design.md §11): P PP2 x TP1 -> D TP2 (every stage's ranks hand over their handshakes, each
 D rank pulls layers 0-1 from stage 0 and 2-3 from stage 1), and an MLA pair P TP2 DCP2 -> D TP1
-(the D rank gathers even tokens from P rank 0 and odd ones from P rank 1).
+(the D rank gathers even tokens from P rank 0 and odd ones from P rank 1). Then packed transfers,
+kills in every mode, and a packed WRITE half sent over UCX TCP when P is stopped (SIGSTOP), with
+its control (slots freed on a timer).
 """
 
 from __future__ import annotations
@@ -319,3 +321,130 @@ def test_a_killed_peer_fails_every_mode_within_a_second(stopper: list[Any], mode
         assert time.perf_counter() < deadline
     if packed:
         assert eps[0].staging is not None and eps[0].staging.free() == eps[0].staging.slots
+
+
+# ---- a packed WRITE half sent when P stops (issue 19, row 4) -------------------------------------------
+
+HALF_MODEL = ModelSpec("big", [AttentionSpec("attn", "full", 4, 8, 256)])  # 16 KiB of K and V per token
+HALF_TOKENS = 2048  # 32 MiB: two chunks of 16 MiB, far more than loopback TCP buffers in flight
+HALF_SLOT = 16 << 20
+SENTINEL = 0xEE
+
+
+def _half_pair() -> tuple[Pair, Request]:
+    pair = Pair(EngineGeometry.build(HALF_MODEL, tp=1, kernel_block_tokens=16, num_blocks=136, name="prefill",
+                                     layout="NHD"),
+                EngineGeometry.build(HALF_MODEL, tp=1, kernel_block_tokens=16, num_blocks=136, name="decode"))
+    return pair, fresh_request(pair, HALF_TOKENS, prefill_first_block=3, decode_first_block=5)
+
+
+def _timer_fence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control: the fence before issue 19, a timer (0.3 s after the failure) frees every slot of a
+    failed packed transfer, whether or not the peer may still write into it."""
+    from kvgeom_nixl.packed import PackedTransfer
+
+    failed_at: dict[int, float] = {}
+
+    def advance_slots(self: Any) -> None:
+        start = failed_at.setdefault(id(self), time.perf_counter())
+        if time.perf_counter() - start > 0.3:
+            for ch in self.chunks:
+                if ch.slot >= 0:
+                    self.buffer.release(ch.slot)
+                    ch.slot, ch.touching = -1, set()
+        self._union_touching()
+
+    monkeypatch.setattr(PackedTransfer, "_advance_slots", advance_slots)
+
+
+def _half_sent_write(stopper: list[Any], monkeypatch: pytest.MonkeyPatch) -> tuple[Child, Any]:
+    """P (a child process) pushes a packed request of two 16 MiB chunks to D (this process) over UCX
+    TCP, where data moves only as the two workers progress; P is stopped (SIGSTOP) as soon as the
+    first bytes land in D's staging slot. D's accept times out; D posts request R2 while P stays
+    stopped; then P resumes (SIGCONT) and pushes R2. Returns the child and D's endpoint; asserts the
+    fence: while P is stopped (and until P's WRITE has finished or P said its attempt ended) no slot
+    the half-sent WRITE may still write is handed back or granted to R2."""
+    import signal
+
+    monkeypatch.setenv("UCX_TLS", "tcp")  # both processes (the child inherits it at spawn)
+    pair, request = _half_pair()
+    child, eps, d_caches, links = _connected(pair, request, "prefill", stopper, HALF_SLOT)
+    ep, link = eps[0], links[0]
+    plan = link.plan(request, strategy="packed")
+    assert len(plan.chunks) == 2 and ep.staging is not None
+    ring = ep.staging
+    ring.tensor.fill_(SENTINEL)
+    ends = {c: int((plan.wire.d_offset + plan.wire.nbytes)[plan.wire.chunk == c].max()) for c in range(len(plan.chunks))}
+
+    def landed(slot: int, lo: int, hi: int) -> bool:
+        return bool((ring.view(slot)[lo:hi] != SENTINEL).any())
+
+    t1 = link.accept_push("r1", request, plan=plan, timeout_s=120)
+    child.send("push", "r1", "coalesced", 120.0, "packed")
+    stopped = False
+    try:
+        deadline = time.perf_counter() + 60
+        while not any(landed(s, 0, 4096) for s in range(ring.slots)):  # the first bytes of a chunk
+            ep.progress()
+            assert time.perf_counter() < deadline and not t1.settled, "P's WRITE never started"
+        os.kill(child.proc.pid, signal.SIGSTOP)  # P hangs with its WRITE in flight
+        stopped = True
+        until = time.perf_counter() + 1.0
+        while time.perf_counter() < until:  # D drains what the sockets hold
+            ep.progress()
+        owners = {s: o for s, o in enumerate(ring.owner) if o is not None}
+        half = [s for s, (_, c) in owners.items() if landed(s, 0, 4096) and not landed(s, ends[c] - 4096, ends[c])]
+        assert half, f"no WRITE is half sent (slots {owners}): the scenario did not happen"
+
+        def fence_holds() -> bool:  # a half-written slot is owned by r1 until its WRITE's bytes have all landed
+            return all(ring.owner[s] == owners[s] or landed(s, ends[owners[s][1]] - 4096, ends[owners[s][1]])
+                       for s in half)
+
+        with pytest.raises(TransferFailed) as ei:
+            t1.wait(timeout_s=0.2)  # D's accept times out
+        assert ei.value.reason == "timeout"
+        t2 = link.accept_push("r2", request, plan=plan, timeout_s=120)  # R2 asks for slots while P is stopped
+        until = time.perf_counter() + 1.0
+        while time.perf_counter() < until:
+            ep.progress()
+            assert fence_holds(), f"fence broken: a half-written slot was handed back while P is stopped ({ring.owner})"
+        assert not t1.fenced and ep.fencing == (t1,) and not t2.settled
+        os.kill(child.proc.pid, signal.SIGCONT)
+        stopped = False
+        assert child.recv("failed", 60)[1] == "aborted"  # P learned D's cancel: its attempt is not done
+        child.send("push", "r2", "coalesced", 120.0, "packed")  # (P progresses again: its old WRITE moves on)
+        deadline = time.perf_counter() + 60
+        while not t2.settled:  # D's slots come back once P's WRITE finished (landed) or P said "ended"
+            ep.progress()
+            assert fence_holds(), f"fence broken: a half-written slot was handed back before its WRITE ended ({ring.owner})"
+            assert time.perf_counter() < deadline, (t1, t2, ring.owner)
+        assert t1.fenced and t2.done, t2.failure
+        assert child.recv("done", 60)[0] == "done"
+    finally:
+        if stopped:
+            os.kill(child.proc.pid, signal.SIGCONT)
+    violations, _ = check_caches(pair, request, d_caches, max_per_kind=None)
+    assert violations == [], [str(v) for v in violations[:3]]  # R2: every D byte right
+    return child, ep
+
+
+def test_a_half_sent_packed_write_keeps_its_slot_fenced_over_tcp(stopper: list[Any], monkeypatch: pytest.MonkeyPatch,
+                                                                 capfd: pytest.CaptureFixture[str]) -> None:
+    child, ep = _half_sent_write(stopper, monkeypatch)
+    child.send("status")
+    status = child.recv("status", 30)[1]
+    assert status["posted"] >= 3 and status["unreleased"] == 0, status  # r1's WRITE(s) and r2's two: all released
+    assert status["in_flight"] == status["fencing"] == 0 and status["slots_free"] == status["slots"], status
+    assert not ep.in_flight and not ep.fencing and ep.staging is not None and ep.staging.free() == ep.staging.slots
+    child.stop()
+    ep.close()
+    err = capfd.readouterr().err
+    assert "finalization failed" not in err and "leak" not in err.lower(), err[-2000:]  # NIXL's words at close
+
+
+def test_a_timer_fence_fails_the_half_sent_write_check(stopper: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control: with slots freed on a timer (the fence before issue 19) the same run hands the
+    half-written slot back while P may still write into it, and the check above says so."""
+    _timer_fence(monkeypatch)
+    with pytest.raises(AssertionError, match="fence broken"):
+        _half_sent_write(stopper, monkeypatch)

@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 
 from kvgeom import (
     AttentionSpec,
@@ -41,7 +41,6 @@ from kvgeom import (
 from kvgeom.building import get_preset
 from kvgeom.errors import StagingCapacityError
 from kvgeom.planning import min_staging_bytes
-from kvgeom.planning.sides import packed_refusal
 from kvgeom.tools import strategies as kst
 from kvgeom.values import Chunk, ChunkPiece, StagingStep, WireCopies
 
@@ -399,7 +398,6 @@ def test_min_staging_bytes_is_the_true_minimum_on_drawn_topologies(t: kst.Transf
     the packed planner plans at ``min_staging_bytes`` (and the simulator verifies it), and one byte
     less raises StagingCapacityError naming that minimum."""
     pair = Pair(*t.pair)
-    assume(packed_refusal(pair) is None)  # per-plane layouts: packed refuses them (docs/design.md §3.5)
     need = min_staging_bytes(pair, t.request)
     if need == 0:  # nothing moves: any capacity plans
         return

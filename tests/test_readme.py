@@ -51,7 +51,7 @@ def test_readme_executor_example_pulls_a_request_with_real_nixl() -> None:
     pytest.importorskip(NIXL_API, reason="the executor example needs the nixl extra")
     torch = pytest.importorskip("torch", reason="the executor example needs torch")
 
-    (code,) = [b for b in _blocks("python") if "kvgeom_nixl" in b]
+    (code,) = [b for b in _blocks("python") if "kvgeom_nixl" in b and "Progressor" not in b]
     assert "prefill_geometry" not in code and "p_cache_tensors" not in code  # no free names
     scope: dict[str, object] = {"__name__": "readme"}
     out = io.StringIO()
@@ -65,6 +65,27 @@ def test_readme_executor_example_pulls_a_request_with_real_nixl() -> None:
             want[t // 8, :, :, t % 8] = pc[:, t // 16, t % 16]
         assert torch.equal(dc, want)  # blocks 0..6 as P's tokens [0, 50) and zeros; block 7.. untouched
         assert pc.abs().sum() > 0  # the control: P's caches hold data, so equality means it moved
+
+
+def test_readme_connector_calls_run_with_real_nixl() -> None:
+    """The connector block of "The executor from any engine's connector": P holds, a Progressor
+    progresses P, D pulls and polls get_finished; D's regions then hold P's bytes (the same HND
+    geometry on both sides: pages of 2 x 4 rows of 16 tokens x 256 B; 40 tokens are blocks 0-1 and
+    the first 8 token slots of each row of block 2)."""
+    from nixl_env import NIXL_API
+    pytest.importorskip(NIXL_API, reason="the executor example needs the nixl extra")
+    torch = pytest.importorskip("torch", reason="the executor example needs torch")
+
+    (code,) = [b for b in _blocks("python") if "Progressor" in b]
+    scope: dict[str, object] = {"__name__": "readme"}
+    exec(compile(code, str(README), "exec"), scope)  # our own README
+    engine, p_cache, d_cache = scope["engine"], scope["p_cache"], scope["d_cache"]
+    assert engine.summary().endswith("[attn:full/HND packed] 2 regions")  # type: ignore[attr-defined]
+    for pc, dc in zip(p_cache, d_cache, strict=True):  # type: ignore[call-overload]
+        pv, dv = pc.view(8, 8, 16, 256), dc.view(8, 8, 16, 256)  # page, (K|V, head), token, bytes
+        assert torch.equal(dv[:2], pv[:2]) and torch.equal(dv[2, :, :8], pv[2, :, :8])  # tokens 0..39
+        assert not dv[2, :, 8:].any() and not dv[3:].any()  # nothing else written
+        assert pv[:3].any()  # the control: P's bytes are not D's starting zeros
 
 
 def test_readme_strategies_example_runs_against_the_planner() -> None:

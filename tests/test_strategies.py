@@ -23,7 +23,6 @@ from kvgeom import (  # noqa: E402
     IncompatibleGeometry,
     ModelSpec,
     Pair,
-    PlanError,
     StateGroupGeometry,
     StateSlots,
     StateSpec,
@@ -32,7 +31,6 @@ from kvgeom import (  # noqa: E402
     simulate,
 )
 from kvgeom.checking import listed_pages  # noqa: E402
-from kvgeom.planning.sides import packed_refusal  # noqa: E402
 from kvgeom.tools import strategies as kst  # noqa: E402
 
 FAST = settings(max_examples=60, derandomize=True, deadline=None, database=None,
@@ -59,9 +57,6 @@ def test_every_pair_is_rejected_consistently_or_planned_correctly(strategy: str)
             assert not compat.ok, f"pairable() says ok, the planner refused: {e}"
             assert e.path == compat.reasons[0].path, (e.path, compat.reasons[0].path)
             return
-        except PlanError as e:  # packed's documented refusal of per-plane layouts (docs/design.md §3.5)
-            assert strategy == "packed" and packed_refusal(Pair(p, d)) is not None, str(e)
-            return
         assert compat.ok, f"pairable() says {compat}, but the planner returned a plan"
         replan = plan_transfer(p, d, t.request, strategy=strategy)  # type: ignore[arg-type]
         report = simulate(Pair(p, d), t.request, plan, replan=replan)
@@ -78,11 +73,13 @@ def test_packed_plans_in_drawn_chunks_are_correct() -> None:
     @given(kst.packed_transfers(transfers=kst.transfers(pairs=kst.pairs(mismatch_probability=0.0))))
     def prop(t: kst.PackedTransfer) -> None:
         p, d = t.pair
-        plan = plan_transfer(p, d, t.request, strategy="packed", staging_bytes=t.staging_bytes)
+        # budget=None: a capacity of a few tokens makes many chunks, which the default budget's loose packed
+        # estimate may refuse (PlanBudgetExceeded, typed); this property is about the plans themselves
+        plan = plan_transfer(p, d, t.request, strategy="packed", staging_bytes=t.staging_bytes, budget=None)
         assert len(plan.wire) <= p.num_ranks * d.num_ranks * max(1, len(plan.chunks))
         assert int(plan.staging_used("prefill").max(initial=0)) <= t.staging_bytes
         assert int(plan.staging_used("decode").max(initial=0)) <= t.staging_bytes
-        replan = plan_transfer(p, d, t.request, strategy="packed", staging_bytes=t.staging_bytes)
+        replan = plan_transfer(p, d, t.request, strategy="packed", staging_bytes=t.staging_bytes, budget=None)
         report = simulate(Pair(p, d), t.request, plan, replan=replan)
         assert report.ok, str(report)
 

@@ -50,7 +50,6 @@ from kvgeom import (
     verify,
 )
 from kvgeom.arith import locate
-from kvgeom.planning.sides import packed_refusal
 from kvgeom.tools import strategies as kst
 from kvgeom.tools.fuzz import check_transfer
 from kvgeom.tools.serialize import dumps, loads
@@ -387,7 +386,7 @@ def test_packed_wire_pairs_are_the_direct_rule(t: kst.Transfer) -> None:
     """Per (P rank, D rank), the packed plan's wire bytes equal the direct plan's copy bytes: the same
     sources (stages, head groups, DCP owners, replicas; docs/design.md §11.3 and §12)."""
     p, d = t.pair
-    if not pairable(p, d) or packed_refusal(Pair(p, d)) is not None:  # packed refuses per-plane layouts (§3.5)
+    if not pairable(p, d):
         return
     direct = Pair(p, d).plan(t.request)
     packed = Pair(p, d).plan(t.request, strategy="packed")

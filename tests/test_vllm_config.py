@@ -291,6 +291,29 @@ def test_0_32_hybrid_overlay_and_kernel_pages() -> None:
     assert geo.model == get_preset("nemotron-h-tp1-tp4").factory(2, 2, 2)[0].model
 
 
+def test_one_state_per_request_places_nothing_by_block_size() -> None:
+    """mamba_cache_mode "none" (prefix caching off): vLLM sets the mamba group's block_size to max_model_len
+    (512 here) while attention keeps its 128, and a request holds one state block; the state's page is the
+    block id's page either way, so the engine's block is attention's. With "align" (or no mode given) the
+    two block sizes must agree, as before."""
+    # the conformance run's tiny Nemotron-H: 4 KV heads of 32 float32, mamba2 conv (320, 3), ssm (8, 32, 16)
+    kernel_page = 2 * 4 * 128 * 32 * 4
+    mamba = {"type": "MambaSpec", "block_size": 512, "shapes": [[320, 3], [8, 32, 16]],
+             "dtypes": ["torch.float32", "torch.float32"], "page_size_padded": kernel_page, "mamba_type": "mamba2",
+             "mamba_cache_mode": "none"}
+    attn = attn_spec(128, 4, 32, dtype="torch.float32")
+    cfg = layered(4, [(mamba, ["m.0", "m.2"]), (attn, ["a.1", "a.3"])], kernel_page, "LBHNC")
+    geo = engine_from_vllm_config(cfg, tp=1, attention_backend="FLASH_ATTN", group_names=["mamba", "attn"])
+    assert (geo.kernel_block_tokens, geo.blocks_per_logical) == (128, 1)
+    assert geo.regions == (Region(4, kernel_page),) * 2
+    for mode in ("align", None):
+        refused = {**mamba, "mamba_cache_mode": mode} if mode else {k: v for k, v in mamba.items()
+                                                                      if k != "mamba_cache_mode"}
+        bad = layered(4, [(refused, ["m.0", "m.2"]), (attn, ["a.1", "a.3"])], kernel_page, "LBHNC")
+        with pytest.raises(GeometryError, match="block sizes \\[128, 512\\]"):
+            engine_from_vllm_config(bad, tp=1, attention_backend="FLASH_ATTN")
+
+
 def test_0_32_spec_fields_vllm_objects_carry() -> None:
     """head_size_v = 0 for MLA, the enum mamba_type, max_tp_shards for replicated heads, UniformTypeKVCacheSpecs."""
 

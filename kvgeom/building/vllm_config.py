@@ -25,8 +25,9 @@ Global counts are the rank's counts times TP (KV heads: ``total_num_kv_heads`` o
 ``max_tp_shards`` when heads are replicated; state sections: ``replicated_sections`` or the spec's
 ``tp_replicated``). Refused, naming the field: everything :mod:`~kvgeom.building.vllm_specs` refuses,
 host-resident tensors, tensors that disagree on the backing size or overlap partly, a layout with
-heads outside blocks (LHBNC), kernel splitting of block-outer layouts, CPU_ATTN pages other than 32
-tokens (its K rows are tiled, docs/design.md §10.2), groups with different block sizes. The config is
+heads outside blocks (LHBNC), kernel splitting of block-outer layouts, CPU_ATTN pages that are not a
+multiple of 32 tokens, groups with different block sizes (except a mamba group with
+``mamba_cache_mode = "none"``: one state per request, its block size places nothing). The config is
 hostile input (docs/design.md §14): every list is checked for its class and bounded in length before
 it is read, every name is a string, every number goes through ``check_int``.
 
@@ -334,7 +335,9 @@ def engine_from_vllm_config(
                 raise GeometryError(f"{_PATH}.kv_cache_groups[{gi}].layer_names[{li}]", f"layer {value_text(ln, 80)} "
                                     "is in two groups", actual=value_text(ln, 80), fix="every layer belongs to one group")
             layer_group[ln] = (gi, li)
-    block_sizes = sorted({g.block_size for g in groups})
+    # a state kept once per request (mamba_cache_mode "none") is placed by its block id alone
+    placed = [g for g in groups if not g.one_state] or groups
+    block_sizes = sorted({g.block_size for g in placed})
     if len(block_sizes) != 1:
         raise GeometryError(f"{_PATH}.kv_cache_groups", f"groups with block sizes {block_sizes}", actual=block_sizes,
                             expected="one block size",

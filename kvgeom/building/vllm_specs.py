@@ -233,6 +233,9 @@ class VllmGroup(NamedTuple):
     page_bytes: int  # vLLM's page_size_bytes for one block (padded when vLLM pads)
     state_layout: StateLayout | None
     dtype: str
+    # a state group with mamba_cache_mode "none": one running state per request, whatever its block_size
+    # (vLLM sets it to max_model_len), so the block size places nothing
+    one_state: bool = False
 
 
 def _uniform(spec: Any, path: str) -> tuple[Any, str]:
@@ -271,8 +274,10 @@ def read_group(group: Any, gpath: str, gi: int, *, tp: int, mla_backend: bool, c
         sections, slay, nbytes = _mamba_sections(spec, spath, tp, conv_layout, replicated)
         padded = field(spec, "page_size_padded", spath, None)
         page = nbytes if padded is None else check_int(f"{spath}.page_size_padded", padded, minimum=nbytes)
+        mode = field(spec, "mamba_cache_mode", spath, None)
+        one_state = mode is not None and name_of(mode, f"{spath}.mamba_cache_mode") == "none"
         return VllmGroup(StateSpec(group_name or f"mamba{gi}", len(layers), sections), "state", layers, block,
-                         0, 0, page, slay, "")
+                         0, 0, page, slay, "", one_state)
     if tname not in _ATTENTION_TYPES:
         raise GeometryError(f"{spath}.type", f"kvgeom has no geometry for {value_text(tname, 60)}",
                             actual=value_text(tname, 60), expected=spec_types(),

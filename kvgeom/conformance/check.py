@@ -33,14 +33,16 @@ import attrs
 import numpy as np
 
 from ..checking.content import check_beyond_computed
-from ..checking.describe import locate_byte
+from ..checking.describe import ByteCoordinate, locate_byte
 from ..checking.report import Report, Violation, ViolationKind
 from ..checking.simulator import simulate
 from ..errors import IncompatibleGeometry, PlanError, value_text
 from ..values.engine import EngineGeometry
 from ..values.fields import check_instance
+from ..values.layout import AttentionGroupGeometry
 from ..values.pair import CheckedEngines
 from ..values.plan import TransferPlan
+from ..values.planes import PlanesLayout
 from ..values.request import Request
 from .rows import MAX_CONNECTOR_ROWS, ConnectorRows, Unresolved, check_max_rows, over_budget
 
@@ -137,15 +139,48 @@ def _touching(side: str, v: Violation, rows: ConnectorRows) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _planes_slots(engine: EngineGeometry, first: ByteCoordinate, region: int, lo: int,
+                  hi: int) -> tuple[int, int] | None:
+    """The lowest and highest slot whose bytes of ``first``'s layer lie in bytes ``[lo, hi)`` of
+    ``region`` (inside ``first``'s page), for a per-plane layout (docs/design.md §3.5), whose first and last bytes need not
+    hold the first and last tokens (a transposed K); ``None`` for a plain layout."""
+    g = first.group_index
+    geo = engine.groups[g]
+    if not isinstance(geo, AttentionGroupGeometry) or not isinstance(geo.layout, PlanesLayout):
+        return None
+    view = geo.views[first.layer]
+    slots = np.arange(engine.kernel_block_tokens)
+    found: list[np.ndarray] = []
+    for plane, preg in enumerate(view.regions):
+        if preg != region:
+            continue
+        heads = np.arange(engine.local_heads(g))[:, None, None]
+        _, starts = engine.attention_address(g, first.layer, plane, first.page, slots[None, :, None], heads)
+        where = starts + engine.attention_vector_bytes(g, plane)[None, None, :]  # (head, slot, byte)
+        inside = (where >= lo) & (where < hi)
+        if inside.any():
+            found.append(np.flatnonzero(inside.any(axis=(0, 2))))
+    if not found:
+        return None
+    hit = np.concatenate(found)
+    return int(hit.min()), int(hit.max())
+
+
 def _translate(pair: CheckedEngines, request: Request, rows: ConnectorRows, v: Violation) -> ConnectorViolation:
     engine: EngineGeometry = pair.side(v.side)
     first = locate_byte(engine, request, v.side, v.rank, v.region, v.offset)
     last = locate_byte(engine, request, v.side, v.rank, v.region, v.offset + max(0, v.nbytes - 1))
-    tokens = None
+    tokens: tuple[int, int] | None = None
     if first is not None and first.kind == "attention" and first.token is not None:
         end = last.token if last is not None and last.token is not None and last.group == first.group \
-            and last.layer == first.layer else first.token
-        tokens = (first.token, end)
+            and last.layer == first.layer else None
+        tokens = (first.token, first.token if end is None else end)
+        if end is not None and last is not None and last.page == first.page:
+            page_end = (first.page + 1) * engine.regions[v.region].page_bytes
+            span = _planes_slots(engine, first, v.region, v.offset, min(v.offset + v.nbytes, page_end))
+            if span is not None:  # tokens of one page: the first token of the page plus the slot
+                base = first.token - first.slot
+                tokens = (base + span[0], base + span[1])
     return ConnectorViolation(
         v.kind, v.side, v.rank, v.region, v.offset, v.nbytes, _touching(v.side, v, rows),
         group=None if first is None else first.group, layer=None if first is None else first.layer,

@@ -83,7 +83,7 @@ from .estimate_rows import (
     _state,
 )
 from .packed import DEFAULT_STAGING_BYTES
-from .sides import SideView, per_plane_staging
+from .sides import SideView
 
 __all__ = ["PlanBudget", "PlanEstimate", "DEFAULT_BUDGET", "estimate_plan", "estimate_compile", "quick_estimate", "admit",
            "ROW_BYTES",
@@ -250,7 +250,7 @@ def quick_estimate(pair: CheckedEngines, shape: RequestShape, strategy: str = "d
     it is over the budget."""
     _check_shape(pair, shape, budget)
     strategy = check_strategy(strategy)
-    staging = per_plane_staging(pair, strategy, check_int("staging_bytes", staging_bytes, minimum=0, error=KvGeomError))
+    staging = check_int("staging_bytes", staging_bytes, minimum=0, error=KvGeomError)
     return _quick(pair, shape, strategy, staging)
 
 
@@ -284,7 +284,6 @@ def estimate_plan(pair: CheckedEngines, shape: RequestShape, strategy: str = "di
     staging_bytes = check_int("staging_bytes", staging_bytes, minimum=0, error=KvGeomError)
     _check_shape(pair, shape, budget)
     strategy = check_strategy(strategy)
-    staging_bytes = per_plane_staging(pair, strategy, staging_bytes)  # per-plane layouts: no packed (§3.5)
     if strategy == "packed":
         total = _packed(pair, shape, staging_bytes)
         return total + PlanEstimate(work=total.zero_rows)

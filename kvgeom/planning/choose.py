@@ -25,7 +25,9 @@ Worked number: 4096 direct copies cost ``4096 * 1.5 us = 6144 us``; staged with 
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import Literal
 
 import attrs
@@ -39,7 +41,6 @@ from .attention import plan_attention_group
 from .coalesce import coalesce
 from .group import GroupPlan
 from .packed import PackedCount, count_packed
-from .sides import packed_refusal
 from .staged import plan_staged_group
 from .state import plan_state_group
 
@@ -146,26 +147,41 @@ def posted(pair: CheckedEngines, request: Request, gi: int, strategy: str, cost_
 
 @attrs.frozen(eq=False)
 class GroupChoice:
-    """Auto's choice for one group between direct and staged: the plan, its cost (seconds, wire
-    bytes left out), and the note saying why (``None`` when staged does not apply)."""
+    """Auto's choice for one group between direct and staged: its cost (seconds, wire bytes left
+    out), the note saying why (``None`` when staged does not apply), and the plan, built when first
+    read (``build``): auto weighs the whole plan against packed first, so a group whose count was
+    an estimate (more than ``exact_rows`` rows) is never built when packed wins."""
 
-    plan: GroupPlan
     cost: float
     note: Note | None
+    build: Callable[[], GroupPlan] = attrs.field(repr=False)
+    _built: list[GroupPlan] = attrs.field(factory=list, init=False, repr=False)
+
+    @property
+    def plan(self) -> GroupPlan:
+        """The chosen group plan (built on the first read)."""
+        if not self._built:
+            self._built.append(self.build())
+        return self._built[0]
+
+
+def _ready(plan: GroupPlan | None, build: Callable[[], GroupPlan]) -> Callable[[], GroupPlan]:
+    return build if plan is None else (lambda: plan)
 
 
 def choose_group(pair: CheckedEngines, request: Request, gi: int, cost_model: CostModel) -> GroupChoice:
     """Group ``gi`` under auto (direct or staged; state groups are direct): the cheaper plan by
-    posted descriptors, built once."""
+    posted descriptors, built once (when first read, if counting did not build it)."""
     if not isinstance(pair.model.groups[gi], AttentionSpec):
         built = plan_state_group(pair, request, gi)
-        return GroupChoice(built, cost_model.cost(len(coalesce(built.copies)), 0), None)
+        return GroupChoice(cost_model.cost(len(coalesce(built.copies)), 0), None, lambda: built)
     staged_count = plan_staged_group(pair, request, gi, materialize=False)
     direct = posted(pair, request, gi, "direct", cost_model)
     cost_d = cost_model.cost(direct.count, 0)
+    build_direct = _ready(direct.plan, functools.partial(plan_attention_group, pair, request, gi))
     if not staged_count.rearranges:  # staged does not apply or equals direct
         logger.debug("%s: auto: staged does not apply or changes nothing -> direct", pair.model.groups[gi].name)
-        return GroupChoice(direct.plan or plan_attention_group(pair, request, gi), cost_d, None)
+        return GroupChoice(cost_d, None, build_direct)
     staged = posted(pair, request, gi, "staged", cost_model)
     cost_s = cost_model.cost(staged.count, staged.rearranged)
     name = pair.model.groups[gi].name
@@ -177,11 +193,10 @@ def choose_group(pair: CheckedEngines, request: Request, gi: int, cost_model: Co
            f"{staged.rearranged} B rearranged = {cost_s * 1e6:.1f} us ({cost_model.describe()})")
     if cost_s < cost_d:
         logger.debug("%s -> staged", why)
-        return GroupChoice(staged.plan or plan_staged_group(pair, request, gi), cost_s,
-                           Note(NoteKind.AUTO_STAGED, why + " -> staged"))
+        return GroupChoice(cost_s, Note(NoteKind.AUTO_STAGED, why + " -> staged"),
+                           _ready(staged.plan, functools.partial(plan_staged_group, pair, request, gi)))
     logger.debug("%s -> direct", why)
-    return GroupChoice(direct.plan or plan_attention_group(pair, request, gi), cost_d,
-                       Note(NoteKind.AUTO_DIRECT, why + " -> direct"))
+    return GroupChoice(cost_d, Note(NoteKind.AUTO_DIRECT, why + " -> direct"), build_direct)
 
 
 def plan_group(pair: CheckedEngines, request: Request, gi: int, strategy: str,
@@ -209,9 +224,6 @@ def weigh_packed(pair: CheckedEngines, request: Request, staging_bytes: int, unp
     built (:func:`~kvgeom.planning.packed.count_packed`), costs less than ``unpacked`` (the chosen
     direct/staged plans' posted copies), and the sentence that says why. A capacity packed cannot
     plan with is no candidate."""
-    refusal = packed_refusal(pair)
-    if refusal is not None:  # docs/design.md §3.5
-        return False, f"auto: packed does not apply ({refusal})"
     try:
         count = count_packed(pair, request, staging_bytes)
     except StagingCapacityError:

@@ -55,7 +55,6 @@ from .compiled_request import FAMILY_LIMIT as FAMILY_LIMIT
 from .compiled_request import FLAT_ROWS as FLAT_ROWS
 from .compiled_request import _Group, _RequestEngine
 from .packed import DEFAULT_STAGING_BYTES, packed_transfer_plan
-from .sides import per_plane_staging
 
 __all__ = ["CompiledPair", "CompiledGroup", "compile_pair", "COMPILED_STRATEGIES"]
 
@@ -194,7 +193,6 @@ class CompiledPair(_RequestEngine):
         self._id_arrays = {}
         if not self._valid(request):
             pair.check_request(request)
-        staging_bytes = per_plane_staging(pair, strategy, staging_bytes)  # per-plane layouts: no packed (§3.5)
         over: tuple[Note, ...] = ()
         if budget is not None:  # checked before the request's rows (the check reads only its shape)
             strategy, staging_bytes, over = admit(pair, RequestShape.of(request), strategy, staging_bytes, budget)

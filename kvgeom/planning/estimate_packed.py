@@ -38,7 +38,7 @@ def _quick_packed(pair: CheckedEngines, gi: int, T: int, staging: int) -> PlanEs
     L = pair.model.groups[gi].num_layers
     R = min(T, 2 + 2 * ceil_div(T, max(1, staging // f.per_item)))
     pieces = L * R
-    entries = L * f.pairs * 2 * (T + 2 * R)
+    entries = L * f.pairs * 2 * (T + 2 * R) * f.plane_steps
     staging_steps = entries * f.page_sizes
     ranks = pair.prefill.num_ranks + pair.decode.num_ranks
     steps = staging_steps + R * f.owners * TOKEN_MAP_STEPS + 2 * pieces
@@ -57,17 +57,20 @@ TOKEN_MAP_STEPS = 8  # a token map (one range, one pair of DCP owners) costs abo
 
 @attrs.frozen
 class _Side:
-    """One side's token geometry for the packed estimate: K, ppl, dcp, interleave."""
+    """One side's token geometry for the packed estimate: K, ppl, dcp, interleave, and the tokens a
+    per-plane layout is affine over when fewer than a page (``affine``, 0 otherwise: docs/design.md §3.5)."""
 
     K: int
     ppl: int
     dcp: int
     interleave: int
+    affine: int = 0
 
     @property
     def cut(self) -> int:
-        """Tokens between two cuts (kernel pages; every DCP chunk on a DCP side)."""
-        return self.interleave if self.dcp > 1 else self.K
+        """Tokens between two cuts (kernel pages, or a per-plane layout's affine pieces; every DCP
+        chunk on a DCP side)."""
+        return self.interleave if self.dcp > 1 else (self.affine or self.K)
 
     @property
     def span(self) -> int:
@@ -86,11 +89,13 @@ class _Side:
         block = self.K * self.ppl * self.dcp
         start = first + (lo - first) // block * block
         ids = np.arange(ceil_div(hi - start, block) + 1, dtype=np.int64)
-        return SideTokens(ids, start, self.K, self.ppl, False, cp=self.dcp, interleave=self.interleave)
+        return SideTokens(ids, start, self.K, self.ppl, False, cut_tokens=self.affine, cp=self.dcp,
+                          interleave=self.interleave)
 
 
-def _side(e: EngineGeometry) -> _Side:
-    return _Side(e.kernel_block_tokens, e.blocks_per_logical, e.topology.dcp, e.topology.interleave)
+def _side(e: EngineGeometry, view: SideView) -> _Side:
+    return _Side(e.kernel_block_tokens, e.blocks_per_logical, e.topology.dcp, e.topology.interleave,
+                 view.cut_tokens())
 
 
 @attrs.frozen
@@ -105,6 +110,8 @@ class _PackedFactors:
     per_p: int = 0  # and on a P rank (summed over the D ranks of its owned tokens)
     entries: int = 1  # layer entries of a step per layer (planes not sharing a page, or 1)
     page_sizes: int = 1  # steps one class makes at most: distinct page sizes on the busier side
+    plane_steps: int = 1  # steps (each listing the class's pages) per class and page size: the planes, per plane
+                          # when a side's layout is per plane (docs/design.md §3.5), else 1
     p: _Side = _Side(1, 1, 1, 1)
     d: _Side = _Side(1, 1, 1, 1)
     sections: int = 1
@@ -142,9 +149,12 @@ def _packed_attention_factors(pair: CheckedEngines, gi: int) -> _PackedFactors:
     per_d = unit * d_heads
     per_p = unit * P.local_heads(gi) * _dup(H, D.head_tp, d_heads) * reps
     ps, ds = SideView(P, gi), SideView(D, gi)
-    entries = 1 if spec.planes == 1 or (ps.planes_share_region() and ds.planes_share_region()) else spec.planes
+    per_plane = ps.per_plane or ds.per_plane  # a step per plane, one layer entry per layer (§12.2)
+    entries = 1 if spec.planes == 1 or per_plane or (ps.planes_share_region() and ds.planes_share_region()) \
+        else spec.planes
     return _PackedFactors(pairs, d_dcp * p_dcp, max(per_d * p_dcp, per_p * d_dcp), per_d, per_p, entries,
-                          max(_page_sizes(P), _page_sizes(D)), _side(P), _side(D), need=per_d)
+                          max(_page_sizes(P), _page_sizes(D)), spec.planes if per_plane else 1, _side(P, ps),
+                          _side(D, ds), need=per_d)
 
 
 def _packed_state_factors(pair: CheckedEngines, gi: int) -> _PackedFactors:
@@ -289,12 +299,13 @@ def _packed_attention(pair: CheckedEngines, shape: RequestShape, gi: int, stagin
                 page_entries = min(page_entries, L * per_owner * (counted.entries + 2 * ranges * counted.page))
             else:
                 classes, page_entries = pieces * per_owner * counted.classes, pieces * per_owner * counted.entries
-    staging_steps = classes * f.page_sizes
+    staging_steps = classes * f.page_sizes * f.plane_steps
+    page_entries *= f.plane_steps
     if split:  # one layer per piece
         layer_entries = staging_steps * f.entries
         chunk_work = pieces * (L * ranks + f.pairs) + L * L * ranks
     else:  # every piece's classes, each listing the layers of its piece: the layers once in all
-        layer_entries = classes // pieces * f.page_sizes * L * f.entries
+        layer_entries = classes // pieces * f.page_sizes * f.plane_steps * L * f.entries
         chunk_work = 2 * chunks * L * ranks + L * ranks + f.pairs
     segments = seg_p + seg_u + 2 * ranges
     wire = pieces * f.pairs

@@ -94,9 +94,12 @@ def count_packed(pair: CheckedEngines, request: Request, staging_bytes: int = DE
             g = pl.groups[piece.group]
             slices = g.pairs if g.attention else tuple(s for si in range(piece.section_start, piece.section_stop)
                                                        for s in g.sections[si])
+            per = 2
+            if g.attention and any(v.per_plane for v in pl.sides(g.index)):  # a step per plane (§12.2)
+                per *= pair.model.groups[g.index].planes  # type: ignore[union-attr]
             for s in slices:
                 l0, l1 = _overlap(s, piece)
-                ops += 2 * max(0, l1 - l0)
+                ops += per * max(0, l1 - l0)
     return PackedCount(len(chunks), sum(len(b) for b in blocks), sum(sum(b.values()) for b in blocks), ops)
 
 

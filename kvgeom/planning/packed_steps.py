@@ -1,6 +1,13 @@
 """The staging steps of a packed plan (docs/design.md §12.1, §12.2): :class:`_Builder` lays out one piece of
 a chunk in each rank's staging slot, rank pair after rank pair by page bytes, and writes its pack
 steps on P, the wire copies between the slots, and its unpack steps on D.
+
+A group with a per-plane layout on either side (docs/design.md §3.5) is laid out plane by plane:
+each (layer, plane) is a layer entry, and a D block (the pair's tokens of one D page, or of one
+affine piece of it) holds (head, token, head-vector byte modes) packed densely in D's order of
+those modes' strides. For CPU_ATTN ``vec`` K (D block 64, 2 heads of 128 float32 elements) that
+order is head, element, token, byte: a full D page's K unpacks as one 32,768-byte element per
+head, and a P page of 32 tokens packs its K as ``2 x 128`` elements of ``32 * 4 = 128`` bytes.
 """
 
 from __future__ import annotations
@@ -12,8 +19,11 @@ from ..errors import InternalError
 from ..values.layout import StateGroupGeometry
 from ..values.model import AttentionSpec, StateSpec
 from ..values.staging import ChunkPiece, StagingStep
+from .attention import vector_unit
 from .packed_chunks import _Planner
 from .packed_pairs import _by_page_bytes, _Group, _overlap, _Slice, _state_pair_sections
+from .packed_tokens import _TokenMap
+from .sides import SideView
 
 
 class _Builder:
@@ -83,8 +93,11 @@ class _Builder:
         if l1 <= l0 or not tm.tokens:
             return
         ps, ds = self.pl.sides(g.index)
+        if ps.per_plane or ds.per_plane:
+            self._attention_planes(chunk, g.index, spec, l0, l1, tm, s, ps, ds, p_base, d_base)
+            return
         hb, planes = spec.head_bytes, spec.planes
-        dl, pl = ds.plain(), ps.plain()  # packed refuses per-plane layouts (docs/design.md §3.5)
+        dl, pl = ds.plain(), ps.plain()
         dpk, ppk = self._planes_in_page(g.index)
         e_plane = s.n * tm.tokens * hb  # one plane of one layer of the piece
         e_layer = planes * e_plane
@@ -126,6 +139,59 @@ class _Builder:
                      (count, (step * pl.token_stride, n * st[2])), (n, (pl.token_stride, st[2]))]
             self._add("prefill", chunk, s, p_reg, p_off + slot * pl.token_stride, p_staged, pages,
                       before * block + tau * st[2], modes, hb)
+
+    def _plane_entries(self, side: str, view: SideView, g: int, layers: range, plane: int,
+                       head0: int) -> tuple[np.ndarray, np.ndarray]:
+        """(region, offset of the pair's first head on ``plane``) of every layer in ``layers``."""
+        key = (f"{side}-plane{plane}-{head0}", g, layers.start, layers.stop)
+        if key not in self._entries:
+            reg, off = view.layer_arrays(plane)
+            sel = slice(layers.start, layers.stop)
+            self._entries[key] = (reg[sel], off[sel] + view.head_offset(head0, plane))
+        return self._entries[key]
+
+    def _attention_planes(self, chunk: int, g: int, spec: AttentionSpec, l0: int, l1: int, tm: _TokenMap, s: _Slice,
+                          ps: SideView, ds: SideView, p_base: int, d_base: int) -> None:
+        """:meth:`attention` when a side's layout is per plane (docs/design.md §3.5, §12.2): per
+        plane, layer entries ``(layer, plane)`` staged at ``layer * e_layer + plane * e_plane``, and
+        each D block the modes (head, token, the two sides' common byte modes) packed densely in
+        D's order of their strides (outermost first)."""
+        hb = spec.head_bytes
+        e_plane = s.n * tm.tokens * hb  # one plane of one layer of the piece
+        e_layer = spec.planes * e_plane
+        layers = range(l0, l1)
+        lam = np.arange(len(layers), dtype=np.int64)
+        token = s.n * hb  # staging bytes of one token of the pair on one plane
+        for plane in range(spec.planes):
+            unit, vmodes = vector_unit(spec, [ps, ds], plane)  # innermost last: [(extent, (P stride, D stride))]
+            # D's order of (head, token, byte modes): outermost first by D stride; dense strides per block size
+            keyed = [(ds.head_stride(plane), 0), (ds.token_stride(plane), 1)] + [
+                (st[1], 2 + k) for k, (_, st) in enumerate(vmodes)]
+            order = [m for _, m in sorted(keyed, key=lambda x: (-x[0], x[1]))]
+
+            def dense(nj: int, vmodes: list[Mode] = vmodes, order: list[int] = order, unit: int = unit
+                      ) -> tuple[int, ...]:
+                return dense_strides((s.n, nj) + tuple(e for e, _ in vmodes), order, unit)
+
+            staged = lam * e_layer + plane * e_plane
+            for side, view, base, head0, classes in (("decode", ds, d_base, s.d0, tm.unpack),
+                                                     ("prefill", ps, p_base, s.p0, tm.pack)):
+                k = 0 if side == "prefill" else 1  # the side's stride in vmodes
+                reg, off = self._plane_entries(side, view, g, layers, plane, head0)
+                hs, ts = view.head_stride(plane), view.token_stride(plane)
+                for slot, n, count, step, nj, pages, before, tau in classes:
+                    st = dense(nj)
+                    modes: list[Mode] = []
+                    for m in order:
+                        if m == 0:
+                            modes.append((s.n, (hs, st[0])))
+                        elif m == 1:
+                            modes += [(count, (step * ts, n * st[1])), (n, (ts, st[1]))]
+                        else:
+                            e, strides = vmodes[m - 2]
+                            modes.append((e, (strides[k], st[m])))
+                    at = off + int(view.slot_offset(np.asarray(slot, np.int64), plane))
+                    self._add(side, chunk, s, reg, at, base + staged, pages, before * token + tau * st[1], modes, unit)
 
     def state(self, chunk: int, g: _Group, piece: ChunkPiece, p: int, d: int, p_base: int, d_base: int) -> None:
         """Pack and unpack steps of one state piece for the pair (p, d)."""

@@ -30,15 +30,18 @@ class _TokenMap:
     pack: list[tuple[int, int, int, int, int, np.ndarray, np.ndarray, np.ndarray]]
 
 
-def _runs(segs: Segments, side: int, block: np.ndarray, tau: np.ndarray) -> np.ndarray:
+def _runs(segs: Segments, side: int, block: np.ndarray, tau: np.ndarray, cut: int = 0) -> np.ndarray:
     """First index of each run of segments that continue one another on ``side`` (same page, next
-    slot) and in the block (same block, next position): one entry each."""
+    slot) and in the block (same block, next position): one entry each. A side whose per-plane
+    layout is affine over only ``cut`` slots (docs/design.md §3.5) never runs across a multiple of it."""
     n = len(segs)
     if n == 0:
         return np.zeros(0, np.int64)
     cont = ((segs.page[side][1:] == segs.page[side][:-1])
             & (segs.slot[side][1:] == segs.slot[side][:-1] + segs.length[:-1])
             & (block[1:] == block[:-1]) & (tau[1:] == tau[:-1] + segs.length[:-1]))
+    if cut:
+        cont &= segs.slot[side][1:] % cut != 0
     return np.flatnonzero(np.concatenate(([True], ~cont)))
 
 
@@ -47,16 +50,20 @@ def _merge(segs: Segments, heads: np.ndarray) -> Segments:
     return Segments(segs.start[heads], length, tuple(p[heads] for p in segs.page), tuple(s[heads] for s in segs.slot))
 
 
-def _progressions(segs: Segments, side: int, block: np.ndarray, tau: np.ndarray
+def _progressions(segs: Segments, side: int, block: np.ndarray, tau: np.ndarray, cut: int = 0
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Fold the runs of one block and one ``side`` page into one entry when they have one length,
     slots in one step and follow one another in the block (a DCP rank's every other slot, §12.2):
-    ``(head, count, slot step)`` per entry; other runs stay entries of their own (count 1, step 0)."""
+    ``(head, count, slot step)`` per entry; other runs stay entries of their own (count 1, step 0).
+    With ``cut`` (a per-plane side affine over that many slots, §3.5) only runs of one ``cut``-slot
+    piece of the page fold."""
     n = len(segs)
     if n < 2:
         return np.arange(n, dtype=np.int64), np.ones(n, np.int64), np.zeros(n, np.int64)
     page, slot, length = segs.page[side], segs.slot[side], segs.length
     new = np.concatenate(([True], (block[1:] != block[:-1]) | (page[1:] != page[:-1])))
+    if cut:
+        new[1:] |= slot[1:] // cut != slot[:-1] // cut
     gid = np.cumsum(new) - 1
     first = np.flatnonzero(new)
     counts = np.diff(np.append(first, n))
@@ -74,14 +81,16 @@ def _progressions(segs: Segments, side: int, block: np.ndarray, tau: np.ndarray
 
 
 def _classes(segs: Segments, side: int, block: np.ndarray, tau: np.ndarray, block_tokens: np.ndarray,
-             block_before: np.ndarray) -> list[tuple[int, int, int, int, int, np.ndarray, np.ndarray, np.ndarray]]:
+             block_before: np.ndarray, cut: int = 0
+             ) -> list[tuple[int, int, int, int, int, np.ndarray, np.ndarray, np.ndarray]]:
     """Runs of ``segs`` folded (:func:`_progressions`) and grouped into classes of one strided
     pattern: (first slot, tokens, count, slot step, tokens of the D block) with, per entry, the
-    ``side`` page, the tokens before its D block and its position in the block."""
-    heads = _runs(segs, side, block, tau)
+    ``side`` page, the tokens before its D block and its position in the block. ``cut``: the
+    side's slots are affine only inside pieces of that many (a per-plane layout, §3.5; 0: the page)."""
+    heads = _runs(segs, side, block, tau, cut)
     run = _merge(segs, heads)
     rblock, rtau = block[heads], tau[heads]
-    at, count, step = _progressions(run, side, rblock, rtau)
+    at, count, step = _progressions(run, side, rblock, rtau, cut)
     slot, length, page = run.slot[side][at], run.length[at], run.page[side][at]
     eblock, etau = rblock[at], rtau[at]
     nj = block_tokens[eblock] if len(at) else eblock
@@ -104,12 +113,15 @@ def _classes(segs: Segments, side: int, block: np.ndarray, tau: np.ndarray, bloc
 class _Cuts:
     """The segments of one token range, before they are split by owners: ``d`` cut at D pages (and
     DCP chunks) and where P's DCP owner changes, ``p`` cut at both sides' pages and DCP chunks; the
-    owners (D DCP rank, P DCP rank) of each segment."""
+    owners (D DCP rank, P DCP rank) of each segment. ``d_cut`` and ``p_cut``: a side whose per-plane
+    layout is affine only over that many slots of a page (docs/design.md §3.5; 0: the whole page)."""
 
     d: Segments
     d_owner: tuple[np.ndarray, np.ndarray]
     p: Segments
     p_owner: tuple[np.ndarray, np.ndarray]
+    d_cut: int = 0
+    p_cut: int = 0
 
     def tokens(self, dr: int, po: int) -> int:
         return int(self.d.length[(self.d_owner[0] == dr) & (self.d_owner[1] == po)].sum())
@@ -125,11 +137,12 @@ def _cuts(ps: SideView, ds: SideView, request: Request, g: int, a: int, b: int) 
 
 
 def cuts_of(pt: SideTokens, dt: SideTokens, a: int, b: int) -> _Cuts:
-    """The segments of tokens ``[a, b)`` on P's and D's listings (each cut at every kernel page)."""
+    """The segments of tokens ``[a, b)`` on P's and D's listings (each cut at every kernel page, and
+    where a per-plane layout stops being affine: ``cut_tokens``)."""
     dsegs = segments(a, b, [dt] + ([pt] if pt.cp > 1 else []))
     psegs = segments(a, b, [pt, dt])
     return _Cuts(dsegs, (dt.owner(dsegs.start), pt.owner(dsegs.start)),
-                 psegs, (dt.owner(psegs.start), pt.owner(psegs.start)))
+                 psegs, (dt.owner(psegs.start), pt.owner(psegs.start)), dt.cut_tokens, pt.cut_tokens)
 
 
 def class_counts(cuts: _Cuts, dr: int, po: int) -> tuple[int, int, int]:
@@ -150,9 +163,12 @@ def class_counts(cuts: _Cuts, dr: int, po: int) -> tuple[int, int, int]:
 def _token_map(cuts: _Cuts, dr: int, po: int) -> _TokenMap:
     # D side: the pair's tokens, cut at D pages
     dsegs = cuts.d.take(np.flatnonzero((cuts.d_owner[0] == dr) & (cuts.d_owner[1] == po)))
-    # blocks: one per D page, in token order; tokens before each segment in its block and overall
+    # blocks: one per D page (per affine piece of it under a per-plane layout, §3.5), in token order;
+    # tokens before each segment in its block and overall
     new_page = np.concatenate(([True], dsegs.page[0][1:] != dsegs.page[0][:-1])) if len(dsegs) else \
         np.zeros(0, bool)
+    if cuts.d_cut and len(dsegs):
+        new_page[1:] |= dsegs.slot[0][1:] // cuts.d_cut != dsegs.slot[0][:-1] // cuts.d_cut
     block = np.cumsum(new_page) - 1
     before = np.concatenate(([0], np.cumsum(dsegs.length)[:-1])).astype(np.int64)  # tokens before each segment
     block_first = np.flatnonzero(new_page)
@@ -165,6 +181,6 @@ def _token_map(cuts: _Cuts, dr: int, po: int) -> _TokenMap:
     host = np.searchsorted(dsegs.start, psegs.start, side="right") - 1
     p_block = block[host] if len(psegs) else host
     p_tau = tau[host] + (psegs.start - dsegs.start[host]) if len(psegs) else host
-    pack = _classes(psegs, 0, p_block, p_tau, block_tokens, block_before)
+    pack = _classes(psegs, 0, p_block, p_tau, block_tokens, block_before, cuts.p_cut)
     return _TokenMap(int(dsegs.length.sum()), unpack, pack)
 

@@ -21,14 +21,13 @@ import numpy as np
 
 from ..arith.shard import Slice
 from ..arith.tokens import SideTokens
-from ..errors import InternalError, PlanError
+from ..errors import InternalError
 from ..values.engine import EngineGeometry
 from ..values.layout import AttentionGroupGeometry, PageLayout
-from ..values.pair import CheckedEngines
 from ..values.planes import PlanesLayout
 from ..values.request import BlockList
 
-__all__ = ["SideView", "stage_parts", "per_plane_groups", "packed_refusal", "per_plane_staging"]
+__all__ = ["SideView", "stage_parts"]
 
 
 def stage_parts(P: EngineGeometry, group: int, d_layers: Slice) -> list[tuple[int, Slice]]:
@@ -40,40 +39,6 @@ def stage_parts(P: EngineGeometry, group: int, d_layers: Slice) -> list[tuple[in
         if got is not None:
             out.append((stage, got))
     return out
-
-
-def per_plane_groups(pair: CheckedEngines) -> tuple[str, ...]:
-    """Names of the attention groups with a per-plane layout (docs/design.md §3.5) on either side."""
-    out = []
-    for gi, spec in enumerate(pair.model.groups):
-        geos = (pair.prefill.groups[gi], pair.decode.groups[gi])
-        if any(isinstance(g, AttentionGroupGeometry) and isinstance(g.layout, PlanesLayout) for g in geos):
-            out.append(spec.name)
-    return tuple(out)
-
-
-def packed_refusal(pair: CheckedEngines) -> str | None:
-    """Why the packed strategy does not apply to ``pair`` (None when it does): its pack and unpack
-    steps are one strided shape per group, which a per-plane layout is not (docs/design.md §12)."""
-    groups = per_plane_groups(pair)
-    if not groups:
-        return None
-    return (f"group(s) {', '.join(groups)} have a per-plane page layout (PlanesLayout), which packed's "
-            "strided pack and unpack steps do not express")
-
-
-def per_plane_staging(pair: CheckedEngines, strategy: str, staging_bytes: int) -> int:
-    """The staging bytes to plan ``strategy`` with: unchanged, except that for a pair with per-plane
-    layouts ``packed`` raises :class:`~kvgeom.errors.PlanError` and ``auto`` gets 0 (packed is no
-    candidate). Every entry point asks this before estimating (docs/design.md §3.5)."""
-    refusal = packed_refusal(pair)
-    if refusal is None:
-        return staging_bytes
-    if strategy == "packed":
-        raise PlanError("strategy", f"packed does not apply: {refusal}", actual=strategy,
-                        expected=["direct", "staged", "auto"],
-                        fix="plan it with strategy='direct' or 'auto' (docs/design.md §3.5)")
-    return 0 if strategy == "auto" else staging_bytes
 
 
 class SideView:

@@ -50,7 +50,6 @@ from .coalesce import coalesce, coalesce_zeros
 from .compiled import COMPILED_STRATEGIES, CompiledPair
 from .group import GroupPlan
 from .packed import DEFAULT_STAGING_BYTES, packed_transfer_plan
-from .sides import per_plane_staging
 from .topology import topology_notes
 
 __all__ = ["Pair", "plan_transfer", "plan_pair", "plan_reference", "check_budget"]
@@ -200,7 +199,6 @@ def _arguments(pair: CheckedEngines, request: Request, strategy: object, cost_mo
         check_instance("budget", budget, PlanBudget, error=KvGeomError, fix="pass a kvgeom.PlanBudget(...) or None")
     check_instance("pair", pair, CheckedEngines, error=IncompatibleGeometry, fix="build the pair with kvgeom.Pair(P, D)")
     pair.check_request(request)
-    staging = per_plane_staging(pair, checked, staging)  # per-plane layouts: no packed (docs/design.md §3.5)
     return checked, staging  # type: ignore[return-value]
 
 

@@ -34,11 +34,9 @@ never imports torch, nixl, matplotlib or hypothesis.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
-import stat
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -51,8 +49,7 @@ from ..building.presets import DEFAULT_PRESET, PRESETS, Preset, get_preset
 from ..building.requests import fresh_request, fresh_shape
 from ..checking.report import Report
 from ..checking.simulator import simulate
-from ..errors import IncompatibleGeometry, KvGeomError, MissingExtra, PlanBudgetExceeded, install_hint
-from ..planning.budget import DEFAULT_BUDGET, PlanBudget
+from ..errors import IncompatibleGeometry, KvGeomError, MissingExtra, install_hint
 from ..planning.choose import STRATEGIES
 from ..planning.packed import DEFAULT_STAGING_BYTES
 from ..planning.transfer import Pair, check_budget, plan_pair
@@ -64,6 +61,16 @@ from ..values.pair import pairable
 from ..values.plan import TransferPlan, plan_numbers, plan_rank_rows
 from ..values.request import Request
 from ..values.text import format_bytes, text_table
+from .limits import (
+    budget_arguments,
+    budget_of,
+    check_memory,
+    check_simulation,
+    engine_bytes,
+    simulation_bytes,
+    simulation_steps,
+)
+from .output import OutputFile, check_drawing_path
 from .serialize import load_pair_file
 
 __all__ = ["main", "build_parser", "resolve_preset", "Command", "COMMANDS", "TRANSFER_ENTRY_POINTS", "OutputFile",
@@ -95,98 +102,6 @@ def _json_out(obj: dict[str, Any]) -> None:
     print(json.dumps(obj, indent=1, sort_keys=True, default=str))
 
 
-def _budget_mb(text: str) -> int:
-    """``--budget-mb``: a whole number of MiB >= 1 (argparse reports anything else as a usage error, exit 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of MiB") from None
-    if not 1 <= value <= 1 << 30:
-        raise argparse.ArgumentTypeError(f"{value} MiB is outside 1 .. {1 << 30}")
-    return value
-
-
-def _count(text: str) -> int:
-    """``--max-work`` / ``--max-steps``: a whole number >= 1 (argparse reports anything else, exit 2)."""
-    try:
-        value = int(text.replace("_", "").replace(",", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 1 <= value <= 1 << 62:
-        raise argparse.ArgumentTypeError(f"{value} is outside 1 .. {1 << 62}")
-    return value
-
-
-def _budget_arguments(p: argparse.ArgumentParser) -> None:
-    """The three limits of :class:`~kvgeom.PlanBudget`, one flag each."""
-    p.add_argument("--budget-mb", type=_budget_mb, default=DEFAULT_BUDGET.max_bytes >> 20, metavar="MB",
-                   help=f"refuse (exit 2) a request whose plan, simulation or caches would need more memory "
-                        f"(PlanBudget.max_bytes; default {DEFAULT_BUDGET.max_bytes >> 20})")
-    p.add_argument("--max-work", type=_count, default=DEFAULT_BUDGET.max_work, metavar="N",
-                   help=f"refuse a plan of more row operations (PlanBudget.max_work; default {DEFAULT_BUDGET.max_work})")
-    p.add_argument("--max-steps", type=_count, default=DEFAULT_BUDGET.max_steps, metavar="N",
-                   help="refuse a plan or simulation of more Python-level steps (PlanBudget.max_steps; default "
-                        f"{DEFAULT_BUDGET.max_steps})")
-
-
-def _budget(args: argparse.Namespace) -> PlanBudget:
-    """The :class:`~kvgeom.PlanBudget` of ``--budget-mb``, ``--max-work`` and ``--max-steps``."""
-    return PlanBudget(max_bytes=args.budget_mb << 20, max_work=args.max_work, max_steps=args.max_steps)
-
-
-def machine_bytes() -> int | None:
-    """This machine's physical memory in bytes (``None`` where the OS does not say)."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def _check_memory(what: str, nbytes: int, budget: PlanBudget, fix: str) -> None:
-    """Refuse (PlanBudgetExceeded, exit 2) to allocate ``nbytes`` beyond the budget's memory. Raising
-    the budget is suggested only when the allocation would fit this machine's memory."""
-    if nbytes > budget.max_bytes:
-        have = machine_bytes()
-        if have is not None and nbytes > have:
-            raise_it = f" (more than this machine's {have / 2**30:.1f} GiB of memory: raising --budget-mb will not help)"
-        else:
-            raise_it = f", or raise the budget with --budget-mb {_mib_above(nbytes)}"
-        raise PlanBudgetExceeded(what, f"the {what} would allocate {nbytes:,} B ({nbytes / 2**30:.2f} GiB), beyond "
-                                 f"the budget of {budget.max_bytes:,} B", actual=nbytes,
-                                 expected=f"<= {budget.max_bytes}", fix=f"{fix}{raise_it}")
-
-
-def _mib_above(nbytes: int) -> int:
-    return max(1, -(-nbytes // 2**20))
-
-
-def _engine_bytes(engine: EngineGeometry) -> int:
-    return engine.total_bytes
-
-
-def simulation_bytes(pair: Pair) -> int:
-    """What ``simulate`` allocates for a pair: P's memory, D's memory and D's expected bytes (plus masks)."""
-    return _engine_bytes(pair.prefill) + 3 * _engine_bytes(pair.decode)
-
-
-def simulation_steps(pair: Pair) -> int:
-    """A lower bound of the simulator's Python-level steps: it fills and checks every (rank, layer, plane)."""
-    layers = sum(g.num_layers for g in pair.model.groups)
-    return 2 * layers * (pair.prefill.num_ranks + pair.decode.num_ranks)
-
-
-def _check_simulation(pair: Pair, budget: PlanBudget, fix: str) -> None:
-    """Refuse a simulation (or a local deployment's caches and check) beyond the budget's memory or steps."""
-    _check_memory("simulation", simulation_bytes(pair), budget, fix)
-    steps = simulation_steps(pair)
-    if steps > budget.max_steps:
-        raise PlanBudgetExceeded("simulation", f"the simulation would take at least {steps:,} steps (ranks x "
-                                 f"layers x planes), beyond the budget of {budget.max_steps:,}", actual=steps,
-                                 expected=f"<= {budget.max_steps}",
-                                 fix=f"{fix} (an engine of {pair.prefill.num_ranks} and one of {pair.decode.num_ranks} "
-                                     f"ranks are hardly real), or raise the budget with --max-steps {steps}")
-
-
 def _preset_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=DEFAULT_PRESET, metavar="NAME",
                    help=f"a named P/D pair (default {DEFAULT_PRESET}; `kvgeom presets` lists them)")
@@ -204,7 +119,7 @@ def _preset_arguments(p: argparse.ArgumentParser) -> None:
                    help="packed: the most bytes one chunk stages on one rank (one ring slot; default "
                         f"{DEFAULT_STAGING_BYTES >> 20} MiB)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
-    _budget_arguments(p)
+    budget_arguments(p)
 
 
 def resolve_preset(args: argparse.Namespace) -> tuple[Preset, int, int]:
@@ -240,7 +155,7 @@ def _load_pair(args: argparse.Namespace) -> tuple[dict[str, Any], Pair | None, A
 
     The budget is checked before any request is built: a fresh request by its shape, a pair
     file's request (bounded by the file's size) by itself."""
-    budget = _budget(args)
+    budget = budget_of(args)
     if args.pair is not None:
         try:
             pair, request = load_pair_file(args.pair)
@@ -249,7 +164,7 @@ def _load_pair(args: argparse.Namespace) -> tuple[dict[str, Any], Pair | None, A
                 raise e.__cause__ from None
             raise
         header = {"pair_file": args.pair, "preset": None}
-        _check_simulation(pair, budget, "describe engines with fewer or smaller pages, layers or ranks")
+        check_simulation(pair, budget, "describe engines with fewer or smaller pages, layers or ranks")
         if request is None:
             if args.tokens is None:  # no silent default: the user says which request to plan
                 raise KvGeomError("--pair", f"pair file {args.pair!r} holds two engines and no request",
@@ -271,7 +186,7 @@ def _load_pair(args: argparse.Namespace) -> tuple[dict[str, Any], Pair | None, A
     prefill, decode = preset.geometries(tokens, prefix, layers=args.layers)
     if not pairable(prefill, decode):
         return header, None, None, (prefill, decode)
-    _check_simulation(Pair(prefill, decode), budget, "plan fewer --tokens or --layers")
+    check_simulation(Pair(prefill, decode), budget, "plan fewer --tokens or --layers")
     pair, request = preset.build(tokens, prefix, layers=args.layers, budget=budget, strategy=args.strategy,
                                  staging_bytes=args.staging_bytes)
     return header, pair, request, (pair.prefill, pair.decode)
@@ -282,68 +197,9 @@ def _label(header: dict[str, Any]) -> str:
     return f"{src}: M={header['tokens']} tokens, prefix S={header['prefix']}"
 
 
-class OutputFile:
-    """An output path opened (and proven writable) before any work: ``--svg``/``--png``.
-
-    ``os.access`` is not enough (root passes it for any path, and it says nothing of a full
-    device or of ``/proc``), so the file is opened for writing and one byte is written and flushed
-    (``/dev/full`` and ``/proc/version`` fail there), then a regular file is emptied again. A pipe
-    or socket is refused without opening it (an open for writing would wait for a reader). A file
-    this command created is removed again if the command fails before writing it.
-    """
-
-    def __init__(self, flag: str, path: str) -> None:
-        self.flag = flag
-        self.path = path
-        existed = os.path.lexists(path)
-        try:
-            if existed and stat.S_ISFIFO(os.stat(path).st_mode) or existed and stat.S_ISSOCK(os.stat(path).st_mode):
-                raise OSError(0, "a pipe or socket, not a file")
-            self.file: Any = open(path, "wb")  # noqa: SIM115 - kept open until the drawing is written
-            self.file.write(b"\n")
-            self.file.flush()
-            if stat.S_ISREG(os.fstat(self.file.fileno()).st_mode):
-                self.file.seek(0)
-                self.file.truncate(0)
-        except OSError as e:
-            with contextlib.suppress(Exception):
-                self.file.close()
-            raise KvGeomError(flag, f"cannot write {path!r}: {e.strerror or e}", actual=path,
-                              expected="a writable file path", fix="pass a file path in an existing, writable folder") \
-                from None
-        self.created = not existed
-        self.written = False
-
-    def done(self) -> None:
-        self.written = True
-        self.file.close()
-
-    def abandon(self) -> None:
-        """The command failed before writing: close, and remove the file if this command made it."""
-        with contextlib.suppress(Exception):
-            self.file.close()
-        if self.created and not self.written:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
-
-
-IMAGE_SUFFIXES = (".svg", ".png", ".pdf", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp", ".gif")
-
-
-def _check_drawing_path(flag: str, path: str) -> None:
-    """``--svg x.png`` would write SVG into a file named for another format: refused, naming the flag to use."""
-    fmt = flag.lstrip("-")
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix in IMAGE_SUFFIXES and suffix != f".{fmt}":
-        other = {".svg": "--svg", ".png": "--png"}.get(suffix)
-        fix = f"use {other} {path}" if other else f"name the file *.{fmt}, or use --svg/--png for those formats"
-        raise KvGeomError(flag, f"{path!r} names a {suffix[1:].upper()} file, but {flag} writes {fmt.upper()}",
-                          actual=suffix, expected=f".{fmt} (or no image suffix)", fix=fix)
-
-
 def _run_plan(args: argparse.Namespace) -> int:
     if args.svg or args.png:
-        _check_drawing_path("--svg" if args.svg else "--png", args.svg or args.png)
+        check_drawing_path("--svg" if args.svg else "--png", args.svg or args.png)
     out = OutputFile("--svg" if args.svg else "--png", args.svg or args.png) if (args.svg or args.png) else None
     try:
         return _plan_and_report(args, out)
@@ -361,7 +217,7 @@ def _plan_and_report(args: argparse.Namespace, out: OutputFile | None) -> int:
     if pair is None:
         compat = pairable(*engines)
         return _report_unpairable(header, list(compat.reasons), engines, args)
-    budget = _budget(args)
+    budget = budget_of(args)
     plan = plan_pair(pair, request, strategy=args.strategy, staging_bytes=args.staging_bytes, budget=budget)
     # planning twice lets the simulator check determinism (docs/design.md §4.2 (invariant 6))
     report = simulate(pair, request, plan, replan=plan_pair(pair, request, strategy=args.strategy,
@@ -554,18 +410,18 @@ def _executor() -> Callable[..., dict[str, Any]]:
 def _run_transfer(args: argparse.Namespace) -> int:
     timeout_s = check_seconds("--timeout", args.timeout, error=KvGeomError)
     preset, tokens, prefix = resolve_preset(args)
-    budget = _budget(args)
+    budget = budget_of(args)
     prefill, decode = preset.geometries(tokens, prefix, layers=args.layers)
     if pairable(prefill, decode):  # the executor reports an unpairable preset itself
         pair = Pair(prefill, decode)
         rings = 0
         if args.strategy in ("packed", "auto") and args.staging_bytes > 0:
             # a ring of 2 slots per rank, each the busiest chunk: at most the slot and every byte D receives
-            rings = 2 * min(args.staging_bytes, _engine_bytes(decode)) * (prefill.num_ranks + decode.num_ranks)
-        _check_memory("caches, staging rings and check", _engine_bytes(prefill) + 2 * _engine_bytes(decode) + rings,
+            rings = 2 * min(args.staging_bytes, engine_bytes(decode)) * (prefill.num_ranks + decode.num_ranks)
+        check_memory("caches, staging rings and check", engine_bytes(prefill) + 2 * engine_bytes(decode) + rings,
                       budget, "transfer fewer --tokens or --layers" + (", or pass a smaller --staging-bytes"
                                                                           if rings else ""))
-        _check_simulation(pair, budget, "transfer fewer --tokens or --layers")
+        check_simulation(pair, budget, "transfer fewer --tokens or --layers")
         shape = fresh_shape(pair, tokens, decode_tokens=preset.decode_tokens(tokens), prefix_hit_tokens=prefix)
         check_budget(pair, shape, args.strategy, staging_bytes=args.staging_bytes, budget=budget)
     transfer_report = _executor()
@@ -629,7 +485,7 @@ def _fuzz_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE", default=None,
                         help="also write each failure's pair file to FILE (FILE-2, FILE-3... for more)")
     parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
-    _budget_arguments(parser)
+    budget_arguments(parser)
 
 
 def _run_fuzz(args: argparse.Namespace) -> int:

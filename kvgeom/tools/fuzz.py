@@ -51,7 +51,6 @@ from ..errors import IncompatibleGeometry, PlanBudgetExceeded, PlanError
 from ..planning.budget import DEFAULT_BUDGET, PlanBudget
 from ..planning.choose import STRATEGIES
 from ..planning.packed import min_staging_bytes
-from ..planning.sides import packed_refusal
 from ..planning.transfer import Pair, plan_transfer
 from ..values.pair import pairable
 from ..values.request import Request
@@ -167,8 +166,6 @@ def check_transfer(prefill: Any, decode: Any, request: Request, strategies: tupl
                 return Outcome("reason_mismatch", verified, strategy, reason=first, error=e.path)
             return Outcome("rejected", verified, reason=e.path)
         except PlanError as e:
-            if strategy == "packed" and compat.ok and packed_refusal(Pair(prefill, decode)) is not None:
-                continue  # the documented refusal: packed does not express per-plane layouts (§3.5)
             return Outcome("crash", verified, strategy, error=f"{type(e).__name__}: {e}", where="plan",
                            staging_bytes=capacity)
         except Exception as e:  # noqa: BLE001 - any other exception is a finding

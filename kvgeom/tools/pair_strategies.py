@@ -13,13 +13,11 @@ from typing import Any, NamedTuple
 
 import attrs
 import numpy as np
-from hypothesis import assume
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
 from ..errors import InternalError
 from ..planning.packed import min_staging_bytes, plan_packed
-from ..planning.sides import packed_refusal
 from ..planning.transfer import Pair
 from ..values.engine import EngineGeometry
 from ..values.model import AttentionSpec, ModelSpec, StateSection, StateSpec, default_layer_order
@@ -355,7 +353,6 @@ def _packed_transfers(draw: Any, transfer_strategy: st.SearchStrategy[Transfer])
     if not pairable(gp.prefill, gp.decode):
         return PackedTransfer(gp, t.request, 1)
     pair = Pair(gp.prefill, gp.decode)
-    assume(packed_refusal(pair) is None)  # packed refuses per-plane layouts (docs/design.md §3.5)
     lo = max(1, min_staging_bytes(pair, t.request))
     whole = plan_packed(pair, t.request, 1 << 40)
     used = whole.wire

@@ -3,6 +3,11 @@ tensors and the einops-style description of their axes), :func:`parse_axes` (the
 description, composite axes included) and the reading of one tensor's axes into sizes and byte
 strides per name (``page``/``block``, ``token``, ``head``, ``kv``, ``layer``, ``channel``, ``row``;
 any other name is element bytes, innermost and contiguous).
+
+A token axis split over several tensor dimensions (a tiled token axis, docs/design.md §3.5) is
+named in parts ``token0``, ``token1``, ...: slot ``= t0 + n0 * (t1 + n1 * ...)``, ``token0`` the
+least significant part wherever its dimension is. vLLM's AMX K cache ``[.., bs/16, hd/2, 16, 2]``
+is ``"page head token1 d1 token0 d0"``: token modes ``(16, 4), (bs/16, 32 * hd)`` (bytes, bf16).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ AXIS_NAMES = ("page", "token", "head", "kv", "layer", "channel", "row")
 """The axis names with a meaning; ``block`` is read as ``page``, any other name is element bytes."""
 
 _ALIASES = {"block": "page"}
+TOKEN_PART = re.compile(r"token[0-9]+")
+"""Names of the parts of a token axis split over several dimensions (``token1 token0``)."""
 _TOKEN = re.compile(r"\(|\)|[A-Za-z_][A-Za-z0-9_]*|\S")
 
 
@@ -88,7 +95,7 @@ def parse_axes(text: str, path: str = "axes") -> list[list[str]]:
     if not dims:
         raise GeometryError(path, "an empty axis description", actual=text, fix='e.g. "page kv token head dim"')
     for name in (n for d in dims for n in d):  # a misspelled axis would be read as part of the element (a stride error far away)
-        if name in AXIS_NAMES:
+        if name in AXIS_NAMES or TOKEN_PART.fullmatch(name):
             continue
         close = difflib.get_close_matches(name, (*AXIS_NAMES, *_ALIASES), n=1, cutoff=0.75)
         if close and _ALIASES.get(close[0], close[0]) not in seen:
@@ -107,6 +114,7 @@ class _Axes:
     element: list[tuple[str, int, int]]  # (name, size, byte stride), element axes
     element_bytes: int
     vector_modes: tuple[tuple[int, int], ...] = ()  # a head vector's byte modes when its axes are split (§3.5)
+    token_modes: tuple[tuple[int, int], ...] = ()  # (size, byte stride) innermost first: the token axis' modes
 
     @property
     def element_name(self) -> str:
@@ -126,6 +134,7 @@ def _read_axes(facts: TensorFacts, text: str, sizes: Mapping[str, int], path: st
                             expected=f"{len(dims)} dimensions", fix="describe every dimension, outermost first")
     named: dict[str, tuple[int, int]] = {}
     element: list[tuple[str, int, int]] = []
+    parts: dict[str, tuple[int, int]] = {}  # token parts (token1 token0 ...): (size, byte stride)
     for names, n, stride in zip(dims, facts.shape, facts.strides):
         where = f"{path}.{'/'.join(names)}"
         if stride < 0:
@@ -149,7 +158,13 @@ def _read_axes(facts: TensorFacts, text: str, sizes: Mapping[str, int], path: st
             sizes_here = [int(sizes[x]) if x in sizes else n // known for x in names]
         inner = stride
         for x, size in reversed(list(zip(names, sizes_here))):
-            if x in AXIS_NAMES:
+            if TOKEN_PART.fullmatch(x):
+                if "token" not in allowed:
+                    raise GeometryError(f"{path}.{x}", "a token axis has no meaning here", actual=text,
+                                        expected=f"axes among {allowed} and element axes",
+                                        fix="rename it, or describe it as an element axis")
+                parts[x] = (size, inner)
+            elif x in AXIS_NAMES:
                 if x not in allowed:
                     raise GeometryError(f"{path}.{x}", f"axis {x!r} has no meaning here", actual=text,
                                         expected=f"axes among {allowed} and element axes",
@@ -176,7 +191,7 @@ def _read_axes(facts: TensorFacts, text: str, sizes: Mapping[str, int], path: st
                                  fix="describe only the head vector's (state unit's) axes as element axes")
     vector: tuple[tuple[int, int], ...] = ()
     if not contiguous:  # byte modes innermost first: the item's bytes, then the element axes innermost first
-        order = [x for names in dims for x in names if x not in AXIS_NAMES]
+        order = [x for names in dims for x in names if x not in AXIS_NAMES and not TOKEN_PART.fullmatch(x)]
         by_name = {x: (size, stride) for x, size, stride in element}
         modes = [(facts.itemsize, 1)] + [by_name[x] for x in reversed(order) if by_name[x][0] > 1]
         merged: list[tuple[int, int]] = []
@@ -186,5 +201,30 @@ def _read_axes(facts: TensorFacts, text: str, sizes: Mapping[str, int], path: st
             else:
                 merged.append((e, st))
         vector = tuple(merged)
-    return _Axes(named, element, elem_bytes, vector)
+    token_modes: tuple[tuple[int, int], ...] = ()
+    if parts:  # token0 is the least significant part (the innermost mode), token1 the next, ...
+        if "token" in named:
+            raise GeometryError(f"{path}.token", f"{value_text(text, 80)} names a token axis and token parts",
+                                actual=text, expected="token, or token parts such as token1 token0",
+                                fix="name the token axis once, or only its parts (token0 the least significant)")
+        digits = sorted(int(x[5:]) for x in parts)
+        if digits != list(range(len(parts))):
+            raise GeometryError(f"{path}.token", f"token parts {sorted(parts)} in {value_text(text, 80)} are not "
+                                f"token0 .. token{len(parts) - 1}", actual=sorted(parts),
+                                expected=[f"token{i}" for i in range(len(parts))],
+                                fix="number the parts from token0, the least significant, up")
+        merged_t: list[tuple[int, int]] = []
+        for e, st in (parts[f"token{i}"] for i in range(len(parts)) if parts[f"token{i}"][0] > 1):
+            if merged_t and st == merged_t[-1][0] * merged_t[-1][1]:  # parts that continue one another: one mode
+                merged_t[-1] = (merged_t[-1][0] * e, merged_t[-1][1])
+            else:
+                merged_t.append((e, st))
+        token_modes = tuple(merged_t) or ((1, parts["token0"][1]),)
+        total = 1
+        for e, _ in token_modes:
+            total *= e
+        named["token"] = (total, token_modes[0][1])
+    elif "token" in named:
+        token_modes = (named["token"],)
+    return _Axes(named, element, elem_bytes, vector, token_modes)
 

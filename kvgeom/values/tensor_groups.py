@@ -52,9 +52,9 @@ class _AttnLayer:
     token_stride: int
     kv_in_page: int | None  # kv stride when K and V sit in one page of one tensor
     kv_axis: int | None  # the kv axis' stride when the description names one
-    # per plane (head stride, token stride, byte modes) when the planes differ or a head vector is split
-    # in byte modes (docs/design.md §3.5); None: one PageLayout says it
-    per_plane: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] | None = None
+    # per plane (head stride, token modes, byte modes) when the planes differ, a head vector is split in
+    # byte modes or the token axis in parts (docs/design.md §3.5); None: one PageLayout says it
+    per_plane: tuple[tuple[int, tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]], ...] | None = None
 
 
 @attrs.frozen
@@ -142,10 +142,10 @@ def _attention_group(gi: int, spec: AttentionSpec, entries: list[LayerTensors], 
                     raise GeometryError(f"{path}.tensors[1]", "K and V tensors differ in shape or page stride",
                                         actual=ax.named, expected=first.named, fix="pass the two planes of one layer")
             plane_axes = axes if pair else axes * planes_here
-            per_plane: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] | None = tuple(
-                (ax.named["head"][1] if "head" in ax.named else 0, ax.named["token"][1], ax.vector_modes)
+            per_plane: tuple[tuple[int, tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]], ...] | None = tuple(
+                (ax.named["head"][1] if "head" in ax.named else 0, ax.token_modes, ax.vector_modes)
                 for ax in plane_axes)
-            if per_plane is not None and len(set(per_plane)) == 1 and not per_plane[0][2]:
+            if per_plane is not None and len(set(per_plane)) == 1 and not per_plane[0][2] and len(per_plane[0][1]) == 1:
                 per_plane = None  # one stride per axis, contiguous vectors: a PageLayout (as before §3.5)
             ps = first.named["page"][1]
             P = first.named["page"][0]
@@ -155,8 +155,8 @@ def _attention_group(gi: int, spec: AttentionSpec, entries: list[LayerTensors], 
             layer_off = sub * first.named["layer"][1] if "layer" in first.named else 0
             in_page = (h - 1) * hs + (K - 1) * ts + spec.head_bytes
             if per_plane is not None:
-                in_page = max((h - 1) * p_hs + (K - 1) * p_ts + _vector_span(vm, spec.head_bytes)
-                              for p_hs, p_ts, vm in per_plane)
+                in_page = max((h - 1) * p_hs + _token_span(p_tm) + _vector_span(vm, spec.head_bytes)
+                              for p_hs, p_tm, vm in per_plane)
             kv_in_page = None
             if "kv" in first.named and planes_here > 1 and kvs < ps:
                 kv_in_page = kvs
@@ -171,8 +171,8 @@ def _attention_group(gi: int, spec: AttentionSpec, entries: list[LayerTensors], 
                 addr = f.address + layer_off + (plane * kvs if not pair else 0)
                 span = (h - 1) * hs + (K - 1) * ts + spec.head_bytes
                 if per_plane is not None:
-                    p_hs, p_ts, vm = per_plane[plane]
-                    span = (h - 1) * p_hs + (K - 1) * p_ts + _vector_span(vm, spec.head_bytes)
+                    p_hs, p_tm, vm = per_plane[plane]
+                    span = (h - 1) * p_hs + _token_span(p_tm) + _vector_span(vm, spec.head_bytes)
                 if kv_in_page is not None and plane:  # K's candidate spans both planes; V needs no candidate
                     continue
                 if kv_in_page is not None:
@@ -186,6 +186,11 @@ def _attention_group(gi: int, spec: AttentionSpec, entries: list[LayerTensors], 
                             f"{spec.num_layers}", actual=layer, expected=spec.num_layers,
                             fix="give one LayerTensors per layer of every group, in order")
     return out
+
+
+def _token_span(modes: tuple[tuple[int, int], ...]) -> int:
+    """Bytes from the first slot's start to the last slot's start."""
+    return sum((e - 1) * s for e, s in modes)
 
 
 def _vector_span(modes: tuple[tuple[int, int], ...], head_bytes: int) -> int:
@@ -246,8 +251,8 @@ def _attention_geometry(gi: int, spec: AttentionSpec, layers: list[_AttnLayer],
         if lay.per_plane is not None:  # docs/design.md §3.5: a layout per plane
             offsets = [0, kv_stride] if spec.planes == 2 and regions[0] == regions[-1] else [0] * spec.planes
             layouts.append((lay.label, PlanesLayout(tuple(
-                PlaneLayout(off, p_hs if h > 1 or p_hs else K * p_ts, ((K, p_ts),), vm)
-                for off, (p_hs, p_ts, vm) in zip(offsets, lay.per_plane)))))
+                PlaneLayout(off, p_hs if h > 1 or p_hs else K * p_tm[0][1], p_tm, vm)
+                for off, (p_hs, p_tm, vm) in zip(offsets, lay.per_plane)))))
         else:
             layouts.append((lay.label, PageLayout(kv_stride=kv_stride, head_stride=head_stride,
                                                   token_stride=lay.token_stride)))

@@ -1,26 +1,29 @@
 """A conformance run of vLLM's own NixlConnector on CPU, judged by kvgeom's kit and by the bytes.
 
-    python -m kvgeom_nixl.vllm.conformance [--grid ci|full] [--cell NAME ...] [--json]
+    python -m kvgeom_nixl.vllm.conformance [--grid ci|amx|hybrid|layout|full] [--cell NAME ...] [--json]
 
-For one cell (P and D block sizes, TP sizes, M, D's prefix hit S; docs/design.md §10.6):
+For one cell (P and D block sizes, TP sizes, M, D's prefix hit S, layouts; docs/design.md §10.6):
 
     VllmSide(P), VllmSide(D)          vLLM's config, layers, KVCacheConfig, allocation, NixlConnector workers
     P's cache  <- known pattern       stale -3.0, then tokens [0, M) through the backend's own cache update
+                                      (a hybrid: P's mamba state block through vLLM's own state views)
     D's cache  <- stale -7.0          and its prefix [0, S) written the same way (D's own hit)
     D.start_load_kv(metadata)         the metadata the scheduler builds for one request; the handshake
                                       over P's real side channel; READs over real NIXL (loopback UCX)
-    D.get_transfer_results()          vLLM's receive step (block-size regroup, zeroing) runs here
-    recorded dlists + READs  --> kvgeom.conformance.check_connector     the kit's verdict
-    D's cache vs vLLM's own writer --> the byte check                   the independent verdict
+    D.get_transfer_results()          vLLM's receive step (block-size regroup, zeroing), recorded
+    recorded dlists + READs + receive step --> kvgeom.conformance.check_connector     the kit's verdict
+    D's cache vs vLLM's own writer         --> the byte check                         the independent verdict
 
-Outcomes: ``REFUSED`` (vLLM raised or failed the request at the handshake or when posting),
-``CONFORMS`` or ``WRONG`` (silently wrong bytes) from the byte check, with the kit's verdict beside
-it (``kit``: ``CONFORMS`` / ``WRONG`` with its findings, or ``UNDESCRIBABLE`` when kvgeom's layout
-model cannot describe a side yet: CPU_ATTN writes K dim-major in 32-token tiles, issue 22). Models:
-a tiny Llama on CPU_ATTN (float32, blocks of 32 k), a tiny DeepSeek-V2 on CPU_MLA (float32,
-16-token blocks) or on AMX_MLA (bfloat16, blocks of 32 k). D tokens past M in the last listed block
-are held to vLLM's contract (``beyond_computed="any"``: attention masks by length); what they hold
-is reported separately.
+Outcomes: ``REFUSED`` (vLLM raised or failed the request at the handshake or when posting, or
+refused the engine's configuration), ``CONFORMS`` or ``WRONG`` (silently wrong bytes) from the
+byte check, with the kit's verdict beside it (``kit``: ``CONFORMS`` / ``WRONG`` with its findings,
+or ``UNDESCRIBABLE`` when a side cannot be described or two readings of it disagree). Models: a
+tiny Llama on CPU_ATTN (float32, blocks of 32 k, LBHNC), a tiny DeepSeek-V2 on CPU_MLA (float32,
+16-token blocks) or AMX_MLA (bfloat16, blocks of 32 k), and a tiny Nemotron-H (mamba2 + CPU_ATTN,
+float32, TP1). D tokens past M in the last listed block are held to vLLM's contract
+(``beyond_computed="any"``: attention masks by length); what they hold is reported separately.
+Every receive step is also replayed from kvgeom's records onto D's cache before it and must give
+the bytes vLLM left (``receive_replay``).
 """
 
 from __future__ import annotations
@@ -36,10 +39,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .engines import STALE_D, STALE_P, TinyModel, VllmSide
-from .judge import byte_check, kit_check, pattern
+from .judge import byte_check, kit_check
+from .patterns import pattern, state_pattern
+from .receive_step import ReceiveCall, replay_matches, watch_receive
 
 __all__ = ["Cell", "CellResult", "run_cell", "GRIDS", "main"]
 
@@ -62,13 +65,22 @@ class Cell:
     corrupt: str = ""  # a control: "shift" rewrites one recorded READ to a wrong remote block
     mla: bool = False  # the DeepSeek-shaped model on CPU_MLA (16-token blocks) instead of Llama on CPU_ATTN
     amx: bool = False  # with mla: AMX_MLA (bfloat16, blocks of any multiple of 32)
+    hybrid: bool = False  # the Nemotron-H-shaped model: mamba2 state + CPU_ATTN attention
+    p_layout: str = ""  # VLLM_KV_CACHE_LAYOUT asked for on P / D ("" lets vLLM choose: LBHNC here)
+    d_layout: str = ""
 
     @property
     def name(self) -> str:
         extra = f" S={self.s}" if self.s else ""
+        if self.p_layout or self.d_layout:
+            extra += f" {self.p_layout or 'HND'}->{self.d_layout or 'HND'}"
         ctl = f" control:{self.corrupt}" if self.corrupt else ""
-        kind = ("MLA-AMX " if self.amx else "MLA ") if self.mla else ""
+        kind = ("MLA-AMX " if self.amx else "MLA ") if self.mla else "HYBRID " if self.hybrid else ""
         return f"{kind}P{self.p_block}/tp{self.p_tp} -> D{self.d_block}/tp{self.d_tp} M={self.m}{extra}{ctl}"
+
+    @property
+    def model_key(self) -> str:
+        return "hybrid" if self.hybrid else ("amx" if self.amx else "mla") if self.mla else "llama"
 
 
 @dataclass
@@ -79,12 +91,15 @@ class CellResult:
     kit_findings: dict[str, int] = field(default_factory=dict)
     kit_ignored: dict[str, int] = field(default_factory=dict)
     kit_lines: list[str] = field(default_factory=list)
+    kit_where: list[tuple[str, str, str, int, int]] = field(default_factory=list)  # kind, side, group, layer, block
     kit_refusal: str = ""
+    kit_receive: dict[str, int] = field(default_factory=dict)  # the receive step as the kit got it
     bytes: dict[str, Any] = field(default_factory=dict)
     refusal: str = ""
     reads: int = 0
     read_pairs: int = 0
     receive_steps: list[str] = field(default_factory=list)
+    receive_replay: dict[str, Any] = field(default_factory=dict)  # kvgeom's steps vs what vLLM's receive did
     seconds: float = 0.0
 
 
@@ -97,14 +112,18 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _corrupt(side: VllmSide, kind: str) -> None:
-    """The control: point the first pair of D rank 0's first READ at the wrong remote descriptor."""
+    """The control: point one READ pair of D rank 0 at the next remote descriptor of its table: the
+    first pair of the first READ ("shift", an attention page), or the pair with the highest local id
+    ("state": vLLM lists a hybrid's mamba descriptors after every attention page, the last being the
+    ssm state of the last mamba layer, so the pair then reads the next state block's)."""
     agent = side.agent(0)
     reads = [p for p in agent.posted if p.op == "READ"]
-    if not reads or kind != "shift":
+    if not reads or kind not in ("shift", "state"):
         raise ValueError(f"cannot apply control {kind!r}: {len(reads)} READs recorded")
-    remote = agent.list_of(reads[0].remote_handle)
-    ids = reads[0].remote_ids
-    ids[0] = (int(ids[0]) + 1) % len(remote.descs)
+    read = reads[0] if kind == "shift" else max(reads, key=lambda p: int(p.local_ids.max()))
+    j = 0 if kind == "shift" else int(read.local_ids.argmax())
+    remote = agent.list_of(read.remote_handle)
+    read.remote_ids[j] = (int(read.remote_ids[j]) + 1) % len(remote.descs)
 
 
 def run_cell(cell: Cell, model: TinyModel, model_dir: Path, port: int) -> CellResult:
@@ -116,21 +135,35 @@ def run_cell(cell: Cell, model: TinyModel, model_dir: Path, port: int) -> CellRe
     result = CellResult(cell.name, "REFUSED")
     P = D = None
     try:
-        P = VllmSide("P", model, model_dir, tp=cell.p_tp, block_size=cell.p_block,
-                      num_blocks=_cdiv(MAX_MODEL_LEN, cell.p_block) + 8, port=port)
-        D = VllmSide("D", model, model_dir, tp=cell.d_tp, block_size=cell.d_block,
-                      num_blocks=_cdiv(MAX_MODEL_LEN, cell.d_block) + 8, port=port + 1)
-        n_p = _cdiv(cell.m, cell.p_block)
-        n_d = _cdiv(cell.m, cell.d_block)
-        held = cell.s // cell.d_block
+        try:
+            P = VllmSide("P", model, model_dir, tp=cell.p_tp, block_size=cell.p_block,
+                          num_blocks=_cdiv(MAX_MODEL_LEN, cell.p_block) + 8, port=port, kv_cache_layout=cell.p_layout)
+            D = VllmSide("D", model, model_dir, tp=cell.d_tp, block_size=cell.d_block,
+                          num_blocks=_cdiv(MAX_MODEL_LEN, cell.d_block) + 8, port=port + 1,
+                          kv_cache_layout=cell.d_layout)
+        except ValueError as e:  # vLLM refuses the engine's configuration (e.g. a layout its backend lacks)
+            if not (cell.p_layout or cell.d_layout):
+                raise
+            result.refusal = f"engine config: {type(e).__name__}: {e}"
+            return result
+        n_p = _cdiv(cell.m, P.block_size)
+        n_d = _cdiv(cell.m, D.block_size)
+        held = cell.s // D.block_size
         p_blocks = _blocks(3, n_p)  # away from block 0 (vLLM's null block) and from the cache's ends
         d_all = _blocks(5, n_d)
         d_new = d_all[held:]
+        # a hybrid's state: one block per request (mamba_cache_mode "none"), near the end of each cache
+        p_state, d_state = P.num_blocks - 2, D.num_blocks - 3
+        p_lists = [[p_state] if g.kind == "mamba" else p_blocks for g in P.groups()]
+        d_lists = [[d_state] if g.kind == "mamba" else d_new for g in D.groups()]
+        computed = tuple(0 if g.kind == "mamba" else held for g in D.groups())
         P.fill(STALE_P)
         D.fill(STALE_D)
         for r in range(P.tp):
             P.write_tokens(r, p_blocks, range(cell.m),
                            lambda i, t, plane, r=r: pattern(i, t, plane, P.heads(r), model.head_dim, model.kv_heads, model.torch_dtype))
+            if model.hybrid:
+                P.write_states(r, p_state, state_pattern)
         for r in range(D.tp):
             D.write_tokens(r, d_all, range(cell.s),
                            lambda i, t, plane, r=r: pattern(i, t, plane, D.heads(r), model.head_dim, model.kv_heads, model.torch_dtype))
@@ -138,25 +171,24 @@ def run_cell(cell: Cell, model: TinyModel, model_dir: Path, port: int) -> CellRe
         P.register()
         D.register()
         handshake = [D.watch_handshake(r) for r in range(D.tp)]
-        steps: list[str] = []
-        snapshots: list[list[dict[str, torch.Tensor]]] = []
+        calls: list[ReceiveCall] = []
         for r in range(D.tp):
-            _watch_receive(D, r, steps, snapshots)
+            watch_receive(D, r, calls)
         with set_current_vllm_config(P.config):
             for r in range(P.tp):
                 meta = NixlConnectorMetadata()
                 meta.reqs_to_send = {REQUEST: time.perf_counter() + 900}
                 meta.reqs_in_batch = {REQUEST}
                 P.worker(r).start_load_kv(meta)
-        params = dict(remote_block_ids=(p_blocks,), remote_engine_id="P", remote_request_id=REQUEST,
+        params = dict(remote_block_ids=tuple(p_lists), remote_engine_id="P", remote_request_id=REQUEST,
                       remote_host=P.scheduler.connector_scheduler.side_channel_host, remote_port=port,
                       tp_size=P.tp, remote_num_tokens=cell.m)
         errors: list[str] = []
         with set_current_vllm_config(D.config):
             for r in range(D.tp):
                 meta = NixlConnectorMetadata()
-                meta.add_new_req_to_recv(REQUEST, (list(d_new),), dict(params), local_num_computed_blocks=(held,),
-                                         awaiting_kvs=True)
+                meta.add_new_req_to_recv(REQUEST, tuple(list(x) for x in d_lists), dict(params),
+                                         local_num_computed_blocks=computed, awaiting_kvs=True)
                 try:
                     D.worker(r).start_load_kv(meta)
                 except Exception as e:  # vLLM's own refusal (e.g. an AssertionError) out of start_load_kv
@@ -167,19 +199,21 @@ def run_cell(cell: Cell, model: TinyModel, model_dir: Path, port: int) -> CellRe
             errors = [e for errs in handshake for e in errs] + errors
         result.reads = sum(1 for r in range(D.tp) for p in D.agent(r).posted if p.op == "READ")
         result.read_pairs = sum(int(p.local_ids.size) for r in range(D.tp) for p in D.agent(r).posted)
-        result.receive_steps = steps
+        result.receive_steps = [str(c) for c in calls]
         if errors:
             result.refusal = "; ".join(errors)
             return result
+        result.receive_replay = replay_matches(D, calls)  # before anything else writes D's cache
         if cell.corrupt:
             _corrupt(D, cell.corrupt)
             _replay(P, D)  # the corrupted READ really runs: the byte check must see it too
-        judged = byte_check(D, before, cell, d_all, held, pattern)
+        judged = byte_check(D, before, cell, d_all, held, pattern, d_state=d_state if model.hybrid else None)
         result.bytes = judged
         result.outcome = "CONFORMS" if judged["ok"] else "WRONG"
-        kit = kit_check(P, D, cell, p_blocks, d_all, snapshots)
+        kit = kit_check(P, D, cell, p_lists, d_lists, calls)
         result.kit, result.kit_findings, result.kit_ignored = kit["verdict"], kit["counts"], kit["ignored"]
-        result.kit_lines, result.kit_refusal = kit["lines"], kit["refusal"]
+        result.kit_lines, result.kit_refusal, result.kit_receive = kit["lines"], kit["refusal"], kit["receive"]
+        result.kit_where = kit["where"]
         return result
     except Exception as e:
         result.refusal = f"harness: {type(e).__name__}: {e}"
@@ -191,20 +225,6 @@ def run_cell(cell: Cell, model: TinyModel, model_dir: Path, port: int) -> CellRe
         for side in (D, P):
             if side is not None:
                 side.shutdown()
-
-
-def _watch_receive(D: VllmSide, rank: int, steps: list[str], snapshots: list[Any]) -> None:
-    """Record vLLM's receive-side post-process calls and D's cache just before them."""
-    worker = D.worker(rank)
-    original = worker.post_process_device_kv_on_receive
-
-    def post_process(block_size_ratio: int, block_ids_list: list[Any], convert: bool = True) -> Any:
-        steps.append(f"D rank {rank}: post_process_device_kv_on_receive(ratio={block_size_ratio}, "
-                     f"blocks={[(g, list(b), c) for g, b, c in block_ids_list]}, convert={convert})")
-        snapshots.append([{n: c.clone() for n, c in caches.items()} for caches in D.caches])
-        return original(block_size_ratio, block_ids_list, convert)
-
-    worker.post_process_device_kv_on_receive = post_process
 
 
 def _finish(P: VllmSide, D: VllmSide, cell: Cell, timeout_s: float = 60.0) -> list[str]:
@@ -254,8 +274,8 @@ def _replay(P: VllmSide, D: VllmSide) -> None:
     agent.posted = agent.posted[: len(agent.posted) // 2]
 
 
-# The grid. Block sizes are multiples of 32 (CPU_ATTN); 32 <-> 32 is the only size whose K rows
-# kvgeom can describe today (issue 22).
+# The grid. CPU_ATTN blocks are multiples of 32 (LBHNC only); CPU_MLA forces 16-token blocks,
+# AMX_MLA (bfloat16) takes multiples of 32; the hybrid's attention block is vLLM's choice, 128, unless given.
 CI_GRID = (
     Cell(32, 32, 100),
     Cell(32, 32, 100, s=32),
@@ -274,6 +294,14 @@ CI_GRID = (
     Cell(32, 64, 100, mla=True, amx=True),
     Cell(32, 64, 128, s=64, mla=True, amx=True),
     Cell(32, 64, 150, s=64, mla=True, amx=True),
+    Cell(32, 128, 200),  # ratio 4 with a partly covered last D block: vLLM zeroes its tail
+    Cell(32, 64, 100, p_tp=2, d_tp=1),  # different blocks and P TP > D TP: refused
+    Cell(32, 32, 100, d_layout="NHD"),  # CPU_ATTN has no NHD: vLLM refuses the layout
+    Cell(16, 16, 100, mla=True, d_layout="NHD"),
+    Cell(128, 128, 100, hybrid=True),
+    Cell(64, 128, 100, hybrid=True),
+    Cell(128, 64, 100, hybrid=True),
+    Cell(128, 128, 100, hybrid=True, corrupt="state"),
 )
 AMX_GRID = (
     Cell(32, 32, 100, mla=True, amx=True),
@@ -284,7 +312,23 @@ AMX_GRID = (
     Cell(64, 32, 100, mla=True, amx=True),
     Cell(32, 64, 100, p_tp=1, d_tp=2, mla=True, amx=True),
 )
-FULL_GRID = CI_GRID + tuple(c for c in AMX_GRID if c not in CI_GRID) + (
+HYBRID_GRID = (
+    Cell(128, 128, 100, hybrid=True),
+    Cell(64, 128, 100, hybrid=True),
+    Cell(128, 64, 100, hybrid=True),
+    Cell(128, 128, 100, hybrid=True, corrupt="state"),
+)
+LAYOUT_GRID = (
+    Cell(32, 32, 100, d_layout="NHD"),
+    Cell(16, 16, 100, mla=True, d_layout="NHD"),
+)
+FULL_GRID = CI_GRID + tuple(c for c in AMX_GRID + HYBRID_GRID + LAYOUT_GRID if c not in CI_GRID) + (
+    Cell(32, 32, 33),
+    Cell(32, 64, 33),
+    Cell(64, 128, 200),
+    Cell(32, 128, 200),
+    Cell(32, 64, 100, p_tp=2, d_tp=2),
+    Cell(32, 64, 100, p_tp=2, d_tp=1),
     Cell(32, 32, 128),
     Cell(32, 32, 100, s=32, p_tp=2, d_tp=1),
     Cell(32, 64, 100),
@@ -297,7 +341,7 @@ FULL_GRID = CI_GRID + tuple(c for c in AMX_GRID if c not in CI_GRID) + (
     Cell(32, 32, 100, s=32, p_tp=1, d_tp=2),
     Cell(16, 16, 100, p_tp=2, d_tp=1, mla=True),
 )
-GRIDS = {"ci": CI_GRID, "amx": AMX_GRID, "full": FULL_GRID}
+GRIDS = {"ci": CI_GRID, "amx": AMX_GRID, "hybrid": HYBRID_GRID, "layout": LAYOUT_GRID, "full": FULL_GRID}
 
 
 def table(results: list[CellResult]) -> str:
@@ -316,20 +360,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the results as JSON on the last line")
     args = ap.parse_args(argv)
     cells = [c for c in GRIDS[args.grid] if not args.cell or any(s in c.name for s in args.cell)]
-    models = {(False, False): TinyModel(), (True, False): TinyModel.deepseek(), (True, True): TinyModel.deepseek(amx=True)}
+    models = {"llama": TinyModel(), "mla": TinyModel.deepseek(), "amx": TinyModel.deepseek(amx=True),
+              "hybrid": TinyModel.nemotron_h()}
     results: list[CellResult] = []
     with tempfile.TemporaryDirectory(prefix="kvgeom-vllm-") as tmp:
-        dirs = {key: m.write(Path(tmp) / f"tiny-{m.backend or 'llama'}") for key, m in models.items()}
+        dirs = {key: m.write(Path(tmp) / f"tiny-{key}") for key, m in models.items()}
         for i, cell in enumerate(cells):
-            key = (cell.mla, cell.mla and cell.amx)
-            res = run_cell(cell, models[key], dirs[key], args.port + 4 * i)
+            res = run_cell(cell, models[cell.model_key], dirs[cell.model_key], args.port + 4 * i)
             results.append(res)
             print(f"{res.cell}: {res.outcome} (kit: {res.kit or '-'}) {res.refusal[:200]} [{res.seconds} s]",
                   file=sys.stderr, flush=True)
+        controls = _controls(models["llama"], dirs["llama"], args.port + 4 * len(cells)) \
+            if any(c.model_key in ("llama", "hybrid") for c in cells) else {}
     print(table(results), file=sys.stderr)
     if args.json:
-        print(json.dumps([asdict(r) for r in results]))
+        print(json.dumps({"cells": [asdict(r) for r in results], "controls": controls}))
     return 0
+
+
+def _controls(model: TinyModel, model_dir: Path, port: int) -> dict[str, str]:
+    """The description checks' controls on one CPU_ATTN side at block 64 (:func:`.describe.describe_controls`)."""
+    from .describe import describe_controls
+
+    side = VllmSide("C", model, model_dir, tp=1, block_size=64, num_blocks=16, port=port)
+    try:
+        side.register()
+        return describe_controls(side)
+    finally:
+        side.shutdown()
 
 
 if __name__ == "__main__":
