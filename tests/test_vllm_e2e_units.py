@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("nixl._api", reason="kvgeom_nixl needs the nixl extra")
+from nixl_env import NIXL_API  # noqa: E402
+
+pytest.importorskip(NIXL_API, reason="kvgeom_nixl needs the nixl extra")
 
 from kvgeom import EngineGeometry  # noqa: E402
 from kvgeom_nixl.errors import ExecutorError  # noqa: E402
