@@ -202,7 +202,8 @@ class Engines:
     """P and D engines of executors (one per rank), their caches and P's side-channel port."""
 
     def __init__(self, p_block: int, p_tp: int, d_block: int, d_tp: int, *, lease_s: float = 30.0,
-                 pull_timeout_s: float = 30.0) -> None:
+                 pull_timeout_s: float = 30.0, window: int | None = None) -> None:
+        self.window = window
         self.port = free_ports(p_tp)
         self.p_caches = [caches(p_block, p_tp, seed=10 + r) for r in range(p_tp)]
         self.d_caches = [caches(d_block, d_tp, fill=-7.0) for _ in range(d_tp)]
@@ -213,18 +214,18 @@ class Engines:
 
     def _executor(self, kv: dict[str, Any], block: int, tp: int, rank: int, engine: str, *, producer: bool,
                   pull_timeout_s: float = 30.0) -> ConnectorExecutor:
-        geo, layers = geometry_from_kv_caches(kv, [group(block)], tp=tp, name=engine)
+        geo, layers = geometry_from_kv_caches(kv, [group(block, self.window)], tp=tp, name=engine)
         return ConnectorExecutor(geo, rank, tp, layers, engine_id=engine, producer=producer, consumer=not producer,
                                  port=self.port + rank if producer else 0, pull_timeout_s=pull_timeout_s,
                                  handshake_timeout_s=30.0)
 
     def pull(self, rid: str, tokens: int, p_ids: list[int], d_ids: list[int], *, hit: int = 0,
-             port: int | None = None) -> None:
+             port: int | None = None, recomputed: int = 0) -> None:
         for ex in self.p:
             ex.send(rid, self.lease_s)
         release = ReleaseJob(rid, "127.0.0.1", self.port if port is None else port, self.p_tp)
         for ex in self.d:
-            ex.pull(PullJob(f"d-{rid}", rid, "P", tokens, hit, (tuple(p_ids),), (tuple(d_ids),), release))
+            ex.pull(PullJob(f"d-{rid}", rid, "P", tokens, hit, (tuple(p_ids),), (tuple(d_ids),), release, recomputed))
 
     def wait(self, timeout_s: float = 60.0) -> tuple[list[Results], list[Results]]:
         """Until every D rank reported the pull and every P rank the send (or the timeout)."""
@@ -279,6 +280,45 @@ def test_a_pull_moves_every_token_byte_exact(p_block: int, p_tp: int, d_block: i
         assert all(np.all(x == -7.0) for x in untouched[0])  # block 0 was not listed: untouched
         assert all(ex.pending()["sends"] == 0 and ex.pending()["releases"] == 0 for ex in e.p)
         assert all(ex.pending()["pulls"] == 0 for ex in e.d)
+    finally:
+        e.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("recomputed", [1, 0])
+def test_a_window_ends_at_the_token_vllm_recomputes(recomputed: int) -> None:
+    """A load reaching the prompt's last token M - 1 is stepped back by vLLM, which recomputes that
+    token: it attends keys [M - W, M - 1], so D needs token M - W = 60 (window 40, M = 100), which
+    the next token's window [61, 100) would leave out. The control (recomputed 0) shows the check
+    fails when the window is taken from M: token 60 is then not moved."""
+    e = Engines(32, 1, 64, 1, window=40)
+    try:
+        m, p_ids, d_ids = 100, [3, 4, 5, 6], [5, 6]
+        e.pull("r1", m, p_ids, d_ids, recomputed=recomputed)
+        d_out, _ = e.wait()
+        assert d_out[0].finished_recving == {"d-r1"} and not d_out[0].failed, d_out
+        assert_tokens_equal(e, range(61, 99), p_ids, d_ids)  # both windows hold these
+        if recomputed:
+            assert_tokens_equal(e, range(60, 61), p_ids, d_ids)
+        else:
+            with pytest.raises(AssertionError, match="token 60"):
+                assert_tokens_equal(e, range(60, 61), p_ids, d_ids)
+    finally:
+        e.close()
+
+
+@pytest.mark.timeout(300)
+def test_nothing_to_keep_past_the_hit_is_finished_without_a_read() -> None:
+    """D holds [0, 64) and vLLM recomputes token 64, the only one loaded: no READ, D's block is not
+    written, the pull is reported finished (not failed) and P is released."""
+    e = Engines(32, 1, 64, 1)
+    try:
+        before = e.d_caches[0]["model.layers.0.self_attn.attn"].clone()
+        e.pull("r1", 65, [3, 4, 5], [2], hit=64, recomputed=1)
+        d_out, p_out = e.wait()
+        assert d_out[0].finished_recving == {"d-r1"} and not d_out[0].failed, d_out
+        assert p_out[0].finished_sending == {"r1"}, p_out
+        assert torch.equal(before, e.d_caches[0]["model.layers.0.self_attn.attn"])
     finally:
         e.close()
 

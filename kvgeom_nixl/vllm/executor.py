@@ -135,6 +135,7 @@ class PullJob:
     remote_blocks: tuple[tuple[int, ...], ...]
     local_blocks: tuple[tuple[int, ...], ...]
     release: ReleaseJob
+    recomputed_tokens: int = 0  # the last of computed_tokens, which vLLM recomputes on D: not moved
 
 
 @dataclass
@@ -369,8 +370,19 @@ class ConnectorExecutor:
         started = time.monotonic()
         try:
             link = self._d_link(job)
-            request = request_from_block_tables(link.pair, job.computed_tokens, job.remote_blocks, job.local_blocks,
-                                                prefix_hit_tokens=job.prefix_hit_tokens, null_block=0)
+            kept = job.computed_tokens - job.recomputed_tokens  # D's tokens from P; vLLM recomputes the rest
+            if kept <= job.prefix_hit_tokens:  # D holds every token it keeps: nothing to move
+                with self.lock:
+                    self._out.finished_recving.add(job.request_id)
+                self._jobs.put(job.release)
+                return
+            # The request for the tokens D keeps (their windows end at token `kept`); P's lists cut to
+            # the blocks those tokens use, D's still cover every token vLLM allocated for.
+            per = link.pair.side("prefill").logical_block_tokens
+            remote = tuple(ids[:-(-kept // per)] for ids in job.remote_blocks)
+            request = request_from_block_tables(link.pair, kept, remote, job.local_blocks,
+                                                prefix_hit_tokens=job.prefix_hit_tokens,
+                                                decode_tokens=job.computed_tokens, null_block=0)
             plan = link.plan(request, strategy=self.strategy)  # outside the lock: the pair is read only
             with self.lock:
                 self._pulls[job.transfer_id] = job

@@ -57,6 +57,7 @@ class Pull:
     prefix_hit_tokens: int
     remote_engine_id: str
     release: Release
+    recomputed_tokens: int = 0  # of [.., computed_tokens), the last ones D recomputes itself (not moved)
 
 
 @dataclass
@@ -117,8 +118,13 @@ class KvgeomScheduler:
             self._step.releases.append(release)  # a full local hit: nothing to pull, P may free now
             return
         local = tuple(tuple(ids) for ids in blocks.get_unhashed_block_ids_all_groups())
-        self._step.pulls.append(Pull(request.request_id, local, _lists(params["remote_block_ids"]),
-                                     hit + num_external_tokens, hit, str(params["remote_engine_id"]), release))
+        computed = hit + num_external_tokens
+        # A load that reaches the request's last token is one token short in vLLM: once it lands the
+        # scheduler steps back and recomputes that token to sample (Scheduler._update_from_kv_xfer_
+        # finished), so that token's window must be on D, not the next one's (design §15.2).
+        recomputed = 1 if computed >= int(request.num_tokens) else 0
+        self._step.pulls.append(Pull(request.request_id, local, _lists(params["remote_block_ids"]), computed, hit,
+                                     str(params["remote_engine_id"]), release, recomputed))
 
     def build_connector_meta(self) -> KvgeomMetadataFields:
         step, self._step = self._step, KvgeomMetadataFields()

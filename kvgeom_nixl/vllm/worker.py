@@ -122,7 +122,7 @@ class KvgeomWorker:
         for pull in meta.pulls:
             ex.pull(PullJob(pull.request_id, pull.release.remote_request_id, pull.remote_engine_id,
                             pull.computed_tokens, pull.prefix_hit_tokens, pull.remote_blocks, pull.local_blocks,
-                            _release_job(pull.release)))
+                            _release_job(pull.release), pull.recomputed_tokens))
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving); the invalid blocks of the same
