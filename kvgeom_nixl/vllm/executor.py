@@ -13,8 +13,10 @@ progress never waits for an engine step:
                          releases to P over the side channel (no lock)
     side-channel threads P: a D engine's handshake -> prefill.connect (lock) once all its ranks arrived
 
-The executor is not thread-safe (docs/design.md §8), so every call into an endpoint, a link or a
-transfer is made holding :attr:`ConnectorExecutor.lock` (one ``RLock`` per worker rank); network
+Both endpoints share :attr:`ConnectorExecutor.lock` (one ``RLock`` per worker rank, passed as
+``Endpoint(..., lock=)``, docs/design.md §8.2), and the executor's own state is guarded by it too,
+so every call into an endpoint, a link or a transfer and every read of that state holds one lock
+(no lock order to get wrong); network
 waits (side channel), probing a peer's NIXL metadata (:func:`probed`) and planning happen outside
 it, so the engine's thread never waits for them (a vLLM worker is pinned to one core shared with
 other busy threads: starting the prober process alone can take seconds there).
@@ -181,8 +183,10 @@ class ConnectorExecutor:
         self.engine_id, self.rank, self.tp = engine_id, rank, tp
         self.pull_timeout_s, self.handshake_timeout_s, self.strategy = pull_timeout_s, handshake_timeout_s, strategy
         self.lock = threading.RLock()
-        self.prefill = Endpoint(engine, "prefill", rank, layers, staging_bytes=staging_bytes) if producer else None
-        self.decode = Endpoint(engine, "decode", rank, layers, staging_bytes=staging_bytes) if consumer else None
+        self.prefill = (Endpoint(engine, "prefill", rank, layers, staging_bytes=staging_bytes, lock=self.lock)
+                        if producer else None)
+        self.decode = (Endpoint(engine, "decode", rank, layers, staging_bytes=staging_bytes, lock=self.lock)
+                       if consumer else None)
         self._d_payload = self.decode.handshake() if self.decode is not None else b""
         # D state: links by P engine (jobs thread), posted pulls by transfer id (under the lock)
         self._d_links: dict[str, Link] = {}
