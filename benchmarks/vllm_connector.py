@@ -45,11 +45,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from benchmarks.common import load_average  # noqa: E402
-from benchmarks.vllm_timing import ENV, RequestTiming, read_events, request_timings  # noqa: E402
+from benchmarks.vllm_timing import BEFORE, ENV, RequestTiming, read_events, request_timings  # noqa: E402
 
-__all__ = ["CONNECTORS", "KINDS", "METRICS", "parse_args", "render", "main"]
+__all__ = ["CONNECTORS", "DEFAULT_CONNECTORS", "KINDS", "METRICS", "parse_args", "render", "main"]
 
-CONNECTORS = ("nixl", "kvgeom")
+CONNECTORS = ("nixl", "kvgeom-before", "kvgeom")
+DEFAULT_CONNECTORS = ("nixl", "kvgeom")
 KINDS = ("prompt", "hit")
 #: (key, label, unit scale): the rows of each kind, in order
 METRICS = (("overhead", "D plan+post, wall (ms)", 1e3), ("overhead_cpu", "D plan+post, CPU (ms)", 1e3),
@@ -63,8 +64,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                  description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096, help="prompt tokens, a multiple of 32 (default 4096)")
     ap.add_argument("--requests", type=int, default=5, help="measured requests per kind and connector (default 5)")
-    ap.add_argument("--connectors", default=",".join(CONNECTORS),
-                    help=f"comma-separated, from {', '.join(CONNECTORS)}; ratios need both")
+    ap.add_argument("--connectors", default=",".join(DEFAULT_CONNECTORS),
+                    help=f"comma-separated, from {', '.join(CONNECTORS)} (kvgeom-before: kvgeom's connector "
+                    "without this benchmark's fixes, see benchmarks.vllm_timing); ratios need nixl")
     ap.add_argument("--kv-cache-mb", type=int, default=128, help="each instance's KV cache (MiB)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, event files)")
     args = ap.parse_args(argv)
@@ -95,10 +97,11 @@ class Sample:
 
 def render(samples: dict[str, dict[str, list[Sample]]], tokens: int, requests: int, load: str,
            bytes_per_token: int) -> str:
-    """The table: per kind, one row per metric, a column per connector and kvgeom/nixl."""
+    """The table: per kind, one row per metric, a column per connector and one per kvgeom variant
+    over nixl."""
     names = [c for c in CONNECTORS if c in samples]
-    ratio = "kvgeom/nixl" if names == list(CONNECTORS) else ""
-    head = f"{'':34}" + "".join(f"{c:>10}" for c in names) + (f"{ratio:>13}" if ratio else "")
+    ratios = [c for c in names if c != "nixl"] if "nixl" in names else []
+    head = f"{'':34}" + "".join(f"{c:>14}" for c in names) + "".join(f"{c + '/nixl':>20}" for c in ratios)
     lines = [f"vLLM P/D, tiny float32 Llama (2 layers, 4 KV heads x 32, block {BLOCK}, TP1), D pulls from P; "
              f"medians of {requests} requests after a warm-up; load average {load}", head]
     titles = {"prompt": f"{tokens}-token prompt ({tokens * bytes_per_token / 2**20:.1f} MiB pulled)",
@@ -107,9 +110,9 @@ def render(samples: dict[str, dict[str, list[Sample]]], tokens: int, requests: i
         lines.append(titles[kind])
         for key, label, scale in METRICS:
             med = {c: statistics.median(s.value(key) for s in samples[c][kind]) for c in names}
-            row = f"  {label:32}" + "".join(f"{med[c] * scale:10.3f}" for c in names)
-            if ratio:
-                row += f"{med['kvgeom'] / med['nixl']:13.2f}" if med["nixl"] > 0 else f"{'-':>13}"
+            row = f"  {label:32}" + "".join(f"{med[c] * scale:14.3f}" for c in names)
+            for c in ratios:
+                row += f"{med[c] / med['nixl']:20.2f}" if med["nixl"] > 0 else f"{'-':>20}"
             lines.append(row)
         facts = ", ".join(f"{c}: D cached {sorted({s.cached for s in samples[c][kind]})}, first token = P's "
                           f"{sum(s.same_token for s in samples[c][kind])}/{len(samples[c][kind])}" for c in names)
@@ -125,10 +128,13 @@ class Pair:
 
         self.connector = connector
         self.events = root / f"events-{connector}.jsonl"
-        common: dict[str, Any] = {"connector": connector, "log_dir": root, "kv_cache_mb": args.kv_cache_mb,
-                                  "max_model_len": args.tokens + 2 * BLOCK}
-        self.p = Instance(f"bench-{connector}-p", model, **common)
-        self.d = Instance(f"bench-{connector}-d", model, env={ENV: str(self.events)}, **common)
+        before = {BEFORE: "1"} if connector == "kvgeom-before" else {}
+        common: dict[str, Any] = {"connector": connector.split("-")[0], "log_dir": root,
+                                  "kv_cache_mb": args.kv_cache_mb, "max_model_len": args.tokens + 2 * BLOCK}
+        # (P's hooks too: the before variant's patches apply where the timing hooks are installed)
+        self.p = Instance(f"bench-{connector}-p", model, env={ENV: str(root / f"events-{connector}-p.jsonl"), **before},
+                          **common)
+        self.d = Instance(f"bench-{connector}-d", model, env={ENV: str(self.events), **before}, **common)
         self.offset = 0
 
     def ready(self) -> None:
