@@ -88,7 +88,6 @@ class Sample:
 
     timing: RequestTiming
     ttft: float
-    cached: int
     same_token: bool
 
     def value(self, key: str) -> float:
@@ -105,7 +104,7 @@ def render(samples: dict[str, dict[str, list[Sample]]], tokens: int, requests: i
     lines = [f"vLLM P/D, tiny float32 Llama (2 layers, 4 KV heads x 32, block {BLOCK}, TP1), D pulls from P; "
              f"medians of {requests} requests after a warm-up; load average {load}", head]
     titles = {"prompt": f"{tokens}-token prompt ({tokens * bytes_per_token / 2**20:.1f} MiB pulled)",
-              "hit": f"prefix hit: D holds {tokens} tokens, pulls 1 ({bytes_per_token * BLOCK / 2**10:.0f} KiB block)"}
+              "hit": f"prefix hit: D holds {tokens} tokens, pulls 1 more (in one {bytes_per_token * BLOCK // 1024} KiB block)"}
     for kind in KINDS:
         lines.append(titles[kind])
         for key, label, scale in METRICS:
@@ -114,9 +113,10 @@ def render(samples: dict[str, dict[str, list[Sample]]], tokens: int, requests: i
             for c in ratios:
                 row += f"{med[c] / med['nixl']:20.2f}" if med["nixl"] > 0 else f"{'-':>20}"
             lines.append(row)
-        facts = ", ".join(f"{c}: D cached {sorted({s.cached for s in samples[c][kind]})}, first token = P's "
-                          f"{sum(s.same_token for s in samples[c][kind])}/{len(samples[c][kind])}" for c in names)
-        lines.append(f"  ({facts})")
+        facts = ", ".join(f"{c} {'/'.join(str(b) for b in sorted({x.timing.blocks for x in samples[c][kind]}))} "
+                          f"blocks, {sum(x.same_token for x in samples[c][kind])}/{len(samples[c][kind])}"
+                          for c in names)
+        lines.append(f"  (D blocks pulled, D's first token = P's: {facts})")
     return "\n".join(lines)
 
 
@@ -155,8 +155,7 @@ class Pair:
         if out_d.get("finish_reason") not in ("length", "stop"):
             raise RuntimeError(f"{self.d.name}: finish_reason {out_d.get('finish_reason')!r}")
         events, self.offset = read_events(self.events, self.offset)
-        return Sample(request_timings(events), ttft, int(out_d.get("num_cached_tokens") or 0),
-                      out_d["tokens"][:1] == out_p["tokens"][:1])
+        return Sample(request_timings(events), ttft, out_d["tokens"][:1] == out_p["tokens"][:1])
 
     def close(self) -> None:
         for inst in (self.d, self.p):

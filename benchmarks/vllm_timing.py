@@ -5,7 +5,7 @@ Installed by ``tests/vllm_e2e_site/sitecustomize.py`` in a vLLM instance's proce
 (library code is not changed) and appends one JSON line per event to that file:
 
 * ``post``: the per-request work of posting D's pull, timed on the worker: ``t0``/``t1`` around
-  it, ``cpu`` its thread's CPU time in it, ``posted`` whether a transfer was left in flight. kvgeom: ``ConnectorExecutor._start_pull``
+  it, ``cpu`` its thread's CPU time in it, ``blocks`` the D blocks it writes, ``posted`` whether a transfer was left in flight. kvgeom: ``ConnectorExecutor._start_pull``
   (build the request from the block tables, plan it, post the pull under the lock; on the jobs
   thread). vLLM's NixlConnector: ``NixlPullConnectorWorker._read_blocks_for_req`` (map the block
   ids, build the descriptor ids, ``make_prepped_xfer`` + ``transfer``; on the engine's thread).
@@ -72,7 +72,8 @@ def install_kvgeom(module: Any, path: str) -> None:
             finally:
                 t1, c1 = time.perf_counter(), time.thread_time()
                 _emit(path, kind="post", connector="kvgeom", req=str(job.request_id), tid=str(job.transfer_id),
-                      t0=t0, t1=t1, cpu=c1 - c0, posted=job.request_id not in self._out.failed)
+                      t0=t0, t1=t1, cpu=c1 - c0, posted=job.request_id not in self._out.failed,
+                      blocks=sum(len(g) for g in job.local_blocks))
         return run
 
     def d_finished(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -156,7 +157,8 @@ def install_nixl(module: Any, path: str) -> None:
             finally:
                 t1, c1 = time.perf_counter(), time.thread_time()
                 _emit(path, kind="post", connector="nixl", req=str(req_id), t0=t0, t1=t1, cpu=c1 - c0,
-                      posted=bool(self._recving_transfers.get(req_id)))
+                      posted=bool(self._recving_transfers.get(req_id)),
+                      blocks=sum(len(g) for g in (getattr(meta, "local_block_ids", None) or ())))
         return run
 
     def pop_done(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -197,7 +199,7 @@ class RequestTiming:
     overhead_cpu: float
     queue_to_post: float
     transfer: float
-
+    blocks: int = 0  # D blocks the pull wrote
 
 def request_timings(events: Iterable[dict[str, Any]]) -> RequestTiming:
     """The timing of the ONE request pulled in ``events`` (the events one D request left).
@@ -223,4 +225,4 @@ def request_timings(events: Iterable[dict[str, Any]]) -> RequestTiming:
         raise ValueError(f"the READ of {post['req']!r} was posted after it was seen done")
     return RequestTiming(overhead=post["t1"] - post["t0"] + sum(e["t1"] - e["t0"] for e in parts),
                          overhead_cpu=post["cpu"] + sum(e["cpu"] for e in parts),
-                         queue_to_post=posted - start, transfer=done["t"] - posted)
+                         queue_to_post=posted - start, transfer=done["t"] - posted, blocks=int(post.get("blocks", 0)))
