@@ -1,11 +1,12 @@
 """kvgeom's vLLM connector against vLLM's NixlConnector on the same geometry, side by side in one run.
 
-    python -m benchmarks.vllm_connector [--tokens 4096] [--requests 5] [--connectors nixl,kvgeom]
+    python -m benchmarks.vllm_connector [--tokens 4096] [--requests 5] [--connectors nixl,kvgeom-before,kvgeom]
 
 Per connector one P and one D vLLM instance (tests/vllm_pd.Instance: the tiny float32 Llama of
-tests/vllm_models.py, block 32, TP1, separate processes on 127.0.0.1), all four started at once
-and driven in turn, request by request (the order alternating), so that both connectors see the
-same machine load. After a warm-up request of each kind (handshake, first plan, first step):
+tests/vllm_models.py with room for the prompt, block 32, TP1, separate processes on 127.0.0.1),
+all started at once and driven in turn, request by request (the order alternating), so that both connectors see the
+same machine load. ``kvgeom-before`` is kvgeom's connector with this benchmark's fixes undone in its
+processes (:func:`benchmarks.vllm_timing._before`), for a before/after in the same run. After a warm-up request of each kind (handshake, first plan, first step):
 
 * ``prompt``: ``--requests`` fresh prompts of ``--tokens`` tokens; P prefills, D pulls every block.
 * ``hit``: D first computes ``--tokens`` tokens itself (whole blocks, in its prefix cache), then
@@ -16,16 +17,18 @@ Measured on D's worker by the hooks of :mod:`benchmarks.vllm_timing` (installed 
 tests/vllm_e2e_site/sitecustomize.py with ``KVGEOM_BENCH_TIMINGS``), per request:
 
 * overhead: the worker's per-request plan + post (kvgeom: ``_start_pull`` on its jobs thread:
-  request from the block tables, plan, post under the lock; vLLM: ``_read_blocks_for_req`` on the
-  engine thread: block-id mapping, descriptor ids, ``make_prepped_xfer`` + ``transfer``), wall
-  and thread CPU time;
+  request from the block tables, plan, ``link.pull`` under the lock, plus the READ's own posting
+  on the progress thread once P granted; vLLM: ``_read_blocks_for_req`` on the engine thread:
+  block-id mapping, descriptor ids, ``make_prepped_xfer`` + ``transfer``), wall and thread CPU
+  time. NIXL over UCX on one host copies much of a READ inside ``transfer()``, so for 8 MiB
+  both connectors' overhead includes most of the copy;
 * queue -> post: from the engine thread's hand-off to the posted READ (kvgeom's jobs-thread wait
   included; for vLLM the same as its overhead);
 * transfer: posted -> first seen done by the worker;
 * D TTFT: the wall time of D's request from the benchmark (``max_tokens=1``: the pull, then one
   step), through the instance's stdin/stdout.
 
-Medians, and kvgeom/nixl ratios. Wall times on a shared machine: read the ratios and the CPU
+Medians, and each kvgeom variant over nixl. Wall times on a shared machine: read the ratios and the CPU
 column; the 1-minute load average is printed with the table. Nothing is asserted.
 """
 

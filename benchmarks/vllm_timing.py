@@ -5,7 +5,8 @@ Installed by ``tests/vllm_e2e_site/sitecustomize.py`` in a vLLM instance's proce
 (library code is not changed) and appends one JSON line per event to that file:
 
 * ``post``: the per-request work of posting D's pull, timed on the worker: ``t0``/``t1`` around
-  it, ``cpu`` its thread's CPU time in it, ``blocks`` the D blocks it writes, ``posted`` whether a transfer was left in flight. kvgeom: ``ConnectorExecutor._start_pull``
+  it, ``cpu`` its thread's CPU time in it, ``blocks`` the D blocks it writes, ``posted`` whether
+  a transfer was left in flight. kvgeom: ``ConnectorExecutor._start_pull``
   (build the request from the block tables, plan it, post the pull under the lock; on the jobs
   thread). vLLM's NixlConnector: ``NixlPullConnectorWorker._read_blocks_for_req`` (map the block
   ids, build the descriptor ids, ``make_prepped_xfer`` + ``transfer``; on the engine's thread).
@@ -16,6 +17,9 @@ Installed by ``tests/vllm_e2e_site/sitecustomize.py`` in a vLLM instance's proce
   (``ConnectorExecutor.pull``; vLLM's connector posts in the same call, so its ``t0`` is that).
 * ``done``: when the worker first sees the transfer finished (kvgeom: its progress thread's
   ``_d_finished``; vLLM: ``_pop_done_transfers`` of its receiving transfers, once per step).
+
+With ``KVGEOM_BENCH_BEFORE`` also set, :func:`_before` undoes the connector fixes the benchmark
+measured, in that process only.
 
 Every time is ``time.perf_counter()`` (CLOCK_MONOTONIC on Linux: one clock for every process).
 :func:`request_timings` turns one request's events into the benchmark's numbers.
