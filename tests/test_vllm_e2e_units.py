@@ -25,10 +25,10 @@ from nixl_env import NIXL_API  # noqa: E402
 
 pytest.importorskip(NIXL_API, reason="kvgeom_nixl needs the nixl extra")
 
-from kvgeom import EngineGeometry  # noqa: E402
+from kvgeom import EngineGeometry, Pair  # noqa: E402
 from kvgeom_nixl.errors import ExecutorError  # noqa: E402
 from kvgeom_nixl.vllm.caches import CacheGroup, geometry_from_kv_caches  # noqa: E402
-from kvgeom_nixl.vllm.executor import ConnectorExecutor, PullJob, ReleaseJob, Results  # noqa: E402
+from kvgeom_nixl.vllm.executor import ConnectorExecutor, PullJob, ReleaseJob, Results, whole_pages  # noqa: E402
 from kvgeom_nixl.vllm.side_channel import (  # noqa: E402
     MAX_FRAME,
     SideChannelError,
@@ -284,6 +284,30 @@ def test_a_pull_moves_every_token_byte_exact(p_block: int, p_tp: int, d_block: i
         e.close()
 
 
+def test_full_attention_pulls_plan_whole_pages_windows_do_not() -> None:
+    full = {b: geometry_from_kv_caches(caches(b, 1), [group(b)], tp=1, name=f"f{b}")[0] for b in (32, 64)}
+    window = geometry_from_kv_caches(caches(32, 1), [group(32, window=64)], tp=1, name="w")[0]
+    assert [whole_pages(Pair(full[32], full[32]), m) for m in (1, 100, 128, 129)] == [32, 128, 128, 160]
+    assert whole_pages(Pair(full[32], full[64]), 70) == whole_pages(Pair(full[64], full[32]), 70) == 96
+    assert whole_pages(Pair(window, window), 100) == 100  # a window ends at M: rounding would move it
+
+
+@pytest.mark.timeout(300)
+def test_the_last_block_moves_as_a_whole_page() -> None:
+    """M = 100 at 32 -> 32: D's last block gets P's whole page, slots 100..127 too (rows D overwrites
+    or masks); without the rounding those slots keep D's -7.0 (the control below)."""
+    e = Engines(32, 1, 32, 1)
+    try:
+        p_ids, d_ids = [3, 4, 5, 6], [5, 6, 7, 8]
+        e.pull("r1", 100, p_ids, d_ids)
+        d_out, _ = e.wait()
+        assert d_out[0].finished_recving == {"d-r1"} and not d_out[0].failed
+        assert_tokens_equal(e, range(128), p_ids, d_ids)
+        assert all(np.all(x == -7.0) for x in kv_at(e.d_caches[0]["model.layers.0.self_attn.attn"], 9, 0, 0))
+    finally:
+        e.close()
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("recomputed", [1, 0])
 def test_a_window_ends_at_the_token_vllm_recomputes(recomputed: int) -> None:
@@ -309,9 +333,10 @@ def test_a_window_ends_at_the_token_vllm_recomputes(recomputed: int) -> None:
 
 @pytest.mark.timeout(300)
 def test_nothing_to_keep_past_the_hit_is_finished_without_a_read() -> None:
-    """D holds [0, 64) and vLLM recomputes token 64, the only one loaded: no READ, D's block is not
-    written, the pull is reported finished (not failed) and P is released."""
-    e = Engines(32, 1, 64, 1)
+    """D holds [0, 64) and vLLM recomputes token 64, the only one loaded (a sliding window: full
+    attention would move whole pages): no READ, D's block is not written, the pull is reported
+    finished (not failed) and P is released."""
+    e = Engines(32, 1, 64, 1, window=40)
     try:
         before = e.d_caches[0]["model.layers.0.self_attn.attn"].clone()
         e.pull("r1", 65, [3, 4, 5], [2], hit=64, recomputed=1)

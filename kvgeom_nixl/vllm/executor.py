@@ -7,7 +7,8 @@ progress never waits for an engine step:
 
     engine thread        start_load_kv -> pull / release / send      get_finished -> take()
                                   |  (queues, one lock)                          ^
-    progress thread      every 2 ms while work is pending (50 ms idle), under the lock:
+    progress thread      every 0.5 ms while a transfer or hold is in flight, 2 ms while other work is
+                         pending (50 ms idle), under the lock:
                          decode/prefill .get_finished() -> results; P: hold on D's req, free on release
     jobs thread          D: side-channel handshake (no lock) -> connect, plan, link.pull (lock);
                          releases to P over the side channel (no lock)
@@ -44,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgeom import EngineGeometry, KvGeomError, LayerTensors, request_from_block_tables
+from kvgeom import AttentionSpec, EngineGeometry, GroupKind, KvGeomError, LayerTensors, Pair, request_from_block_tables
 from kvgeom_nixl.endpoint import Endpoint, Link
 from kvgeom_nixl.errors import ExecutorError, HandshakeError, TransferFailed
 from kvgeom_nixl.handshake import HandshakeLimits, RankInfo, decode_rank
@@ -53,13 +54,14 @@ from kvgeom_nixl.transfer import Transfer
 
 from .side_channel import SideChannelError, SideChannelServer, exchange_handshake, send_release
 
-__all__ = ["ConnectorExecutor", "PullJob", "ReleaseJob", "Results", "local_executor", "STRATEGY",
+__all__ = ["ConnectorExecutor", "PullJob", "ReleaseJob", "Results", "local_executor", "whole_pages", "STRATEGY",
            "DEFAULT_PULL_TIMEOUT_S", "DEFAULT_HANDSHAKE_TIMEOUT_S"]
 
 STRATEGY = "auto"  # with no staging ring: the cheapest of direct and staged (P serves both by holding its blocks)
 DEFAULT_PULL_TIMEOUT_S = 120.0
 DEFAULT_HANDSHAKE_TIMEOUT_S = 120.0
-BUSY_POLL_S = 0.002  # progress interval while a transfer, a hold or a pending send exists
+FAST_POLL_S = 0.0005  # progress interval while a transfer or a hold is in flight (each protocol step waits a tick)
+BUSY_POLL_S = 0.002  # ... while only pulls being posted or pending sends (waiting for D's req) exist
 IDLE_POLL_S = 0.05
 MAX_COLLECTING = 16  # D engines whose handshakes are being collected at once (hostile bound)
 MAX_SEEN = 1 << 16  # P request ids remembered after they were freed (a late duplicate is ignored)
@@ -113,6 +115,26 @@ def _connect(ep: Endpoint, lock: Any, payloads: Sequence[bytes]) -> Link:
             return ep.connect(payloads)
     with lock:
         return ep.connect(infos, probe=False)
+
+
+def whole_pages(pair: Pair, computed_tokens: int) -> int:
+    """The tokens a pull plans: ``computed_tokens`` rounded up to the end of its last block on both
+    sides (the smaller of P's and D's block end, so that each side's listing stays the same length),
+    when every group of the model is full attention; else ``computed_tokens`` as it is (a window
+    ends at the last token: rounding would move it past tokens D needs).
+
+    The rows past ``computed_tokens`` in that last block are P's rows D overwrites or masks (vLLM
+    reads a sequence's KV up to its length, and D computes the prompt's next tokens into those
+    slots itself), so moving them changes nothing D reads, and makes the last block a whole page:
+    a handful of whole-page copies instead of a copy per K row of every (layer, head) of the
+    partly filled block (CPU_ATTN's K plane is dim-major: 264 descriptors for the tiny model's
+    partial block, 2 for the whole one)."""
+    groups = pair.model.groups
+    if not groups or any(not isinstance(g, AttentionSpec) or g.kind is not GroupKind.FULL or g.window_tokens
+                         for g in groups):
+        return computed_tokens
+    bp, bd = pair.prefill.logical_block_tokens, pair.decode.logical_block_tokens
+    return min(-(-computed_tokens // bp) * bp, -(-computed_tokens // bd) * bd)
 
 
 @dataclass(frozen=True)
@@ -253,14 +275,17 @@ class ConnectorExecutor:
     def _progress_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                busy = self._tick()
+                interval = self._tick()
             except Exception:  # noqa: BLE001 - never let the thread die silently: log, back off, go on
                 self.log.exception("kvgeom connector: progress failed")
-                busy = False
-            self._wake.wait(BUSY_POLL_S if busy else IDLE_POLL_S)
+                interval = IDLE_POLL_S
+            self._wake.wait(interval)
             self._wake.clear()
 
-    def _tick(self) -> bool:
+    def _tick(self) -> float:
+        """One progress pass; returns how long to wait before the next. A pull is a few protocol
+        steps (req, grant, READ, pulled, held), each one tick of one side's thread: while one is in
+        flight the thread polls every ``FAST_POLL_S``."""
         with self.lock:
             now = time.monotonic()
             if self.decode is not None:
@@ -269,8 +294,11 @@ class ConnectorExecutor:
                 self.prefill.get_finished()  # (holds are watched through their transfers below)
                 self._p_holds(self.prefill, now)
                 self._p_frees(self.server, now)
-            return bool(self._pulls or self._sends or (self.decode is not None and self.decode.in_flight)
-                        or (self.prefill is not None and (self.prefill.in_flight or self.prefill.fencing)))
+            if (self.decode is not None and self.decode.in_flight) or (self.prefill is not None
+                                                                       and self.prefill.in_flight):
+                return FAST_POLL_S
+            busy = self._pulls or self._sends or (self.prefill is not None and self.prefill.fencing)
+            return BUSY_POLL_S if busy else IDLE_POLL_S
 
     def _d_finished(self, ep: Endpoint) -> None:
         f = ep.get_finished()
@@ -374,19 +402,24 @@ class ConnectorExecutor:
         started = time.monotonic()
         try:
             link = self._d_link(job)
-            kept = job.computed_tokens - job.recomputed_tokens  # D's tokens from P; vLLM recomputes the rest
-            if kept <= job.prefix_hit_tokens:  # D holds every token it keeps: nothing to move
-                with self.lock:
-                    self._out.finished_recving.add(job.request_id)
-                self._jobs.put(job.release)
-                return
-            # The request for the tokens D keeps (their windows end at token `kept`); P's lists cut to
-            # the blocks those tokens use, D's still cover every token vLLM allocated for.
-            per = link.pair.side("prefill").logical_block_tokens
-            remote = tuple(ids[:-(-kept // per)] for ids in job.remote_blocks)
-            request = request_from_block_tables(link.pair, kept, remote, job.local_blocks,
-                                                prefix_hit_tokens=job.prefix_hit_tokens,
-                                                decode_tokens=job.computed_tokens, null_block=0)
+            M = job.computed_tokens
+            tokens = whole_pages(link.pair, M)
+            remote = job.remote_blocks
+            if tokens == M and job.recomputed_tokens:
+                # Not whole pages (a window, or M ends a block): plan the tokens D keeps, M - 1, whose
+                # windows end where the recomputed token's begins (design §15.2); P's lists cut to
+                # the blocks they use, D's still cover every token vLLM allocated for.
+                tokens = M - job.recomputed_tokens
+                if tokens <= job.prefix_hit_tokens:  # D holds every token it keeps: nothing to move
+                    with self.lock:
+                        self._out.finished_recving.add(job.request_id)
+                    self._jobs.put(job.release)
+                    return
+                per = link.pair.side("prefill").logical_block_tokens
+                remote = tuple(ids[:-(-tokens // per)] for ids in job.remote_blocks)
+            request = request_from_block_tables(link.pair, tokens, remote, job.local_blocks,
+                                                prefix_hit_tokens=job.prefix_hit_tokens, decode_tokens=max(tokens, M),
+                                                null_block=0)
             plan = link.plan(request, strategy=self.strategy)  # outside the lock: the pair is read only
             with self.lock:
                 self._pulls[job.transfer_id] = job

@@ -12,6 +12,10 @@ threads poll.
   NixlConnector instance uses 100 % of a core, a KvgeomConnector one 3 %). Here it waits up to
   1 ms between polls (NIXL's own knob, in microseconds).
 
+With ``KVGEOM_BENCH_TIMINGS`` set (``python -m benchmarks.vllm_connector`` does), D's connector
+worker is also timed: :mod:`benchmarks.vllm_timing` wraps a few of its methods and appends events
+to that file (nothing else changes).
+
 Each patch is applied when its module is first imported (an import hook), so processes that never
 import it (the metadata prober, for one) pay nothing.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -56,6 +61,19 @@ PATCHES: dict[str, Callable[[Any], None]] = {
     "nixl_cu12._api": _nixl_delay,
     "nixl_cu13._api": _nixl_delay,
 }
+
+
+def _timed(which: str) -> Callable[[Any], None]:
+    def install(module: Any) -> None:
+        from benchmarks import vllm_timing
+
+        getattr(vllm_timing, f"install_{which}")(module, os.environ["KVGEOM_BENCH_TIMINGS"])
+    return install
+
+
+if os.environ.get("KVGEOM_BENCH_TIMINGS"):
+    PATCHES["kvgeom_nixl.vllm.executor"] = _timed("kvgeom")
+    PATCHES["vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"] = _timed("nixl")
 
 
 class _Hook(importlib.abc.MetaPathFinder):
