@@ -120,8 +120,9 @@ def prefix_reversed(params: dict[str, Any], pulled: int) -> dict[str, Any]:
 class Fleet:
     """The vLLM instances of one (connector, model), started together, reused by its cells."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, needed: dict[tuple[str, str], set[str]]) -> None:
         self.root = root
+        self.needed = needed  # (connector, model) -> the instances the selected cells use
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.paths = {m: write_model(root / m, m, seed=0) for m in FLEETS}
@@ -155,6 +156,8 @@ class Fleet:
             self.references()
         self.close_instances()
         for name, (block, tp) in FLEETS[model].items():
+            if name not in self.needed.get((connector, model), set()):
+                continue
             self.instances[name] = Instance(f"{model}-{connector}-{name}", self.paths[model], block_size=block,
                                             tp=tp, connector=connector, log_dir=self.logs, kv_cache_mb=16)
         for inst in self.instances.values():
@@ -169,8 +172,14 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    f = Fleet(tmp_path_factory.mktemp("vllm-e2e"))
+def fleet(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    needed: dict[tuple[str, str], set[str]] = {}
+    for item in request.session.items:  # only the instances of the selected cells start
+        spec = getattr(item, "callspec", None)
+        if spec is not None and isinstance(spec.params.get("cell"), Cell):
+            cell = spec.params["cell"]
+            needed.setdefault((spec.params["connector"], cell.model), set()).update((cell.p, cell.d))
+    f = Fleet(tmp_path_factory.mktemp("vllm-e2e"), needed)
     yield f
     f.close_instances()
     report = os.environ.get("KVGEOM_E2E_REPORT")
@@ -224,7 +233,7 @@ def run_cell(fleet: Fleet, cell: Cell, p: Instance, d: Instance) -> tuple[list[C
 
 
 @pytest.mark.timeout(1800)  # the first cell of a (connector, model) includes its instances' start-up
-@pytest.mark.parametrize("connector, cell", RUNS, ids=[f"{k}-{c.name.replace(' ', '_')}" for k, c in RUNS])
+@pytest.mark.parametrize("connector, cell", RUNS, ids=[f"{k}-{c.name.replace(' ', '_').replace('->', '_to_')}" for k, c in RUNS])
 def test_pd_equals_monolithic(fleet: Fleet, connector: str, cell: Cell) -> None:
     fleet.use(connector, cell.model)
     p, d = fleet.instances[cell.p], fleet.instances[cell.d]
