@@ -33,6 +33,7 @@ registers its layer tensors with two endpoints (two NIXL agents), one ``prefill`
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import queue
@@ -194,6 +195,7 @@ class ConnectorExecutor:
         self._hs: dict[str, _Collect] = {}
         self._hs_cond = threading.Condition()
         self._out = Results()
+        self.outcomes: collections.Counter[str] = collections.Counter()  # see counters()
         self._jobs: queue.Queue[PullJob | ReleaseJob | None] = queue.Queue()
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -244,6 +246,34 @@ class ConnectorExecutor:
                     "d_links": len(self._d_links), "releases": self.server.pending() if self.server else 0,
                     "jobs": self._jobs.qsize()}
 
+    def counters(self) -> dict[str, int]:
+        """What this rank holds for requests, and what it did, for leak checks and logs.
+
+        :meth:`pending`'s counts, plus ``holds`` (pending sends a D rank is reading), ``in_flight``
+        and ``fencing`` (transfers of both endpoints), ``staging_busy`` / ``staging_waiting``
+        (slots owned, chunks queued for one), ``inbox`` (kept ``req`` messages and attempts
+        routed by id or nonce), ``unreported`` (results :meth:`take` has not handed out yet): all
+        0 on an idle rank. ``inbox_tombs`` and ``inbox_cancelled`` are bounded by time and size
+        (not leaks). Then the running totals (never reset): ``freed released``, ``freed lease
+        expired``, ``freed hold ended`` (P), ``pull done``, ``pull failed <reason>`` (D)."""
+        with self.lock:
+            eps = [e for e in (self.prefill, self.decode) if e is not None]
+            rings = [e.staging for e in eps if e.staging is not None]
+            out = dict(self.pending())
+            out.update({
+                "holds": sum(s.hold is not None for s in self._sends.values()),
+                "in_flight": sum(len(e.in_flight) for e in eps),
+                "fencing": sum(len(e.fencing) for e in eps),
+                "staging_busy": sum(r.slots - r.free() for r in rings),
+                "staging_waiting": sum(len(r.waiting) for r in rings),
+                "inbox": sum(len(e.inbox.pending) + len(e.inbox.by_id) + len(e.inbox.by_nonce) for e in eps),
+                "unreported": len(self._out.finished_sending) + len(self._out.finished_recving) + len(self._out.failed),
+                "inbox_tombs": sum(len(e.inbox.tombs) for e in eps),
+                "inbox_cancelled": sum(len(e.inbox.cancelled) for e in eps),
+            })
+            out.update(self.outcomes)
+            return out
+
     # ---- progress thread -------------------------------------------------------------------
     def _progress_loop(self) -> None:
         while not self._stop.is_set():
@@ -273,6 +303,7 @@ class ConnectorExecutor:
             job = self._pulls.pop(r.request_id, None)
             if job is not None:
                 self._out.finished_recving.add(job.request_id)
+                self.outcomes["pull done"] += 1
                 self._jobs.put(job.release)
                 self.log.debug("kvgeom connector: pull of %s done: %d B in %.3f s", job.request_id, r.bytes_moved,
                                r.wall_s)
@@ -298,7 +329,12 @@ class ConnectorExecutor:
                 self.log.warning("kvgeom connector: cannot hold %s for D engine %s: %s", rid, engine, e)
 
     def _p_frees(self, server: SideChannelServer, now: float) -> None:
-        """Free (report) a pending send once D released it and its hold is over, or its lease passed."""
+        """Free (report) a pending send once D released it and its hold is over, or its lease passed.
+
+        A release for a request already freed (D released it after the lease expired or after
+        D's failed pull ended the hold) is dropped, not kept for the side channel's hour."""
+        if server.pending():
+            server.forget_if(lambda rid: rid in self._seen and rid not in self._sends)
         for rid, s in list(self._sends.items()):
             if not s.closing:
                 if server.released(rid):
@@ -316,6 +352,7 @@ class ConnectorExecutor:
             if t is None or t.fenced:
                 self.log.debug("kvgeom connector: %s freed (%s)", rid, s.closing)
                 del self._sends[rid]
+                self.outcomes[f"freed {s.closing}"] += 1
                 server.forget(rid)
                 self._out.finished_sending.add(rid)
 
@@ -398,12 +435,14 @@ class ConnectorExecutor:
             if link is not None:
                 link.close()
         bad = {g: set(ids) for g, ids in e.invalid_blocks.items()}
+        self.outcomes[f"pull failed {e.reason}"] += 1
         self._report_failure(job, bad)
 
     def _fail(self, job: PullJob, why: str) -> None:
         """A pull that failed before it was posted: every listed D block is invalid."""
         self.log.error("kvgeom connector: pull of %s failed before posting: %s", job.request_id, why)
         with self.lock:
+            self.outcomes["pull failed before posting"] += 1
             self._report_failure(job, {g: set(ids) for g, ids in enumerate(job.local_blocks)})
 
     def _report_failure(self, job: PullJob, bad: dict[int, set[int]]) -> None:
