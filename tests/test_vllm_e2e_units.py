@@ -343,3 +343,37 @@ def test_a_p_that_never_holds_times_the_pull_out_and_its_lease_frees_the_blocks(
         assert e.p[0].pending()["sends"] == 0
     finally:
         e.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_release_after_the_lease_expired_is_dropped_not_kept() -> None:
+    """D releases a request P already freed (its lease expired first): P drops the release instead
+    of keeping it for the side channel's hour; a release for a request P has not registered yet is
+    kept (the scheduler may hand P the send after D's release arrived)."""
+    e = Engines(32, 1, 32, 1, lease_s=0.5)
+    try:
+        p = e.p[0]
+        p.send("r1", 0.5)
+        deadline = time.monotonic() + 30
+        freed: set[str] = set()
+        while "r1" not in freed and time.monotonic() < deadline:
+            freed |= p.take().finished_sending
+            time.sleep(0.05)
+        assert freed == {"r1"} and p.counters()["freed lease expired"] == 1
+        send_release("127.0.0.1", e.port, "r1", 0, 1)  # D, late
+        send_release("127.0.0.1", e.port, "r-not-yet", 0, 1)  # before P registered the send
+        deadline = time.monotonic() + 30
+        while p.pending()["releases"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # a few more progress ticks
+        assert p.pending()["releases"] == 1, p.counters()  # r-not-yet only
+        p.send("r-not-yet", 30.0)
+        deadline = time.monotonic() + 30
+        while "r-not-yet" not in freed and time.monotonic() < deadline:
+            freed |= p.take().finished_sending
+            time.sleep(0.05)
+        c = p.counters()
+        assert "r-not-yet" in freed and c["freed released"] == 1 and c["releases"] == 0, c
+        assert all(c[k] == 0 for k in ("sends", "holds", "in_flight", "fencing", "inbox", "unreported")), c
+    finally:
+        e.close()
