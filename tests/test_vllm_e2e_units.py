@@ -377,3 +377,23 @@ def test_a_release_after_the_lease_expired_is_dropped_not_kept() -> None:
         assert all(c[k] == 0 for k in ("sends", "holds", "in_flight", "fencing", "inbox", "unreported")), c
     finally:
         e.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_release_to_a_hung_p_does_not_hold_up_pulls() -> None:
+    """A P that accepts connections and never answers (stopped, wedged): D's release to it waits
+    for the side channel's timeout (120 s), and D's pulls from another P must not wait behind it."""
+    e = Engines(32, 1, 32, 1)
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)  # the kernel completes connects; nobody ever reads or answers
+        try:
+            e.d[0].release(ReleaseJob("gone", "127.0.0.1", hung.getsockname()[1], 1))
+            time.sleep(0.5)  # the release is under way (connected, waiting for an answer)
+            e.pull("r1", 100, [3, 4, 5, 6], [7, 8, 9, 10])
+            d_out, p_out = e.wait(timeout_s=45)  # far below the hung release's 120 s
+            assert d_out[0].finished_recving == {"d-r1"} and not d_out[0].failed, d_out
+            assert p_out[0].finished_sending == {"r1"}, p_out
+            assert_tokens_equal(e, range(100), [3, 4, 5, 6], [7, 8, 9, 10])
+        finally:
+            e.close()

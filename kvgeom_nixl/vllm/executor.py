@@ -9,8 +9,9 @@ progress never waits for an engine step:
                                   |  (queues, one lock)                          ^
     progress thread      every 2 ms while work is pending (50 ms idle), under the lock:
                          decode/prefill .get_finished() -> results; P: hold on D's req, free on release
-    jobs thread          D: side-channel handshake (no lock) -> connect, plan, link.pull (lock);
-                         releases to P over the side channel (no lock)
+    jobs thread          D: side-channel handshake (no lock) -> connect, plan, link.pull (lock)
+    releases thread      D: releases to P over the side channel (no lock; apart from the jobs so
+                         that a P that never answers delays no pull)
     side-channel threads P: a D engine's handshake -> prefill.connect (lock) once all its ranks arrived
 
 The executor is not thread-safe (docs/design.md §8), so every call into an endpoint, a link or a
@@ -196,14 +197,16 @@ class ConnectorExecutor:
         self._hs_cond = threading.Condition()
         self._out = Results()
         self.outcomes: collections.Counter[str] = collections.Counter()  # see counters()
-        self._jobs: queue.Queue[PullJob | ReleaseJob | None] = queue.Queue()
+        self._jobs: queue.Queue[PullJob | None] = queue.Queue()
+        self._releases: queue.Queue[ReleaseJob | None] = queue.Queue()  # their own thread: a hung P delays no pull
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.server: SideChannelServer | None = None
         if self.prefill is not None:
             self.server = SideChannelServer(host, port, self.prefill.handshake(), self._on_handshake)
         self._threads = [threading.Thread(target=self._progress_loop, name=f"kvgeom-progress-{rank}", daemon=True),
-                         threading.Thread(target=self._jobs_loop, name=f"kvgeom-jobs-{rank}", daemon=True)]
+                         threading.Thread(target=self._jobs_loop, name=f"kvgeom-jobs-{rank}", daemon=True),
+                         threading.Thread(target=self._releases_loop, name=f"kvgeom-releases-{rank}", daemon=True)]
         for t in self._threads:
             t.start()
         with _LOCAL_LOCK:
@@ -220,7 +223,7 @@ class ConnectorExecutor:
 
     def release(self, job: ReleaseJob) -> None:
         """D: tell P's ranks this D rank needs nothing of ``job.request`` (in the background)."""
-        self._jobs.put(job)
+        self._releases.put(job)
 
     def send(self, request_id: str, lease_s: float) -> None:
         """P: keep ``request_id``'s blocks for D for at most ``lease_s`` seconds."""
@@ -244,7 +247,7 @@ class ConnectorExecutor:
         with self.lock:
             return {"pulls": len(self._pulls), "sends": len(self._sends), "p_links": len(self._p_links),
                     "d_links": len(self._d_links), "releases": self.server.pending() if self.server else 0,
-                    "jobs": self._jobs.qsize()}
+                    "jobs": self._jobs.qsize() + self._releases.qsize()}
 
     def counters(self) -> dict[str, int]:
         """What this rank holds for requests, and what it did, for leak checks and logs.
@@ -304,7 +307,7 @@ class ConnectorExecutor:
             if job is not None:
                 self._out.finished_recving.add(job.request_id)
                 self.outcomes["pull done"] += 1
-                self._jobs.put(job.release)
+                self._releases.put(job.release)
                 self.log.debug("kvgeom connector: pull of %s done: %d B in %.3f s", job.request_id, r.bytes_moved,
                                r.wall_s)
         for e in f.failed:
@@ -369,14 +372,22 @@ class ConnectorExecutor:
             if job is None or self._stop.is_set():
                 return
             try:
-                if isinstance(job, ReleaseJob):
-                    self._release(job)
-                else:
-                    self._start_pull(job)
+                self._start_pull(job)
             except Exception as e:  # noqa: BLE001 - one request fails, never the thread
                 self.log.exception("kvgeom connector: job %s failed", job)
-                if isinstance(job, PullJob):
-                    self._fail(job, f"{type(e).__name__}: {e}")
+                self._fail(job, f"{type(e).__name__}: {e}")
+
+    def _releases_loop(self) -> None:
+        """D's releases, one at a time, apart from the pulls: a P that accepts the connection and
+        never answers holds this thread up to the side channel's timeout, never a pull."""
+        while True:
+            job = self._releases.get()
+            if job is None or self._stop.is_set():
+                return
+            try:
+                self._release(job)
+            except Exception:  # noqa: BLE001 - never the thread
+                self.log.exception("kvgeom connector: release %s failed", job)
 
     def _release(self, job: ReleaseJob) -> None:
         for p in range(job.tp):
@@ -449,7 +460,7 @@ class ConnectorExecutor:
         with self.lock:
             self._out.finished_recving.add(job.request_id)
             self._out.failed[job.request_id] = {g: ids for g, ids in bad.items() if ids}
-        self._jobs.put(job.release)
+        self._releases.put(job.release)
 
     # ---- P: a D engine's handshake (side-channel threads) ----------------------------------
     def _on_handshake(self, engine: str, rank: int, tp: int, payload: bytes) -> None:
@@ -522,6 +533,7 @@ class ConnectorExecutor:
         self._stop.set()
         self._wake.set()
         self._jobs.put(None)
+        self._releases.put(None)
         for t in self._threads:
             t.join(timeout=5.0)
         if self.server is not None:
