@@ -165,9 +165,12 @@ def test_abort_on_d_frees_p(rig: Rig) -> None:
 
 
 def test_d_never_pulls_lease_frees(rig: Rig) -> None:
-    """P prefills for a D that never comes: P's lease (``kv_lease_duration``) frees the blocks."""
-    p0 = assert_idle(rig.p)
-    rig.prefill(rig.prompt())
+    """P prefills for a D that does not come: P's lease (``kv_lease_duration``) frees the blocks.
+    D coming after that must not read them (P may have reused them): its pull times out, vLLM
+    recomputes, the output equals the monolithic run, and neither side keeps anything."""
+    p0, d0 = assert_idle(rig.p), assert_idle(rig.d)
+    prompt = rig.prompt()
+    params = rig.prefill(prompt)
     held = rig.p.stats()
     assert leftovers(held), f"P reported idle while it holds a request for D: {held}"  # the control
     started = time.monotonic()
@@ -176,6 +179,12 @@ def test_d_never_pulls_lease_frees(rig: Rig) -> None:
     assert count(p1, "freed lease expired") == count(p0, "freed lease expired") + 1, p1
     assert count(p1, "freed released") == count(p0, "freed released"), p1
     print(f"P freed an unpulled request by its lease after {waited:.1f} s (lease {LEASE_S:.0f} s)")
+    late = rig.d.generate(prompt, MAX_TOKENS, params, timeout_s=PULL_TIMEOUT_S + 240)
+    assert (c := compare(rig.ref(prompt), late)).ok, c.reason
+    assert_idle(rig.p)  # (D's late release of a request P freed is dropped, not kept)
+    d2 = assert_idle(rig.d)
+    assert count(d2, "pull failed timeout") == count(d0, "pull failed timeout") + 1, d2
+    assert count(d2, "pull done") == count(d0, "pull done"), d2
 
 
 def test_many_requests_leave_nothing_behind(rig: Rig) -> None:
