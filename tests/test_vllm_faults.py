@@ -219,7 +219,12 @@ def test_p_never_answers(rig: Rig) -> None:
     os.kill(rig.p.proc.pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
-        got = rig.d.generate(prompt, MAX_TOKENS, params, timeout_s=PULL_TIMEOUT_S + 240)  # a hang guard
+        try:
+            got = rig.d.generate(prompt, MAX_TOKENS, params, timeout_s=PULL_TIMEOUT_S + 240)  # a hang guard
+        except TimeoutError:  # every thread's stack of D (tests/vllm_instance.py: SIGUSR1), then fail
+            os.kill(rig.d.proc.pid, signal.SIGUSR1)
+            time.sleep(2)
+            raise AssertionError(f"D hung with P stopped\n{rig.d.diagnostics()}") from None
         waited = time.monotonic() - started
         d1 = rig.d.stats()
     finally:

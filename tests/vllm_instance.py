@@ -184,6 +184,10 @@ def main() -> None:
     ap.add_argument("--failure-policy", default="fail", help="kv_load_failure_policy: fail (vLLM's default) or "
                     "recompute (a failed load is recomputed)")
     args = ap.parse_args()
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
 
     from vllm import LLM, SamplingParams
 
