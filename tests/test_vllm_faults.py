@@ -179,10 +179,15 @@ def test_d_never_pulls_lease_frees(rig: Rig) -> None:
     assert count(p1, "freed lease expired") == count(p0, "freed lease expired") + 1, p1
     assert count(p1, "freed released") == count(p0, "freed released"), p1
     print(f"P freed an unpulled request by its lease after {waited:.1f} s (lease {LEASE_S:.0f} s)")
+    started = time.monotonic()
     late = rig.d.generate(prompt, MAX_TOKENS, params, timeout_s=PULL_TIMEOUT_S + 240)
     assert (c := compare(rig.ref(prompt), late)).ok, c.reason
+    answered = time.monotonic() - started
     assert_idle(rig.p)  # (D's late release of a request P freed is dropped, not kept)
+    p_idle = time.monotonic() - started
     d2 = assert_idle(rig.d)
+    print(f"D after the lease: answered in {answered:.1f} s, P idle at {p_idle:.1f} s, "
+          f"D at {time.monotonic() - started:.1f} s")
     assert count(d2, "pull failed timeout") == count(d0, "pull failed timeout") + 1, d2
     assert count(d2, "pull done") == count(d0, "pull done"), d2
 
