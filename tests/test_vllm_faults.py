@@ -43,7 +43,7 @@ MAX_TOKENS = 4
 LEASE_S = 20.0  # P frees a request D never released after this (kv_lease_duration)
 PULL_TIMEOUT_S = 6.0  # D gives up a pull P does not serve after this (pull_timeout_s)
 PROMPT = 100  # tokens: 3 whole blocks of 32 and 4 tokens
-SETTLE_S = LEASE_S + 60  # hang guard for an instance to become idle
+SETTLE_S = 300.0  # hang guard for an instance to become idle (returns as soon as it is)
 # counters of ConnectorExecutor.counters() that hold something for a request: all 0 when idle
 HELD = ("pulls", "sends", "releases", "jobs", "holds", "in_flight", "fencing", "staging_busy", "staging_waiting",
         "inbox", "unreported")
