@@ -21,13 +21,15 @@ Timeouts are made small through ``kv_connector_extra_config`` (``kv_lease_durati
 Cost on this 2-core machine (measured, whole file): 118 s, of which the three instances' start-up
 34-68 s (up to 320 s under heavy load), the lease test 20 s (``LEASE_S``), the 200 requests 21.5 s
 (P prefill, D pull and decode of 2 tokens, and the monolithic reference each), P stopped 6.4 s
-(``PULL_TIMEOUT_S``), the rest about 1 s.
+(``PULL_TIMEOUT_S``, since raised to 10 s: 6 s timed out a few ordinary pulls when other jobs
+starved the machine), the rest about 1 s.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,7 +43,7 @@ pytestmark = pytest.mark.timeout(1200)  # the first test includes the instances'
 
 MAX_TOKENS = 4
 LEASE_S = 20.0  # P frees a request D never released after this (kv_lease_duration)
-PULL_TIMEOUT_S = 6.0  # D gives up a pull P does not serve after this (pull_timeout_s)
+PULL_TIMEOUT_S = 10.0  # D gives up a pull P does not serve after this (pull_timeout_s)
 PROMPT = 100  # tokens: 3 whole blocks of 32 and 4 tokens
 SETTLE_S = 300.0  # hang guard for an instance to become idle (returns as soon as it is)
 # counters of ConnectorExecutor.counters() that hold something for a request: all 0 when idle
@@ -208,7 +210,12 @@ def test_many_requests_leave_nothing_behind(rig: Rig) -> None:
     p1, d1 = assert_idle(rig.p), assert_idle(rig.d)
     print(f"{n} requests in {elapsed:.1f} s; P {p1['connector']}; D {d1['connector']}")
     assert not bad, bad[:5]
-    assert count(d1, "pull done") == count(d0, "pull done") + n, d1
+    # every request pulled once; on a starved host a pull may exceed PULL_TIMEOUT_S (vLLM then
+    # recomputes it, and its output above still matched): timeouts only, and counted
+    pulled = {k: count(d1, k) - count(d0, k) for k in d1["connector"] if k.startswith("pull ")}
+    assert sum(pulled.values()) == n and set(pulled) <= {"pull done", "pull failed timeout"}, pulled
+    if pulled.get("pull failed timeout"):
+        print(f"{pulled['pull failed timeout']} of {n} pulls timed out (host load) and were recomputed")
     assert count(p1, "freed released") == count(p0, "freed released") + n, p1
     assert count(p1, "freed lease expired") == count(p0, "freed lease expired"), p1
 
@@ -224,6 +231,9 @@ def test_p_never_answers(rig: Rig) -> None:
     os.kill(rig.p.proc.pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
+        # D stuck well past its pull timeout: its threads' stacks go to its log (tests/vllm_instance.py)
+        dump = threading.Timer(PULL_TIMEOUT_S + 30, os.kill, (rig.d.proc.pid, signal.SIGUSR1))
+        dump.start()
         try:
             got = rig.d.generate(prompt, MAX_TOKENS, params, timeout_s=PULL_TIMEOUT_S + 240)  # a hang guard
         except TimeoutError:  # every thread's stack of D (tests/vllm_instance.py: SIGUSR1), then fail
@@ -233,6 +243,7 @@ def test_p_never_answers(rig: Rig) -> None:
         waited = time.monotonic() - started
         d1 = rig.d.stats()
     finally:
+        dump.cancel()
         os.kill(rig.p.proc.pid, signal.SIGCONT)
     print(f"D answered in {waited:.1f} s with P stopped (pull timeout {PULL_TIMEOUT_S:.0f} s)")
     assert (c := compare(ref, got)).ok, c.reason
