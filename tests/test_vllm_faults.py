@@ -18,7 +18,7 @@ Timeouts are made small through ``kv_connector_extra_config`` (``kv_lease_durati
 ``pull_timeout_s`` on D); wall-clock bounds are hang guards only. The test that kills P runs last
 (P is gone after it).
 
-Cost on this 2-core machine (measured, whole file): 118 s, of which the three instances' start-up
+Cost on this 2-core machine (measured, whole file): 99-118 s, of which the three instances' start-up
 34-68 s (up to 320 s under heavy load), the lease test 20 s (``LEASE_S``), the 200 requests 21.5 s
 (P prefill, D pull and decode of 2 tokens, and the monolithic reference each), P stopped 6.4 s
 (``PULL_TIMEOUT_S``, since raised to 10 s: 6 s timed out a few ordinary pulls when other jobs
