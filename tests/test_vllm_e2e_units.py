@@ -408,3 +408,57 @@ def test_a_p_that_never_holds_times_the_pull_out_and_its_lease_frees_the_blocks(
         assert e.p[0].pending()["sends"] == 0
     finally:
         e.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_release_after_the_lease_expired_is_dropped_not_kept() -> None:
+    """D releases a request P already freed (its lease expired first): P drops the release instead
+    of keeping it for the side channel's hour; a release for a request P has not registered yet is
+    kept (the scheduler may hand P the send after D's release arrived)."""
+    e = Engines(32, 1, 32, 1, lease_s=0.5)
+    try:
+        p = e.p[0]
+        p.send("r1", 0.5)
+        deadline = time.monotonic() + 30
+        freed: set[str] = set()
+        while "r1" not in freed and time.monotonic() < deadline:
+            freed |= p.take().finished_sending
+            time.sleep(0.05)
+        assert freed == {"r1"} and p.counters()["freed lease expired"] == 1
+        send_release("127.0.0.1", e.port, "r1", 0, 1)  # D, late
+        send_release("127.0.0.1", e.port, "r-not-yet", 0, 1)  # before P registered the send
+        deadline = time.monotonic() + 30
+        while p.pending()["releases"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # a few more progress ticks
+        assert p.pending()["releases"] == 1, p.counters()  # r-not-yet only
+        p.send("r-not-yet", 30.0)
+        deadline = time.monotonic() + 30
+        while "r-not-yet" not in freed and time.monotonic() < deadline:
+            freed |= p.take().finished_sending
+            time.sleep(0.05)
+        c = p.counters()
+        assert "r-not-yet" in freed and c["freed released"] == 1 and c["releases"] == 0, c
+        assert all(c[k] == 0 for k in ("sends", "holds", "in_flight", "fencing", "inbox", "unreported")), c
+    finally:
+        e.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_release_to_a_hung_p_does_not_hold_up_pulls() -> None:
+    """A P that accepts connections and never answers (stopped, wedged): D's release to it waits
+    for the side channel's timeout (120 s), and D's pulls from another P must not wait behind it."""
+    e = Engines(32, 1, 32, 1)
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)  # the kernel completes connects; nobody ever reads or answers
+        try:
+            e.d[0].release(ReleaseJob("gone", "127.0.0.1", hung.getsockname()[1], 1))
+            time.sleep(0.5)  # the release is under way (connected, waiting for an answer)
+            e.pull("r1", 100, [3, 4, 5, 6], [7, 8, 9, 10])
+            d_out, p_out = e.wait(timeout_s=45)  # far below the hung release's 120 s
+            assert d_out[0].finished_recving == {"d-r1"} and not d_out[0].failed, d_out
+            assert p_out[0].finished_sending == {"r1"}, p_out
+            assert_tokens_equal(e, range(100), [3, 4, 5, 6], [7, 8, 9, 10])
+        finally:
+            e.close()

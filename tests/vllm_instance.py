@@ -10,6 +10,15 @@ Starts an offline ``vllm.LLM`` once (float32, eager, greedy, token-id prompts, n
   ``{"tokens", "logprobs" (per step: {token id: logprob}), "finish_reason", "kv_transfer_params",
   "num_cached_tokens"}``. A P request is ``max_tokens=1`` with ``{"do_remote_decode": true}``; a D
   request passes the params P returned.
+* ``{"op": "stats"}`` -> ``{"free_blocks", "total_blocks", "requests", "connector"}``: the scheduler's
+  free KV blocks (of ``total_blocks``), the requests it still tracks (finished ones whose blocks
+  wait for the connector included), and the kvgeom connector's counters
+  (``ConnectorExecutor.counters()``; null for other connectors). TP1 only (the worker is in this process).
+* ``{"op": "abort", "prompt", "max_tokens", "kv_transfer_params", "steps": k}`` -> ``{"aborted": true}``:
+  the request is added, the engine stepped ``k`` times, then the request aborted (a client gone).
+* ``{"op": "fault", "kind": "die_after_grant"}`` -> ``{"armed": ...}``: from now on, this process
+  SIGKILLs itself as soon as its connector has granted a D rank's READ of a held request (P killed
+  mid-transfer: D was told to read and never gets P's confirmation). TP1 only.
 * ``{"op": "quit"}`` -> exits.
 
 One process serves many requests so that a test pays vLLM's start-up (20-50 s here) once per
@@ -84,6 +93,56 @@ def generate(llm: Any, rid: str, prompt: list[int], sp: Any) -> Any:
             time.sleep(0.001)
 
 
+def engine_core(llm: Any) -> Any:
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise RuntimeError("stats and faults need the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    return core
+
+
+def stats(llm: Any) -> dict[str, Any]:
+    """The scheduler's free blocks and tracked requests, and the kvgeom connector's counters."""
+    from kvgeom_nixl.vllm.executor import local_executor
+
+    sched = engine_core(llm).scheduler
+    pool = sched.kv_cache_manager.block_pool
+    kvt = llm.llm_engine.vllm_config.kv_transfer_config
+    ex = local_executor(str(kvt.engine_id)) if kvt is not None else None
+    return {"free_blocks": int(pool.get_num_free_blocks()), "total_blocks": int(pool.num_gpu_blocks),
+            "requests": len(sched.requests), "connector": ex.counters() if ex is not None else None}
+
+
+def abort(llm: Any, rid: str, prompt: list[int], sp: Any, steps: int) -> None:
+    """Add a request, step ``steps`` times, abort it (the engine then frees it as a client abort)."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), sp)
+    for _ in range(steps):
+        engine.step()
+    engine.abort_request([rid])
+
+
+def arm(kind: str) -> None:
+    """A fault for the fault tests (module docstring)."""
+    import signal
+
+    from kvgeom_nixl.vllm.executor import ConnectorExecutor
+
+    if kind != "die_after_grant":
+        raise ValueError(f"unknown fault {kind!r} (die_after_grant)")
+    original = ConnectorExecutor._tick
+
+    def tick(self: Any) -> bool:
+        busy = original(self)
+        with self.lock:
+            if any(s.hold is not None and s.hold.granted for s in self._sends.values()):
+                os.kill(os.getpid(), signal.SIGKILL)
+        return bool(busy)
+
+    ConnectorExecutor._tick = tick  # type: ignore[method-assign]
+
+
 def holding(llm: Any) -> bool:
     """Whether the in-process engine still has requests (here: finished ones whose blocks wait for D)."""
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # the in-process EngineCore
@@ -125,6 +184,10 @@ def main() -> None:
     ap.add_argument("--failure-policy", default="fail", help="kv_load_failure_policy: fail (vLLM's default) or "
                     "recompute (a failed load is recomputed)")
     args = ap.parse_args()
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
 
     from vllm import LLM, SamplingParams
 
@@ -142,11 +205,22 @@ def main() -> None:
             msg = json.loads(line)
             if msg["op"] == "quit":
                 break
+            if msg["op"] == "stats":
+                emit(stats(llm))
+                continue
+            if msg["op"] == "fault":
+                arm(str(msg["kind"]))
+                emit({"armed": msg["kind"]})
+                continue
             params = msg.get("kv_transfer_params")
             sp = SamplingParams(max_tokens=int(msg["max_tokens"]), temperature=0.0, logprobs=5, ignore_eos=True,
                                 detokenize=False,
                                 extra_args={"kv_transfer_params": params} if params is not None else None)
             count += 1
+            if msg["op"] == "abort":
+                abort(llm, f"r{count}", msg["prompt"], sp, int(msg.get("steps", 0)))
+                emit({"aborted": True})
+                continue
             emit(result(generate(llm, f"r{count}", msg["prompt"], sp)))
         except Exception:  # reported to the test, which fails with the traceback; the instance lives on
             emit({"error": traceback.format_exc()})

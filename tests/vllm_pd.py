@@ -140,6 +140,18 @@ class Instance:
         self.proc.stdin.flush()
         return self._next(timeout_s)
 
+    def call(self, msg: dict[str, Any], timeout_s: float = 60) -> dict[str, Any]:
+        """Send one request line (``op`` and its fields, tests/vllm_instance.py) and return the answer."""
+        self.wait_ready()
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return self._next(timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        """The instance's free KV blocks, tracked requests and kvgeom connector counters."""
+        return self.call({"op": "stats"})
+
     def diagnostics(self) -> str:
         self._log.flush()
         err = self.log_path.read_text()[-6000:] if self.log_path.exists() else ""

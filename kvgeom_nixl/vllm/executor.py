@@ -10,8 +10,9 @@ progress never waits for an engine step:
     progress thread      every 0.5 ms while a transfer or hold is in flight, 2 ms while other work is
                          pending (50 ms idle), under the lock:
                          decode/prefill .get_finished() -> results; P: hold on D's req, free on release
-    jobs thread          D: side-channel handshake (no lock) -> connect, plan, link.pull (lock);
-                         releases to P over the side channel (no lock)
+    jobs thread          D: side-channel handshake (no lock) -> connect, plan, link.pull (lock)
+    releases thread      D: releases to P over the side channel (no lock; apart from the jobs so
+                         that a P that never answers delays no pull)
     side-channel threads P: a D engine's handshake -> prefill.connect (lock) once all its ranks arrived
 
 Both endpoints share :attr:`ConnectorExecutor.lock` (one ``RLock`` per worker rank, passed as
@@ -36,6 +37,7 @@ registers its layer tensors with two endpoints (two NIXL agents), one ``prefill`
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import queue
@@ -221,14 +223,17 @@ class ConnectorExecutor:
         self._hs: dict[str, _Collect] = {}
         self._hs_cond = threading.Condition()
         self._out = Results()
-        self._jobs: queue.Queue[PullJob | ReleaseJob | None] = queue.Queue()
+        self.outcomes: collections.Counter[str] = collections.Counter()  # see counters()
+        self._jobs: queue.Queue[PullJob | None] = queue.Queue()
+        self._releases: queue.Queue[ReleaseJob | None] = queue.Queue()  # their own thread: a hung P delays no pull
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.server: SideChannelServer | None = None
         if self.prefill is not None:
             self.server = SideChannelServer(host, port, self.prefill.handshake(), self._on_handshake)
         self._threads = [threading.Thread(target=self._progress_loop, name=f"kvgeom-progress-{rank}", daemon=True),
-                         threading.Thread(target=self._jobs_loop, name=f"kvgeom-jobs-{rank}", daemon=True)]
+                         threading.Thread(target=self._jobs_loop, name=f"kvgeom-jobs-{rank}", daemon=True),
+                         threading.Thread(target=self._releases_loop, name=f"kvgeom-releases-{rank}", daemon=True)]
         for t in self._threads:
             t.start()
         with _LOCAL_LOCK:
@@ -245,7 +250,7 @@ class ConnectorExecutor:
 
     def release(self, job: ReleaseJob) -> None:
         """D: tell P's ranks this D rank needs nothing of ``job.request`` (in the background)."""
-        self._jobs.put(job)
+        self._releases.put(job)
 
     def send(self, request_id: str, lease_s: float) -> None:
         """P: keep ``request_id``'s blocks for D for at most ``lease_s`` seconds."""
@@ -269,7 +274,35 @@ class ConnectorExecutor:
         with self.lock:
             return {"pulls": len(self._pulls), "sends": len(self._sends), "p_links": len(self._p_links),
                     "d_links": len(self._d_links), "releases": self.server.pending() if self.server else 0,
-                    "jobs": self._jobs.qsize()}
+                    "jobs": self._jobs.qsize() + self._releases.qsize()}
+
+    def counters(self) -> dict[str, int]:
+        """What this rank holds for requests, and what it did, for leak checks and logs.
+
+        :meth:`pending`'s counts, plus ``holds`` (pending sends a D rank is reading), ``in_flight``
+        and ``fencing`` (transfers of both endpoints), ``staging_busy`` / ``staging_waiting``
+        (slots owned, chunks queued for one), ``inbox`` (kept ``req`` messages and attempts
+        routed by id or nonce), ``unreported`` (results :meth:`take` has not handed out yet): all
+        0 on an idle rank. ``inbox_tombs`` and ``inbox_cancelled`` are bounded by time and size
+        (not leaks). Then the running totals (never reset): ``freed released``, ``freed lease
+        expired``, ``freed hold ended`` (P), ``pull done``, ``pull failed <reason>`` (D)."""
+        with self.lock:
+            eps = [e for e in (self.prefill, self.decode) if e is not None]
+            rings = [e.staging for e in eps if e.staging is not None]
+            out = dict(self.pending())
+            out.update({
+                "holds": sum(s.hold is not None for s in self._sends.values()),
+                "in_flight": sum(len(e.in_flight) for e in eps),
+                "fencing": sum(len(e.fencing) for e in eps),
+                "staging_busy": sum(r.slots - r.free() for r in rings),
+                "staging_waiting": sum(len(r.waiting) for r in rings),
+                "inbox": sum(len(e.inbox.pending) + len(e.inbox.by_id) + len(e.inbox.by_nonce) for e in eps),
+                "unreported": len(self._out.finished_sending) + len(self._out.finished_recving) + len(self._out.failed),
+                "inbox_tombs": sum(len(e.inbox.tombs) for e in eps),
+                "inbox_cancelled": sum(len(e.inbox.cancelled) for e in eps),
+            })
+            out.update(self.outcomes)
+            return out
 
     # ---- progress thread -------------------------------------------------------------------
     def _progress_loop(self) -> None:
@@ -306,7 +339,8 @@ class ConnectorExecutor:
             job = self._pulls.pop(r.request_id, None)
             if job is not None:
                 self._out.finished_recving.add(job.request_id)
-                self._jobs.put(job.release)
+                self.outcomes["pull done"] += 1
+                self._releases.put(job.release)
                 self.log.debug("kvgeom connector: pull of %s done: %d B in %.3f s", job.request_id, r.bytes_moved,
                                r.wall_s)
         for e in f.failed:
@@ -331,7 +365,12 @@ class ConnectorExecutor:
                 self.log.warning("kvgeom connector: cannot hold %s for D engine %s: %s", rid, engine, e)
 
     def _p_frees(self, server: SideChannelServer, now: float) -> None:
-        """Free (report) a pending send once D released it and its hold is over, or its lease passed."""
+        """Free (report) a pending send once D released it and its hold is over, or its lease passed.
+
+        A release for a request already freed (D released it after the lease expired or after
+        D's failed pull ended the hold) is dropped, not kept for the side channel's hour."""
+        if server.pending():
+            server.forget_if(lambda rid: rid in self._seen and rid not in self._sends)
         for rid, s in list(self._sends.items()):
             if not s.closing:
                 if server.released(rid):
@@ -349,6 +388,7 @@ class ConnectorExecutor:
             if t is None or t.fenced:
                 self.log.debug("kvgeom connector: %s freed (%s)", rid, s.closing)
                 del self._sends[rid]
+                self.outcomes[f"freed {s.closing}"] += 1
                 server.forget(rid)
                 self._out.finished_sending.add(rid)
 
@@ -365,14 +405,22 @@ class ConnectorExecutor:
             if job is None or self._stop.is_set():
                 return
             try:
-                if isinstance(job, ReleaseJob):
-                    self._release(job)
-                else:
-                    self._start_pull(job)
+                self._start_pull(job)
             except Exception as e:  # noqa: BLE001 - one request fails, never the thread
                 self.log.exception("kvgeom connector: job %s failed", job)
-                if isinstance(job, PullJob):
-                    self._fail(job, f"{type(e).__name__}: {e}")
+                self._fail(job, f"{type(e).__name__}: {e}")
+
+    def _releases_loop(self) -> None:
+        """D's releases, one at a time, apart from the pulls: a P that accepts the connection and
+        never answers holds this thread up to the side channel's timeout, never a pull."""
+        while True:
+            job = self._releases.get()
+            if job is None or self._stop.is_set():
+                return
+            try:
+                self._release(job)
+            except Exception:  # noqa: BLE001 - never the thread
+                self.log.exception("kvgeom connector: release %s failed", job)
 
     def _release(self, job: ReleaseJob) -> None:
         for p in range(job.tp):
@@ -413,7 +461,7 @@ class ConnectorExecutor:
                 if tokens <= job.prefix_hit_tokens:  # D holds every token it keeps: nothing to move
                     with self.lock:
                         self._out.finished_recving.add(job.request_id)
-                    self._jobs.put(job.release)
+                    self._releases.put(job.release)
                     return
                 per = link.pair.side("prefill").logical_block_tokens
                 remote = tuple(ids[:-(-tokens // per)] for ids in job.remote_blocks)
@@ -447,19 +495,21 @@ class ConnectorExecutor:
             if link is not None:
                 link.close()
         bad = {g: set(ids) for g, ids in e.invalid_blocks.items()}
+        self.outcomes[f"pull failed {e.reason}"] += 1
         self._report_failure(job, bad)
 
     def _fail(self, job: PullJob, why: str) -> None:
         """A pull that failed before it was posted: every listed D block is invalid."""
         self.log.error("kvgeom connector: pull of %s failed before posting: %s", job.request_id, why)
         with self.lock:
+            self.outcomes["pull failed before posting"] += 1
             self._report_failure(job, {g: set(ids) for g, ids in enumerate(job.local_blocks)})
 
     def _report_failure(self, job: PullJob, bad: dict[int, set[int]]) -> None:
         with self.lock:
             self._out.finished_recving.add(job.request_id)
             self._out.failed[job.request_id] = {g: ids for g, ids in bad.items() if ids}
-        self._jobs.put(job.release)
+        self._releases.put(job.release)
 
     # ---- P: a D engine's handshake (side-channel threads) ----------------------------------
     def _on_handshake(self, engine: str, rank: int, tp: int, payload: bytes) -> None:
@@ -532,6 +582,7 @@ class ConnectorExecutor:
         self._stop.set()
         self._wake.set()
         self._jobs.put(None)
+        self._releases.put(None)
         for t in self._threads:
             t.join(timeout=5.0)
         if self.server is not None:

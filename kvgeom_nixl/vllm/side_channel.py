@@ -215,6 +215,15 @@ class SideChannelServer:
         with self._lock:
             self._released.pop(request, None)
 
+    def forget_if(self, done: Callable[[str], bool]) -> int:
+        """Forget the release entries of every request ``done(request)`` says P has already freed
+        (a D rank that released after P's lease or a failed hold freed it); returns how many."""
+        with self._lock:
+            gone = [r for r in self._released if done(r)]
+            for r in gone:
+                del self._released[r]
+        return len(gone)
+
     def pending(self) -> int:
         """Release entries kept (requests some but not all D ranks released, or P never had)."""
         with self._lock:
