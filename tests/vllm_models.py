@@ -27,7 +27,15 @@ __all__ = ["MODELS", "model_config", "write_model", "write_safetensors", "prompt
 MODELS: dict[str, dict[str, Any]] = {
     "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
     "mistral-sw": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 128},
+    "nemotron-h": {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h"},
 }
+
+#: The Nemotron-H-like hybrid (``nemotron-h``): layers 0 and 2 mamba2 mixers (8 heads of 32, 2 groups,
+#: state 16, conv kernel 4: in_proj 2 * 256 + 2 * 2 * 16 + 8 = 584 rows, conv channels 256 + 2 * 2 * 16 =
+#: 320), layers 1 and 3 attention (8 query heads, 4 KV heads of 32). Weights carry the checkpoint's names
+#: (``backbone.``, ``embeddings``, ``A_log``, separate q/k/v), which vLLM maps onto its own.
+HYBRID_PATTERN = "M*M*"
+MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_GROUPS, MAMBA_STATE, MAMBA_CONV = 8, 32, 2, 16, 4
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS, FFN = 256, 8, 4, 32, 1024, 2, 512
 
@@ -36,6 +44,17 @@ def model_config(kind: str) -> dict[str, Any]:
     """The HF ``config.json`` of the tiny model ``kind`` (a key of :data:`MODELS`)."""
     if kind not in MODELS:
         raise ValueError(f"unknown tiny model {kind!r}; known: {sorted(MODELS)}")
+    if kind == "nemotron-h":
+        return {
+            **MODELS[kind], "hidden_size": HIDDEN, "intermediate_size": FFN, "num_attention_heads": HEADS,
+            "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "hybrid_override_pattern": HYBRID_PATTERN,
+            "num_hidden_layers": len(HYBRID_PATTERN), "vocab_size": VOCAB, "max_position_embeddings": 4096,
+            "ssm_state_size": MAMBA_STATE, "mamba_num_heads": MAMBA_HEADS, "mamba_head_dim": MAMBA_HEAD_DIM,
+            "n_groups": MAMBA_GROUPS, "conv_kernel": MAMBA_CONV, "expand": 1, "layer_norm_epsilon": 1e-5,
+            "torch_dtype": "float32", "tie_word_embeddings": False, "mlp_hidden_act": "relu2", "chunk_size": 128,
+            "use_conv_bias": True, "use_bias": False, "mlp_bias": False, "mamba_hidden_act": "silu",
+            "mamba_ssm_cache_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+        }
     return {
         **MODELS[kind],
         "hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": LAYERS,
@@ -69,6 +88,38 @@ def _weights(seed: int) -> dict[str, np.ndarray]:
     return out
 
 
+def _hybrid_weights(seed: int) -> dict[str, np.ndarray]:
+    """The ``nemotron-h`` checkpoint, under the names of NVIDIA's Nemotron-H checkpoints."""
+    rng = np.random.default_rng(seed)
+
+    def w(*shape: int) -> np.ndarray:
+        return rng.normal(0.0, 0.06, size=shape).astype(np.float32)
+
+    inner = MAMBA_HEADS * MAMBA_HEAD_DIM
+    conv = inner + 2 * MAMBA_GROUPS * MAMBA_STATE
+    out = {"backbone.embeddings.weight": w(VOCAB, HIDDEN)}
+    for i, kind in enumerate(HYBRID_PATTERN):
+        p = f"backbone.layers.{i}."
+        out[p + "norm.weight"] = (1.0 + w(HIDDEN)).astype(np.float32)
+        if kind == "M":
+            out[p + "mixer.in_proj.weight"] = w(inner + conv + MAMBA_HEADS, HIDDEN)
+            out[p + "mixer.conv1d.weight"] = w(conv, 1, MAMBA_CONV)
+            out[p + "mixer.conv1d.bias"] = w(conv)
+            out[p + "mixer.A_log"] = w(MAMBA_HEADS)  # vLLM loads A = -exp(A_log)
+            out[p + "mixer.D"] = w(MAMBA_HEADS)
+            out[p + "mixer.dt_bias"] = w(MAMBA_HEADS)
+            out[p + "mixer.norm.weight"] = (1.0 + w(inner)).astype(np.float32)
+            out[p + "mixer.out_proj.weight"] = w(HIDDEN, inner)
+        else:
+            out[p + "mixer.q_proj.weight"] = w(HEADS * HEAD_DIM, HIDDEN)
+            out[p + "mixer.k_proj.weight"] = w(KV_HEADS * HEAD_DIM, HIDDEN)
+            out[p + "mixer.v_proj.weight"] = w(KV_HEADS * HEAD_DIM, HIDDEN)
+            out[p + "mixer.o_proj.weight"] = w(HIDDEN, HEADS * HEAD_DIM)
+    out["backbone.norm_f.weight"] = (1.0 + w(HIDDEN)).astype(np.float32)
+    out["lm_head.weight"] = w(VOCAB, HIDDEN)
+    return out
+
+
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     """Write float32 ``tensors`` as one safetensors file (header, then the C-order bytes of each)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -94,7 +145,7 @@ def write_model(directory: Path, kind: str = "llama", seed: int = 0) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(model_config(kind), indent=1))
     (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    write_safetensors(directory / "model.safetensors", _weights(seed))
+    write_safetensors(directory / "model.safetensors", _hybrid_weights(seed) if kind == "nemotron-h" else _weights(seed))
     return directory
 
 
