@@ -51,13 +51,12 @@ from kvgeom_nixl.transfer import Transfer
 
 from .side_channel import SideChannelError, SideChannelServer, exchange_handshake, send_release
 
-__all__ = ["ConnectorExecutor", "PullJob", "ReleaseJob", "Results", "staging_bytes_for", "local_executor", "STRATEGY",
-           "DEFAULT_PULL_TIMEOUT_S", "DEFAULT_HANDSHAKE_TIMEOUT_S", "DEFAULT_STAGING_CAP"]
+__all__ = ["ConnectorExecutor", "PullJob", "ReleaseJob", "Results", "local_executor", "STRATEGY",
+           "DEFAULT_PULL_TIMEOUT_S", "DEFAULT_HANDSHAKE_TIMEOUT_S"]
 
-STRATEGY = "auto"
+STRATEGY = "auto"  # with no staging ring: the cheapest of direct and staged (P serves both by holding its blocks)
 DEFAULT_PULL_TIMEOUT_S = 120.0
 DEFAULT_HANDSHAKE_TIMEOUT_S = 120.0
-DEFAULT_STAGING_CAP = 64 << 20
 BUSY_POLL_S = 0.002  # progress interval while a transfer, a hold or a pending send exists
 IDLE_POLL_S = 0.05
 MAX_COLLECTING = 16  # D engines whose handshakes are being collected at once (hostile bound)
@@ -112,17 +111,6 @@ def _connect(ep: Endpoint, lock: Any, payloads: Sequence[bytes]) -> Link:
             return ep.connect(payloads)
     with lock:
         return ep.connect(infos, probe=False)
-
-
-def staging_bytes_for(engine: EngineGeometry, tokens: int, cap: int = DEFAULT_STAGING_CAP) -> int:
-    """One staging slot's bytes: what this rank holds for ``tokens`` tokens (every region's pages
-    for that many tokens, i.e. a whole request of that length), at most ``cap``; 0 disables
-    staging (auto then never picks packed plans)."""
-    if cap <= 0 or tokens <= 0:
-        return 0
-    pages = -(-tokens // engine.kernel_block_tokens)
-    need = sum(r.page_bytes * min(pages, r.num_pages) for r in engine.regions)
-    return int(min(cap, max(need, 1)))
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ from .executor import (
     ConnectorExecutor,
     PullJob,
     ReleaseJob,
-    staging_bytes_for,
 )
 from .scheduler import DEFAULT_PORT, KvgeomMetadataFields, Release
 
@@ -109,11 +108,6 @@ class KvgeomWorker:
         self.port = int(self.extra.get("side_channel_port", os.environ.get("KVGEOM_SIDE_CHANNEL_PORT", DEFAULT_PORT)))
         self.executor: ConnectorExecutor | None = None
         self.groups = 1
-        if os.environ.get("KVGEOM_DEBUG_STACKS"):  # TEMP
-            import faulthandler
-            import signal
-            import sys
-            faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
         self._invalid: set[int] = set()
 
     # ---- registration ----------------------------------------------------------------------
@@ -122,8 +116,12 @@ class KvgeomWorker:
         self.groups = len(groups)
         geo, layers = geometry_from_kv_caches(kv_caches, groups, tp=self.tp, name=self.engine_id,
                                               model=config_model(self.kv_cache_config, groups, self.tp))
-        tokens = int(self.vllm_config.model_config.max_model_len)
-        staging = int(self.extra.get("staging_bytes", staging_bytes_for(geo, tokens)))
+        if "staging_bytes" in self.extra:
+            raise ExecutorError("kv_connector_extra_config.staging_bytes", "packed pulls need P to pack for D's "
+                                "plan, and this connector's P serves pulls by holding its blocks (direct and "
+                                "staged plans only)", actual=self.extra["staging_bytes"], expected="absent",
+                                fix="remove staging_bytes from kv_connector_extra_config (docs/design.md §15.3)")
+        staging = 0  # no staging ring: auto then never picks a packed plan, which P could not serve
         self.executor = ConnectorExecutor(
             geo, self.rank, self.tp, layers, engine_id=self.engine_id, producer=self.producer, consumer=self.consumer,
             host=self.host, port=self.port + self.rank, staging_bytes=staging,
