@@ -28,7 +28,13 @@ MODELS: dict[str, dict[str, Any]] = {
     "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
     "mistral-sw": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 128},
     "nemotron-h": {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h"},
+    "deepseek": {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"},
 }
+
+#: The DeepSeek-V2-like MLA model (``deepseek``): 2 dense layers (no routed experts below
+#: ``first_k_dense_replace``), 8 heads, a KV latent of 512 + 64 rope dims (vLLM's CPU_MLA caches
+#: 576 floats per token), q/k nope 32, v 32, no q LoRA.
+KV_LORA_RANK, ROPE_DIM, NOPE_DIM, V_DIM = 512, 64, 32, 32
 
 #: The Nemotron-H-like hybrid (``nemotron-h``): layers 0 and 2 mamba2 mixers (8 heads of 32, 2 groups,
 #: state 16, conv kernel 4: in_proj 2 * 256 + 2 * 2 * 16 + 8 = 584 rows, conv channels 256 + 2 * 2 * 16 =
@@ -44,6 +50,16 @@ def model_config(kind: str) -> dict[str, Any]:
     """The HF ``config.json`` of the tiny model ``kind`` (a key of :data:`MODELS`)."""
     if kind not in MODELS:
         raise ValueError(f"unknown tiny model {kind!r}; known: {sorted(MODELS)}")
+    if kind == "deepseek":
+        return {
+            **MODELS[kind], "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN, "moe_intermediate_size": HIDDEN,
+            "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "num_hidden_layers": LAYERS,
+            "kv_lora_rank": KV_LORA_RANK, "q_lora_rank": None, "qk_nope_head_dim": NOPE_DIM,
+            "qk_rope_head_dim": ROPE_DIM, "v_head_dim": V_DIM, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "n_shared_experts": 1, "first_k_dense_replace": LAYERS, "vocab_size": VOCAB,
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
+            "torch_dtype": "float32", "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+        }
     if kind == "nemotron-h":
         return {
             **MODELS[kind], "hidden_size": HIDDEN, "intermediate_size": FFN, "num_attention_heads": HEADS,
@@ -120,6 +136,31 @@ def _hybrid_weights(seed: int) -> dict[str, np.ndarray]:
     return out
 
 
+def _mla_weights(seed: int) -> dict[str, np.ndarray]:
+    """The ``deepseek`` checkpoint, under DeepSeek-V2's names."""
+    rng = np.random.default_rng(seed)
+
+    def w(*shape: int) -> np.ndarray:
+        return rng.normal(0.0, 0.06, size=shape).astype(np.float32)
+
+    out = {"model.embed_tokens.weight": w(VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.q_proj.weight"] = w(HEADS * (NOPE_DIM + ROPE_DIM), HIDDEN)
+        out[p + "self_attn.kv_a_proj_with_mqa.weight"] = w(KV_LORA_RANK + ROPE_DIM, HIDDEN)
+        out[p + "self_attn.kv_a_layernorm.weight"] = (1.0 + w(KV_LORA_RANK)).astype(np.float32)
+        out[p + "self_attn.kv_b_proj.weight"] = w(HEADS * (NOPE_DIM + V_DIM), KV_LORA_RANK)
+        out[p + "self_attn.o_proj.weight"] = w(HIDDEN, HEADS * V_DIM)
+        out[p + "mlp.gate_proj.weight"] = w(2 * HIDDEN, HIDDEN)
+        out[p + "mlp.up_proj.weight"] = w(2 * HIDDEN, HIDDEN)
+        out[p + "mlp.down_proj.weight"] = w(HIDDEN, 2 * HIDDEN)
+        out[p + "input_layernorm.weight"] = (1.0 + w(HIDDEN)).astype(np.float32)
+        out[p + "post_attention_layernorm.weight"] = (1.0 + w(HIDDEN)).astype(np.float32)
+    out["model.norm.weight"] = (1.0 + w(HIDDEN)).astype(np.float32)
+    out["lm_head.weight"] = w(VOCAB, HIDDEN)
+    return out
+
+
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     """Write float32 ``tensors`` as one safetensors file (header, then the C-order bytes of each)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -145,7 +186,8 @@ def write_model(directory: Path, kind: str = "llama", seed: int = 0) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(model_config(kind), indent=1))
     (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    write_safetensors(directory / "model.safetensors", _hybrid_weights(seed) if kind == "nemotron-h" else _weights(seed))
+    weights = {"nemotron-h": _hybrid_weights, "deepseek": _mla_weights}.get(kind, _weights)(seed)
+    write_safetensors(directory / "model.safetensors", weights)
     return directory
 
 

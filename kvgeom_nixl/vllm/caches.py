@@ -40,9 +40,12 @@ from typing import Any
 from kvgeom import AttentionSpec, EngineGeometry, LayerTensors, ModelSpec, StateSpec
 from kvgeom_nixl.errors import ExecutorError
 
-__all__ = ["CacheGroup", "CPU_ATTN", "CPU_ATTN_ISAS", "cpu_attn_views", "mamba_state_views", "geometry_from_kv_caches"]
+__all__ = ["CacheGroup", "CPU_ATTN", "CPU_ATTN_ISAS", "CPU_MLA_BACKENDS", "cpu_attn_views", "mamba_state_views", "geometry_from_kv_caches"]
 
 CPU_ATTN = "CPU_ATTN"
+CPU_MLA_BACKENDS = ("CPU_MLA",)
+"""The MLA backends whose cache is one latent row per token, ``[blocks, 1, block_size, latent]``
+(float32: ``AMX_MLA`` runs bfloat16 only, and is not run here)."""
 CPU_ATTN_ISAS = ("vec", "vec16")
 """The CPU_ATTN kernels whose K is ``[head_dim][block_size]`` (docs/design.md §3.5). ``amx`` (bf16)
 keeps K in 16-token tiles of element pairs, which an axis description cannot say (§10.1)."""
@@ -162,6 +165,28 @@ def _layer(group: CacheGroup, layer: str, kv_caches: Mapping[str, Any]) -> tuple
     return t, kernel
 
 
+def _mla_layer(group: CacheGroup, layer: str, kv_caches: Mapping[str, Any]) -> tuple[Any, int]:
+    """The CPU_MLA tensor of ``layer`` (checked: ``[blocks, 1, block_size, latent]``) and its kernel block."""
+    path = f"kv_caches[{layer!r}]"
+    backend = group.backend.get(layer, "")
+    if backend not in CPU_MLA_BACKENDS:
+        raise ExecutorError(f"{path}.backend", f"MLA backend {backend or 'unknown'!r}: the connector reads "
+                            f"{list(CPU_MLA_BACKENDS)} MLA caches only", actual=backend, expected=list(CPU_MLA_BACKENDS),
+                            fix="run vLLM's CPU MLA backend (float32)")
+    if layer not in kv_caches:
+        raise ExecutorError(path, "a layer of the KV-cache config has no registered tensor", actual=None,
+                            expected="a tensor", fix="register every layer of every group")
+    t = kv_caches[layer]
+    shape = tuple(int(n) for n in t.shape)
+    if len(shape) != 4 or shape[1] != 1 or shape[2] < 1:
+        raise ExecutorError(f"{path}.shape", f"shape {shape} is not CPU_MLA's [blocks, 1, block_size, latent]",
+                            actual=shape, expected="4 dimensions, one head")
+    if group.block_size % shape[2]:
+        raise ExecutorError(f"{path}.shape[2]", f"a {shape[2]}-token kernel block does not divide the group's "
+                            f"{group.block_size}-token block", actual=shape[2], expected=f"a divisor of {group.block_size}")
+    return t, shape[2]
+
+
 def geometry_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[CacheGroup], *, tp: int,
                             name: str, model: ModelSpec | None = None) -> tuple[EngineGeometry, list[LayerTensors]]:
     """This rank's geometry and the :class:`kvgeom.LayerTensors` it was read from (the endpoint
@@ -193,24 +218,30 @@ def geometry_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[Cache
             specs.append(spec)
             layers += _state_layers(group, spec, kv_caches)
             continue
-        if group.kind not in ("full", "sliding") or (group.kind == "sliding") != bool(group.window):
+        if group.kind not in ("full", "sliding", "mla") or (group.kind == "sliding") != bool(group.window):
             raise ExecutorError(f"kv_cache_groups[{group.name!r}].kind", f"group kind {group.kind!r} with window "
-                                f"{group.window!r}", actual=group.kind, expected="full, or sliding with a window",
-                                fix="the connector moves attention groups (full or sliding window) only")
+                                f"{group.window!r}", actual=group.kind,
+                                expected="full, sliding with a window, mla or mamba",
+                                fix="the connector moves attention groups (full, sliding window, MLA) and mamba "
+                                "states only")
         if not group.layers:
             raise ExecutorError(f"kv_cache_groups[{group.name!r}].layers", "a group without layers", actual=0,
                                 expected=">= 1")
         head_bytes = 0
         for layer in group.layers:
-            t, kernel = _layer(group, layer, kv_caches)
+            t, kernel = _mla_layer(group, layer, kv_caches) if group.kind == "mla" else _layer(group, layer, kv_caches)
             kernels.add(kernel)
             logical.add(group.block_size)
-            layers.append(LayerTensors(group.name, "page head token dim", cpu_attn_views(t), name=layer))
-            head_bytes = int(t.shape[3]) // 2 * int(t.element_size())
+            if group.kind == "mla":  # one latent per token: [blocks, 1, block_size, latent]
+                layers.append(LayerTensors(group.name, "page head token dim", t, name=layer))
+                head_bytes = int(t.shape[3]) * int(t.element_size())
+            else:
+                layers.append(LayerTensors(group.name, "page head token dim", cpu_attn_views(t), name=layer))
+                head_bytes = int(t.shape[3]) // 2 * int(t.element_size())
             dtype = str(t.dtype).removeprefix("torch.")
         specs.append(AttentionSpec(group.name, group.kind, num_layers=len(group.layers),
-                                   num_kv_heads=group.total_kv_heads, head_bytes=head_bytes,
-                                   window_tokens=group.window if group.kind == "sliding" else None))
+                                   num_kv_heads=1 if group.kind == "mla" else group.total_kv_heads,
+                                   head_bytes=head_bytes, window_tokens=group.window if group.kind == "sliding" else None))
     if len(kernels) != 1 or len(logical) != 1:
         raise ExecutorError("kv_caches", f"groups with different block sizes (kernel {sorted(kernels)}, logical "
                             f"{sorted(logical)})", actual=sorted(kernels | logical), expected="one block size",

@@ -57,13 +57,15 @@ def cache_groups(vllm_config: Any, kv_cache_config: Any) -> list[CacheGroup]:
             continue
         if isinstance(spec, SlidingWindowSpec):
             kind, window = "sliding", int(spec.sliding_window)
+        elif type(spec).__name__ == "MLAAttentionSpec":
+            kind, window = "mla", None
         elif isinstance(spec, FullAttentionSpec) and type(spec).__name__ == "FullAttentionSpec":
             kind, window = "full", None  # (a sliding layer in a full group keeps every block: moved whole)
         else:
             raise ExecutorError(f"kv_cache_groups[{i}].kv_cache_spec", f"{type(spec).__name__} groups are not "
                                 "moved by this connector yet", actual=type(spec).__name__,
-                                expected=["FullAttentionSpec", "SlidingWindowSpec", "MambaSpec"],
-                                fix="use vLLM's NixlConnector for MLA and other group kinds for now")
+                                expected=["FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec", "MambaSpec"],
+                                fix="use vLLM's NixlConnector for other group kinds")
         backend = {n: str(layers[n].attn_backend.get_name()) for n in names if n in layers}
         isa = {n: getattr(layers[n], "isa", None) for n in names if n in layers}
         out.append(CacheGroup(f"g{i}", kind, names, int(spec.block_size), total_heads, window, backend, isa))
