@@ -51,6 +51,7 @@ FLEETS: dict[str, dict[str, int]] = {
     "deepseek": {"m": 16, "n": 16},
 }
 MONO_BLOCK = {"nemotron-h": 128, "deepseek": 16}
+BACKEND = {"deepseek": "CPU_MLA"}  # (vLLM would pick AMX_MLA, which needs bfloat16 weights)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class Fleet:
         hybrid = model == "nemotron-h"
         return Instance(f"{model}-{name}", self.paths[model], block_size=block, connector=connector,
                         log_dir=self.logs, kv_cache_mb=32, prefix_caching=not hybrid,
-                        env_extra=HYBRID_ENV if hybrid else None)
+                        env_extra=HYBRID_ENV if hybrid else None, attention_backend=BACKEND.get(model, ""))
 
     def use(self, model: str) -> None:
         if self.model == model:

@@ -29,7 +29,16 @@ MODELS: dict[str, dict[str, Any]] = {
     "mistral-sw": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 128},
     "nemotron-h": {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h"},
     "deepseek": {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"},
+    "qwen3-next": {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"},
 }
+
+#: The Qwen3-Next-like hybrid (``qwen3-next``, run in bfloat16: vLLM's CPU GDN kernels need it, and
+#: head_dim 64): layers 0-2 gated DeltaNet (2 key heads, 4 value heads, heads of 64, conv kernel 4:
+#: in_proj_qkvz 2 * 128 + 2 * 256 = 768 rows, conv channels 2 * 128 + 256 = 512), layer 3 gated
+#: attention (4 query heads, 2 KV heads of 64) with a small MoE (4 experts, top 2, a shared expert:
+#: vLLM's Qwen3-Next needs one MoE layer); weights are written as float32, vLLM casts them.
+QN_TYPES = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
+QN_HEADS, QN_KV_HEADS, QN_HEAD_DIM, QN_K_HEADS, QN_V_HEADS, QN_EXPERTS = 4, 2, 64, 2, 4, 4
 
 #: The DeepSeek-V2-like MLA model (``deepseek``): 2 dense layers (no routed experts below
 #: ``first_k_dense_replace``), 8 heads, a KV latent of 512 + 64 rope dims (vLLM's CPU_MLA caches
@@ -50,6 +59,20 @@ def model_config(kind: str) -> dict[str, Any]:
     """The HF ``config.json`` of the tiny model ``kind`` (a key of :data:`MODELS`)."""
     if kind not in MODELS:
         raise ValueError(f"unknown tiny model {kind!r}; known: {sorted(MODELS)}")
+    if kind == "qwen3-next":
+        return {
+            **MODELS[kind], "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN, "num_hidden_layers": len(QN_TYPES),
+            "num_attention_heads": QN_HEADS, "num_key_value_heads": QN_KV_HEADS, "head_dim": QN_HEAD_DIM,
+            "layer_types": list(QN_TYPES), "full_attention_interval": len(QN_TYPES),
+            "linear_num_key_heads": QN_K_HEADS, "linear_num_value_heads": QN_V_HEADS,
+            "linear_key_head_dim": QN_HEAD_DIM, "linear_value_head_dim": QN_HEAD_DIM, "linear_conv_kernel_dim": 4,
+            "num_experts": QN_EXPERTS, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+            "moe_intermediate_size": HIDDEN, "shared_expert_intermediate_size": HIDDEN,
+            "mlp_only_layers": [i for i, t in enumerate(QN_TYPES) if t == "linear_attention"], "norm_topk_prob": True,
+            "vocab_size": VOCAB, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25, "hidden_act": "silu", "torch_dtype": "bfloat16",
+            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "attention_bias": False,
+        }
     if kind == "deepseek":
         return {
             **MODELS[kind], "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN, "moe_intermediate_size": HIDDEN,
@@ -161,6 +184,53 @@ def _mla_weights(seed: int) -> dict[str, np.ndarray]:
     return out
 
 
+def _gdn_weights(seed: int) -> dict[str, np.ndarray]:
+    """The ``qwen3-next`` checkpoint, under Qwen3-Next's names (float32; vLLM casts to bfloat16)."""
+    rng = np.random.default_rng(seed)
+
+    def w(*shape: int) -> np.ndarray:
+        return rng.normal(0.0, 0.06, size=shape).astype(np.float32)
+
+    def one(*shape: int) -> np.ndarray:
+        return (1.0 + w(*shape)).astype(np.float32)
+
+    kd, vd = QN_K_HEADS * QN_HEAD_DIM, QN_V_HEADS * QN_HEAD_DIM
+    out = {"model.embed_tokens.weight": w(VOCAB, HIDDEN)}
+    for i, kind in enumerate(QN_TYPES):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = one(HIDDEN)
+        out[p + "post_attention_layernorm.weight"] = one(HIDDEN)
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            out[a + "in_proj_qkvz.weight"] = w(2 * kd + 2 * vd, HIDDEN)
+            out[a + "in_proj_ba.weight"] = w(2 * QN_V_HEADS, HIDDEN)
+            out[a + "conv1d.weight"] = w(2 * kd + vd, 1, 4)
+            out[a + "A_log"] = w(QN_V_HEADS)
+            out[a + "dt_bias"] = w(QN_V_HEADS)
+            out[a + "norm.weight"] = one(QN_HEAD_DIM)
+            out[a + "out_proj.weight"] = w(HIDDEN, vd)
+            out[p + "mlp.gate_proj.weight"] = w(2 * HIDDEN, HIDDEN)
+            out[p + "mlp.up_proj.weight"] = w(2 * HIDDEN, HIDDEN)
+            out[p + "mlp.down_proj.weight"] = w(HIDDEN, 2 * HIDDEN)
+            continue
+        a = p + "self_attn."
+        out[a + "q_proj.weight"] = w(2 * QN_HEADS * QN_HEAD_DIM, HIDDEN)  # queries and their output gates
+        out[a + "k_proj.weight"] = w(QN_KV_HEADS * QN_HEAD_DIM, HIDDEN)
+        out[a + "v_proj.weight"] = w(QN_KV_HEADS * QN_HEAD_DIM, HIDDEN)
+        out[a + "o_proj.weight"] = w(HIDDEN, QN_HEADS * QN_HEAD_DIM)
+        out[a + "q_norm.weight"] = one(QN_HEAD_DIM)
+        out[a + "k_norm.weight"] = one(QN_HEAD_DIM)
+        out[p + "mlp.gate.weight"] = w(QN_EXPERTS, HIDDEN)
+        out[p + "mlp.shared_expert_gate.weight"] = w(1, HIDDEN)
+        for e in ["shared_expert"] + [f"experts.{j}" for j in range(QN_EXPERTS)]:
+            out[p + f"mlp.{e}.gate_proj.weight"] = w(HIDDEN, HIDDEN)
+            out[p + f"mlp.{e}.up_proj.weight"] = w(HIDDEN, HIDDEN)
+            out[p + f"mlp.{e}.down_proj.weight"] = w(HIDDEN, HIDDEN)
+    out["model.norm.weight"] = one(HIDDEN)
+    out["lm_head.weight"] = w(VOCAB, HIDDEN)
+    return out
+
+
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     """Write float32 ``tensors`` as one safetensors file (header, then the C-order bytes of each)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -186,7 +256,7 @@ def write_model(directory: Path, kind: str = "llama", seed: int = 0) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(model_config(kind), indent=1))
     (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    weights = {"nemotron-h": _hybrid_weights, "deepseek": _mla_weights}.get(kind, _weights)(seed)
+    weights = {"nemotron-h": _hybrid_weights, "deepseek": _mla_weights, "qwen3-next": _gdn_weights}.get(kind, _weights)(seed)
     write_safetensors(directory / "model.safetensors", weights)
     return directory
 

@@ -77,7 +77,8 @@ class Instance:
     def __init__(self, name: str, model: Path, *, block_size: int = 32, tp: int = 1, connector: str = "none",
                  extra: dict[str, Any] | None = None, log_dir: Path, kv_cache_mb: int = 64,
                  failure_policy: str = "fail", prefix_caching: bool = True,
-                 env_extra: dict[str, str] | None = None) -> None:
+                 env_extra: dict[str, str] | None = None, dtype: str = "float32",
+                 attention_backend: str = "") -> None:
         self.name, self.block_size, self.tp, self.connector = name, block_size, tp, connector
         self.port = free_port()
         env = vllm_env(VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.port), KVGEOM_SIDE_CHANNEL_PORT=str(self.port),
@@ -95,7 +96,7 @@ class Instance:
         self._log = open(self.log_path, "w")  # closed in close()
         cmd = [vllm_python(), str(SCRIPT), "--model", str(model), "--block-size", str(block_size), "--tp", str(tp),
                "--connector", connector, "--extra", json.dumps(extra or {}), "--kv-cache-mb", str(kv_cache_mb),
-               "--failure-policy", failure_policy] + ([] if prefix_caching else ["--no-prefix-caching"])
+               "--failure-policy", failure_policy] + ([] if prefix_caching else ["--no-prefix-caching"]) + ["--dtype", dtype, "--attention-backend", attention_backend]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, env=env, cwd=ROOT, start_new_session=True)
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
