@@ -40,15 +40,18 @@ from typing import Any
 from kvgeom import AttentionSpec, EngineGeometry, LayerTensors, ModelSpec, StateSpec
 from kvgeom_nixl.errors import ExecutorError
 
-__all__ = ["CacheGroup", "CPU_ATTN", "CPU_ATTN_ISAS", "CPU_MLA_BACKENDS", "cpu_attn_views", "mamba_state_views", "geometry_from_kv_caches"]
+__all__ = ["CacheGroup", "CPU_ATTN", "CPU_ATTN_ISAS", "CPU_ATTN_AXES", "CPU_MLA_BACKENDS", "cpu_attn_views", "mamba_state_views", "geometry_from_kv_caches"]
 
 CPU_ATTN = "CPU_ATTN"
+CPU_ATTN_AXES = {"vec": "page head token dim", "vec16": "page head token dim", "amx": "page head token1 d1 token0 d0"}
+"""How :func:`cpu_attn_views`'s K and V views of each kernel are described to ``from_tensors``."""
 CPU_MLA_BACKENDS = ("CPU_MLA",)
 """The MLA backends whose cache is one latent row per token, ``[blocks, 1, block_size, latent]``
 (float32: ``AMX_MLA`` runs bfloat16 only, and is not run here)."""
-CPU_ATTN_ISAS = ("vec", "vec16")
-"""The CPU_ATTN kernels whose K is ``[head_dim][block_size]`` (docs/design.md §3.5). ``amx`` (bf16)
-keeps K in 16-token tiles of element pairs, which an axis description cannot say (§10.1)."""
+CPU_ATTN_ISAS = ("vec", "vec16", "amx")
+"""The CPU_ATTN kernels read here: ``vec`` / ``vec16`` store K as ``[head_dim][block_size]``, ``amx``
+(bfloat16) K in 16-token tiles of element pairs and V in token pairs (docs/design.md §3.5), read
+as token axes in parts (§10.1, :func:`cpu_attn_views`)."""
 
 
 @dataclass(frozen=True)
@@ -78,12 +81,20 @@ class CacheGroup:
     one_state: bool = False
 
 
-def cpu_attn_views(cache: Any) -> tuple[Any, Any]:
+def cpu_attn_views(cache: Any, isa: str = "vec") -> tuple[Any, Any]:
     """K and V of one CPU_ATTN layer tensor ``[blocks, heads, block_size, 2 * head_dim]``, as the
     ``vec`` kernels read them: K ``[blocks, heads, block_size, head_dim]`` through the transposed
-    ``[head_dim][block_size]`` half, V the second half of vLLM's ``[blocks, heads, 2 * bs, hd]`` view."""
+    ``[head_dim][block_size]`` half, V the second half of vLLM's ``[blocks, heads, 2 * bs, hd]`` view.
+    ``isa="amx"`` (bfloat16): K ``[.., bs/16, hd/2, 16, 2]`` (token ``16 t1 + t0``, element ``2 d1 + d0``)
+    and V ``[.., hd/16, bs/2, 16, 2]`` permuted to the same order (token ``2 t1 + t0``, element
+    ``16 d1 + d0``), both read as ``"page head token1 d1 token0 d0"`` (:data:`CPU_ATTN_AXES`)."""
     blocks, heads, bs, two_hd = (int(n) for n in cache.shape)
     hd = two_hd // 2
+    if isa == "amx":
+        kv = cache.view(blocks, heads, 2, bs * hd)
+        k = kv[:, :, 0].view(blocks, heads, bs // 16, hd // 2, 16, 2)
+        v = kv[:, :, 1].view(blocks, heads, hd // 16, bs // 2, 16, 2).permute(0, 1, 3, 2, 5, 4)
+        return k, v
     k = cache.view(blocks, heads, 2, hd, bs)[:, :, 0].transpose(-1, -2)
     v = cache.view(blocks, heads, 2 * bs, hd).chunk(2, dim=2)[1]
     return k, v
@@ -147,9 +158,9 @@ def _layer(group: CacheGroup, layer: str, kv_caches: Mapping[str, Any]) -> tuple
                             "kvgeom_nixl.vllm.caches")
     isa = group.isa.get(layer)
     if isa not in CPU_ATTN_ISAS:
-        raise ExecutorError(f"{path}.isa", f"CPU_ATTN kernel {isa!r} stores K in a layout an axis description "
-                            "cannot say (docs/design.md §10.1)", actual=isa, expected=list(CPU_ATTN_ISAS),
-                            fix="run float32 (vLLM picks the vec kernel), not bfloat16 (amx)")
+        raise ExecutorError(f"{path}.isa", f"CPU_ATTN kernel {isa!r}: its page layout is not described here "
+                            "(docs/design.md §10.1)", actual=isa, expected=list(CPU_ATTN_ISAS),
+                            fix="run float32 (vec) or bfloat16 (amx)")
     if layer not in kv_caches:
         raise ExecutorError(path, "a layer of the KV-cache config has no registered tensor", actual=None,
                             expected="a tensor", fix="register every layer of every group")
@@ -236,7 +247,8 @@ def geometry_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[Cache
                 layers.append(LayerTensors(group.name, "page head token dim", t, name=layer))
                 head_bytes = int(t.shape[3]) * int(t.element_size())
             else:
-                layers.append(LayerTensors(group.name, "page head token dim", cpu_attn_views(t), name=layer))
+                isa = str(group.isa.get(layer))
+                layers.append(LayerTensors(group.name, CPU_ATTN_AXES[isa], cpu_attn_views(t, isa), name=layer))
                 head_bytes = int(t.shape[3]) // 2 * int(t.element_size())
             dtype = str(t.dtype).removeprefix("torch.")
         specs.append(AttentionSpec(group.name, group.kind, num_layers=len(group.layers),
