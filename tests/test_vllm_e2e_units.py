@@ -91,7 +91,7 @@ def test_what_the_connector_cannot_read_is_refused_by_name() -> None:
     with pytest.raises(ExecutorError, match="backend"):
         geometry_from_kv_caches(kv, [group(32, backend="FLASH_ATTN")], tp=1, name="e")
     with pytest.raises(ExecutorError, match="isa"):
-        geometry_from_kv_caches(kv, [group(32, isa="amx")], tp=1, name="e")
+        geometry_from_kv_caches(kv, [group(32, isa="neon")], tp=1, name="e")
     bad = {n: torch.zeros(4, 4, 32, 33) for n in kv}
     with pytest.raises(ExecutorError, match="shape"):
         geometry_from_kv_caches(bad, [group(32)], tp=1, name="e")

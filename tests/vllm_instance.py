@@ -183,6 +183,11 @@ def main() -> None:
     ap.add_argument("--kv-cache-mb", type=int, default=64, help="KV cache per worker (MiB)")
     ap.add_argument("--failure-policy", default="fail", help="kv_load_failure_policy: fail (vLLM's default) or "
                     "recompute (a failed load is recomputed)")
+    ap.add_argument("--dtype", default="float32", help="float32, or bfloat16 (CPU GDN needs it)")
+    ap.add_argument("--attention-backend", default="", help="vLLM's attention backend ('' lets vLLM choose; "
+                    "CPU_MLA for a float32 MLA model, where vLLM would pick AMX_MLA)")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="a mamba hybrid without prefix caching: "
+                    "mamba_cache_mode 'none', one state block per request")
     args = ap.parse_args()
     import faulthandler
     import signal
@@ -191,9 +196,9 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+    llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype=args.dtype, attention_backend=args.attention_backend or None,
               block_size=args.block_size, tensor_parallel_size=args.tp, seed=args.seed,
-              max_model_len=args.max_model_len, enable_prefix_caching=True,
+              max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
               kv_cache_memory_bytes=args.kv_cache_mb << 20,
               kv_transfer_config=transfer_config(args.connector, json.loads(args.extra), args.failure_policy))
     emit({"ready": True, "block_size": args.block_size, "tp": args.tp, "connector": args.connector})

@@ -76,15 +76,17 @@ class Instance:
 
     def __init__(self, name: str, model: Path, *, block_size: int = 32, tp: int = 1, connector: str = "none",
                  extra: dict[str, Any] | None = None, log_dir: Path, kv_cache_mb: int = 64,
-                 failure_policy: str = "fail", max_model_len: int = 2048,
-                 env: dict[str, str] | None = None) -> None:
+                 failure_policy: str = "fail", max_model_len: int = 2048, prefix_caching: bool = True,
+                 env: dict[str, str] | None = None, dtype: str = "float32", attention_backend: str = "") -> None:
         self.name, self.block_size, self.tp, self.connector = name, block_size, tp, connector
         self.port = free_port()
+        extra_env = env
         env = vllm_env(VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.port), KVGEOM_SIDE_CHANNEL_PORT=str(self.port),
                        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", OMP_NUM_THREADS="1",
                        # the engine core in the instance's process (TP1: ~4x faster to start here than
                        # engine-core and worker processes; no busy loop starving the other instances)
-                       VLLM_ENABLE_V1_MULTIPROCESSING="0", **(env or {}))
+                       VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env.update(extra_env or {})
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-mb (vLLM reads it as whole GiB)
         env["PYTHONPATH"] = os.pathsep.join([str(SITE), env["PYTHONPATH"]])  # its workers spin 10 ms, not 1 s
         # vLLM's "auto" binding pins every instance's worker to the same core, where their OpenMP
@@ -95,6 +97,8 @@ class Instance:
         cmd = [vllm_python(), str(SCRIPT), "--model", str(model), "--block-size", str(block_size), "--tp", str(tp),
                "--connector", connector, "--extra", json.dumps(extra or {}), "--kv-cache-mb", str(kv_cache_mb),
                "--failure-policy", failure_policy, "--max-model-len", str(max_model_len)]
+        cmd += ([] if prefix_caching else ["--no-prefix-caching"]) + ["--dtype", dtype, "--attention-backend",
+                                                                       attention_backend]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, env=env, cwd=ROOT, start_new_session=True)
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()

@@ -52,7 +52,7 @@ class KvgeomConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._scheduler: KvgeomScheduler | None = None
         self._worker: KvgeomWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = KvgeomScheduler(vllm_config, engine_id)
+            self._scheduler = KvgeomScheduler(vllm_config, engine_id, kv_cache_config)
         else:
             self._worker = KvgeomWorker(vllm_config, engine_id, kv_cache_config)
 
@@ -101,8 +101,14 @@ class KvgeomConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._worker.shutdown()
 
     # ---- scheduler side --------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        self._sched().on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return self._sched().loaded_group_ids(self._kv_cache_config)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)

@@ -6,10 +6,18 @@ and hands that to the workers in :class:`KvgeomMetadataFields`. The workers plan
 
 vLLM's calls, in the order a request sees them (``vllm.distributed.kv_transfer.kv_connector.v1.base``):
 
+* ``on_new_request(request)``: on P, a mamba hybrid's ``do_remote_decode`` request loses its last
+  prompt token (P prefills N - 1 tokens and samples nothing D uses): a recurrent state cannot be
+  rewound, so D must receive the state after N - 1 tokens and compute token N itself, as it
+  recomputes the last token of any request it loads. vLLM's NixlConnector does the same, so P's
+  ``remote_num_tokens`` is N - 1 with either connector.
 * ``get_num_new_matched_tokens(request, S)`` on D, where S is D's local prefix-cache hit (vLLM
   presents it in whole blocks): a request with ``do_remote_prefill`` and P's fields can load
   ``min(remote_num_tokens, prompt) - S`` tokens, asynchronously (``True``). D pulls only what it
-  does not hold; vLLM recomputes the last prompt token itself to sample.
+  does not hold; vLLM recomputes the last prompt token itself to sample (a mamba hybrid loads at
+  most N - 1 tokens: the state after token N would be advanced twice).
+* ``get_loaded_kv_cache_group_ids(request)``: every KV-cache group (a mamba group's state block
+  arrives with the attention blocks, so vLLM must not zero it after allocation).
 * ``update_state_after_alloc(request, blocks, n)``: D's blocks are allocated; the blocks without a
   hash (the ones the prefix cache did not supply, vLLM's null padding skipped) receive tokens
   ``[S, S + n)``. ``n == 0`` (a full local hit) pulls nothing but still releases P. Either way
@@ -84,22 +92,41 @@ def _lists(value: Any) -> tuple[tuple[int, ...], ...]:
 class KvgeomScheduler:
     """Scheduler-side state of one vLLM engine (both roles: ``kv_both``)."""
 
-    def __init__(self, vllm_config: Any, engine_id: str) -> None:
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any = None) -> None:
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.engine_id = engine_id
         self.host = os.environ.get("KVGEOM_SIDE_CHANNEL_HOST", "127.0.0.1")
         self.port = int(extra.get("side_channel_port", os.environ.get("KVGEOM_SIDE_CHANNEL_PORT", DEFAULT_PORT)))
         self.tp = int(vllm_config.parallel_config.tensor_parallel_size)
         self.lease_s = float(extra.get("kv_lease_duration", DEFAULT_LEASE_S))
+        # a mamba hybrid: P stops one token short, D loads at most N - 1 tokens (see the module)
+        self.mamba = bool(kv_cache_config is not None and getattr(kv_cache_config, "has_mamba_layers", False))
         self._local_hit: dict[str, int] = {}
         self._step = KvgeomMetadataFields()
+
+    def on_new_request(self, request: Any) -> None:
+        """P, mamba hybrids: prefill all but the last prompt token of a ``do_remote_decode`` request."""
+        params = request.kv_transfer_params
+        if (not self.mamba or not params or not params.get("do_remote_decode") or params.get("_kvgeom_short")
+                or request.prompt_token_ids is None or request.num_prompt_tokens < 2):
+            return
+        skip = getattr(request, "get_skip_reading_prefix_cache", None)
+        if skip is not None and skip():  # (D would not load this request: it recomputes the whole prompt)
+            return
+        # The request's token lists are vLLM's own (its NixlConnector edits the same fields).
+        request.prompt_token_ids.pop()
+        request._all_token_ids.pop()
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_kvgeom_short"] = True  # once, even if the request is scheduled again
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or not all(k in params for k in REQUIRED):
             return 0, False
         remote = int(params.get("remote_num_tokens") or request.num_prompt_tokens)
-        count = min(remote, request.num_prompt_tokens) - num_computed_tokens
+        last = request.num_prompt_tokens - 1 if self.mamba else request.num_prompt_tokens
+        count = min(remote, last) - num_computed_tokens
         if count <= 0:
             return 0, False
         self._local_hit[request.request_id] = num_computed_tokens
@@ -163,3 +190,8 @@ class KvgeomScheduler:
             "remote_request_id": request.request_id, "remote_host": self.host, "remote_port": self.port,
             "tp_size": self.tp, "remote_num_tokens": int(request.num_computed_tokens),
         }
+
+    def loaded_group_ids(self, kv_cache_config: Any) -> tuple[int, ...]:
+        """Every transferred KV-cache group: a pull fills each of them (vLLM must not zero them)."""
+        ids = getattr(kv_cache_config, "transfer_group_ids", None)
+        return tuple(ids) if ids is not None else tuple(range(len(kv_cache_config.kv_cache_groups)))

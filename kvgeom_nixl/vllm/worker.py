@@ -33,34 +33,59 @@ from .executor import (
 )
 from .scheduler import DEFAULT_PORT, KvgeomMetadataFields, Release
 
-__all__ = ["KvgeomWorker", "cache_groups"]
+__all__ = ["KvgeomWorker", "cache_groups", "config_model"]
 
 
 def cache_groups(vllm_config: Any, kv_cache_config: Any) -> list[CacheGroup]:
     """The KV-cache groups of ``kv_cache_config`` as :class:`CacheGroup` values: each group's
     layers, logical block, window, the model's total KV heads, each layer's backend and kernel
-    (read from vLLM's attention layers in the static forward context)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    (read from vLLM's attention layers in the static forward context); a mamba group's state
+    tensors (``MambaSpec.shapes`` and ``dtypes``), its conv state layout and cache mode."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     layers = vllm_config.compilation_config.static_forward_context
     total_heads = int(vllm_config.model_config.get_total_num_kv_heads())
     out = []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         spec = g.kv_cache_spec
+        names = tuple(str(n) for n in g.layer_names)
+        if isinstance(spec, MambaSpec):
+            out.append(CacheGroup(f"g{i}", "mamba", names, int(spec.block_size), total_heads, None, {}, {},
+                                  tuple(tuple(int(n) for n in shape) for shape in spec.shapes), tuple(spec.dtypes),
+                                  str(get_conv_state_layout()), str(spec.mamba_cache_mode) == "none"))
+            continue
         if isinstance(spec, SlidingWindowSpec):
             kind, window = "sliding", int(spec.sliding_window)
+        elif type(spec).__name__ == "MLAAttentionSpec":
+            kind, window = "mla", None
         elif isinstance(spec, FullAttentionSpec) and type(spec).__name__ == "FullAttentionSpec":
             kind, window = "full", None  # (a sliding layer in a full group keeps every block: moved whole)
         else:
             raise ExecutorError(f"kv_cache_groups[{i}].kv_cache_spec", f"{type(spec).__name__} groups are not "
                                 "moved by this connector yet", actual=type(spec).__name__,
-                                expected=["FullAttentionSpec", "SlidingWindowSpec"],
-                                fix="use vLLM's NixlConnector for MLA, mamba and other group kinds for now")
-        names = tuple(str(n) for n in g.layer_names)
+                                expected=["FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec", "MambaSpec"],
+                                fix="use vLLM's NixlConnector for other group kinds")
         backend = {n: str(layers[n].attn_backend.get_name()) for n in names if n in layers}
         isa = {n: getattr(layers[n], "isa", None) for n in names if n in layers}
         out.append(CacheGroup(f"g{i}", kind, names, int(spec.block_size), total_heads, window, backend, isa))
     return out
+
+
+def config_model(kv_cache_config: Any, groups: list[CacheGroup], tp: int) -> Any:
+    """kvgeom's reading of vLLM's KV-cache config (:func:`kvgeom.building.engine_from_vllm_config`:
+    a mamba group's sections, their channels and TP sharding), for an engine with a mamba group;
+    ``None`` otherwise (attention groups are read from the tensors alone)."""
+    if not any(g.kind == "mamba" for g in groups):
+        return None
+    from kvgeom.building import engine_from_vllm_config
+
+    attention = [g for g in groups if g.kind != "mamba"]
+    isa = next((v for g in attention for v in g.isa.values() if v), "vec")
+    conv = next(g.conv_layout for g in groups if g.kind == "mamba")
+    return engine_from_vllm_config(kv_cache_config, tp=tp, attention_backend="CPU_ATTN", cpu_isa=str(isa),
+                                   conv_state_layout=conv, total_num_kv_heads=attention[0].total_kv_heads if attention
+                                   else None, group_names=[g.name for g in groups], name="config").model
 
 
 class KvgeomWorker:
@@ -91,7 +116,8 @@ class KvgeomWorker:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         groups = cache_groups(self.vllm_config, self.kv_cache_config)
         self.groups = len(groups)
-        geo, layers = geometry_from_kv_caches(kv_caches, groups, tp=self.tp, name=self.engine_id)
+        geo, layers = geometry_from_kv_caches(kv_caches, groups, tp=self.tp, name=self.engine_id,
+                                              model=config_model(self.kv_cache_config, groups, self.tp))
         if "staging_bytes" in self.extra:
             raise ExecutorError("kv_connector_extra_config.staging_bytes", "packed pulls need P to pack for D's "
                                 "plan, and this connector's P serves pulls by holding its blocks (direct and "
