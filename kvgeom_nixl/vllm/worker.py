@@ -96,8 +96,6 @@ class KvgeomWorker:
         from vllm.logger import init_logger
 
         self.log = init_logger("vllm.kvgeom_connector")  # vLLM's handlers (kvgeom_nixl's logger has none here)
-        if os.environ.get("KVGEOM_LOG_LEVEL"):  # e.g. DEBUG: every pull, hold and free, and the executor's lines
-            _verbose(self.log, os.environ["KVGEOM_LOG_LEVEL"].upper())
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.engine_id = engine_id
@@ -172,20 +170,6 @@ class KvgeomWorker:
         if self.executor is not None:
             self.executor.close()
             self.executor = None
-
-
-def _verbose(log: Any, level: str) -> None:
-    """Log the connector's and the executor's lines at ``level`` to stderr, whatever vLLM's level."""
-    import logging
-    import sys
-
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(threadName)s %(name)s: %(message)s"))
-    for name in (log.name, "kvgeom_nixl"):
-        lg = logging.getLogger(name)
-        lg.setLevel(level)
-        lg.addHandler(handler)
-        lg.propagate = False
 
 
 def _release_job(rel: Release) -> ReleaseJob:
