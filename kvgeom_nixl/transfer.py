@@ -176,6 +176,7 @@ class Transfer:
         self.resend_s = resend_s
         self._ended_sent = False
         self._last_cancel = 0.0
+        self._last_req = 0.0  # a direct pull repeats its req to the P ranks that have not granted yet
         self._collected = False
         self._decode_part: TransferPlan | None = None  # plan.for_decode_rank(rank), computed once
 
@@ -247,6 +248,7 @@ class Transfer:
                 if not self._say(a, "req", self.consumers.get(a, 0)):
                     self.fail("peer_disconnected", f"peer {a} is gone (NIXL refused the request's first message)")
                     return
+            self._last_req = time.perf_counter()
         except nixl_errors() as e:
             self.fail(classify(e), f"sending req: {type(e).__name__}: {e}")
 
@@ -446,6 +448,7 @@ class Transfer:
 
     def _step(self) -> None:
         if self.state == "posted":
+            self._repeat_req()
             self._check_posted()
         if self.state == "landed":
             if self.receive is not None and self.plan is not None:
@@ -457,6 +460,23 @@ class Transfer:
                 return
             self.event = None
             self._finish()
+
+    def _repeat_req(self) -> None:
+        """A direct pull not yet granted by every P rank repeats its ``req`` to those ranks every
+        ``resend_s``: a req P dropped (it came before P's link to this rank existed, so its key was
+        unknown: ``unknown_sender``) is then kept once P knows this rank, and P's hold grants it.
+        P answers a repeated req of an attempt it granted with ``grant`` again, which D ignores."""
+        if self.kind != "pull" or not self.direct or time.perf_counter() - self._last_req < self.resend_s:
+            return
+        waiting = sorted(a for a in self.peers if a not in self.granted)
+        if not waiting:
+            return
+        self._last_req = time.perf_counter()
+        try:
+            for a in waiting:
+                self._say(a, "req", self.consumers.get(a, 0))
+        except nixl_errors() as e:
+            self.fail(classify(e), f"repeating req: {type(e).__name__}: {e}")
 
     def decode_part(self) -> TransferPlan:
         """This D rank's part of the plan (``plan.for_decode_rank(rank)``), computed once."""

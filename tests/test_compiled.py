@@ -251,6 +251,19 @@ def test_rank_plans_and_blocks_are_the_whole_plans_projections(t: Any) -> None:
     assert blocks_to_copies(compiled.copy_blocks(t.request)) == plan_reference(pair, t.request).copies
 
 
+def test_projecting_a_plan_onto_the_one_rank_it_holds_returns_it() -> None:
+    """A rank plan (or any plan of one D rank) projected onto its own rank is the same immutable plan,
+    not a re-checked copy; onto another rank it is still that rank's (here: nothing)."""
+    pair, request = get_preset("llama3-70b-tp8-tp4").build(tokens=64)
+    mine = pair.compile().plan(request, decode_rank=1)
+    assert len(mine.copies) and set(mine.copies.d_rank.tolist()) == {1}
+    assert mine.for_decode_rank(1) is mine
+    other = mine.for_decode_rank(0)
+    assert other is not mine and not len(other.copies) and not len(other.zeros) and not other.rearranges
+    whole = pair.compile().plan(request)
+    assert whole.for_decode_rank(1) is not whole and whole.for_decode_rank(1).copies == mine.copies
+
+
 @settings(max_examples=80, **SETTINGS)  # type: ignore[arg-type]
 @given(kst.transfers())
 def test_tile_indices_from_blocks_equal_those_from_columns(t: Any) -> None:

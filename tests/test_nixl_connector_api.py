@@ -177,3 +177,39 @@ def test_a_progressor_needs_endpoints_and_reports_errors() -> None:
         assert time.perf_counter() < deadline
     assert len(prog.errors) == 1 and isinstance(prog.errors[0], RuntimeError)
     prog.stop()
+
+
+@pytest.mark.parametrize("resend_s, completes", [(0.5, True), (60.0, False)])
+def test_a_req_p_dropped_before_knowing_d_is_repeated(resend_s: float, completes: bool) -> None:
+    """D pulls before P has connected to it: P's inbox drops D's req (``unknown_sender``: no key for
+    that agent yet). Once P connects and holds, D's repeated req (every ``resend_s``) is granted and
+    the pull lands byte-exact; the control repeats too late and times out waiting for P's grant."""
+    pair = Pair(EngineGeometry.build(M, tp=1, kernel_block_tokens=16, num_blocks=8, name="prefill"),
+                EngineGeometry.build(M, tp=1, kernel_block_tokens=16, num_blocks=8, name="decode"))
+    request = fresh_request(pair, 50, prefill_first_block=1, decode_first_block=4)
+    p_caches, d_caches = allocate_caches(pair.prefill), allocate_caches(pair.decode)
+    fill_caches(pair, request, p_caches, d_caches)
+    p = Endpoint(pair.prefill, "prefill", 0, p_caches[0], staging_grace_s=resend_s)
+    d = Endpoint(pair.decode, "decode", 0, d_caches[0], staging_grace_s=resend_s)
+    try:
+        pull = d.connect([p.handshake()]).pull("r1", request, timeout_s=6)
+        until = time.perf_counter() + 0.3
+        while time.perf_counter() < until:
+            d.progress()
+            p.progress()
+        assert p.inbox.counts["unknown_sender"] >= 1  # the req P could not verify was dropped
+        hold = p.connect([d.handshake()]).hold("r1", timeout_s=6)
+        until = time.perf_counter() + 10
+        while not (pull.settled and hold.settled) and time.perf_counter() < until:
+            d.progress()
+            p.progress()
+            time.sleep(1e-3)
+        if completes:
+            assert pull.done and pull.failure is None, pull.failure
+            assert check_caches(pair, request, d_caches)[0] == []
+        else:
+            assert pull.failure is not None and pull.failure.reason == "timeout", pull.failure
+            assert "P's grant" in str(pull.failure)
+    finally:
+        d.close()
+        p.close()

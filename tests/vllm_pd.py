@@ -35,6 +35,7 @@ __all__ = ["TOLERANCE", "Instance", "Comparison", "compare", "disaggregated", "f
 TOLERANCE = 1e-4
 MARK = "@@kvgeom "
 SCRIPT = ROOT / "tests" / "vllm_instance.py"
+SITE = ROOT / "tests" / "vllm_e2e_site"  # sitecustomize.py: vLLM's worker processes spin 10 ms, not 1 s
 
 
 _HANDED_OUT: set[int] = set()
@@ -69,23 +70,35 @@ class Instance:
 
     ``connector`` is ``none``, ``nixl`` or ``kvgeom``. Each instance gets its own side-channel port
     (``VLLM_NIXL_SIDE_CHANNEL_PORT`` for vLLM's connector, ``KVGEOM_SIDE_CHANNEL_PORT`` for
-    kvgeom's). The process runs in its own session so that :meth:`close` ends it with the engine
-    and worker processes vLLM spawned, and nothing else.
+    kvgeom's); ``env`` adds variables to its environment. The process runs in its own session so
+    that :meth:`close` ends it with the engine and worker processes vLLM spawned, and nothing else.
     """
 
     def __init__(self, name: str, model: Path, *, block_size: int = 32, tp: int = 1, connector: str = "none",
-                 extra: dict[str, Any] | None = None, log_dir: Path) -> None:
+                 extra: dict[str, Any] | None = None, log_dir: Path, kv_cache_mb: int = 64,
+                 failure_policy: str = "fail", max_model_len: int = 2048, prefix_caching: bool = True,
+                 env: dict[str, str] | None = None, dtype: str = "float32", attention_backend: str = "") -> None:
         self.name, self.block_size, self.tp, self.connector = name, block_size, tp, connector
         self.port = free_port()
+        extra_env = env
         env = vllm_env(VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.port), KVGEOM_SIDE_CHANNEL_PORT=str(self.port),
-                       VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", VLLM_ENABLE_V1_MULTIPROCESSING="1",
-                       OMP_NUM_THREADS="1")
-        if tp == 2:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+                       VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", OMP_NUM_THREADS="1",
+                       # the engine core in the instance's process (TP1: ~4x faster to start here than
+                       # engine-core and worker processes; no busy loop starving the other instances)
+                       VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env.update(extra_env or {})
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-mb (vLLM reads it as whole GiB)
+        env["PYTHONPATH"] = os.pathsep.join([str(SITE), env["PYTHONPATH"]])  # its workers spin 10 ms, not 1 s
+        # vLLM's "auto" binding pins every instance's worker to the same core, where their OpenMP
+        # threads spin: unbound TP1 workers with one OpenMP thread each share both cores instead.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "nobind"
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "w")  # closed in close()
         cmd = [vllm_python(), str(SCRIPT), "--model", str(model), "--block-size", str(block_size), "--tp", str(tp),
-               "--connector", connector, "--extra", json.dumps(extra or {})]
+               "--connector", connector, "--extra", json.dumps(extra or {}), "--kv-cache-mb", str(kv_cache_mb),
+               "--failure-policy", failure_policy, "--max-model-len", str(max_model_len)]
+        cmd += ([] if prefix_caching else ["--no-prefix-caching"]) + ["--dtype", dtype, "--attention-backend",
+                                                                       attention_backend]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, env=env, cwd=ROOT, start_new_session=True)
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -96,11 +109,14 @@ class Instance:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                self._replies.put(json.loads(line[len(MARK):]))
-            else:
-                self._tail.append(line.rstrip())
+        with open(self.log_path.with_suffix(".out"), "w") as out:  # vLLM logs to stdout
+            for line in self.proc.stdout:
+                if line.startswith(MARK):
+                    self._replies.put(json.loads(line[len(MARK):]))
+                else:
+                    self._tail.append(line.rstrip())
+                    out.write(line)
+                    out.flush()
         self._replies.put(None)
 
     def _next(self, timeout_s: float) -> dict[str, Any]:
@@ -127,6 +143,18 @@ class Instance:
                                           "kv_transfer_params": kv_transfer_params}) + "\n")
         self.proc.stdin.flush()
         return self._next(timeout_s)
+
+    def call(self, msg: dict[str, Any], timeout_s: float = 60) -> dict[str, Any]:
+        """Send one request line (``op`` and its fields, tests/vllm_instance.py) and return the answer."""
+        self.wait_ready()
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return self._next(timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        """The instance's free KV blocks, tracked requests and kvgeom connector counters."""
+        return self.call({"op": "stats"})
 
     def diagnostics(self) -> str:
         self._log.flush()

@@ -224,10 +224,13 @@ def weigh_packed(pair: CheckedEngines, request: Request, staging_bytes: int, unp
     built (:func:`~kvgeom.planning.packed.count_packed`), costs less than ``unpacked`` (the chosen
     direct/staged plans' posted copies), and the sentence that says why. A capacity packed cannot
     plan with is no candidate."""
-    try:
-        count = count_packed(pair, request, staging_bytes)
-    except StagingCapacityError:
+    if staging_bytes == 0:  # no staging: count_packed could only refuse (or count a request moving nothing: 0s)
         count = PackedCount(0, 0, 0, 0)
+    else:
+        try:
+            count = count_packed(pair, request, staging_bytes)
+        except StagingCapacityError:
+            count = PackedCount(0, 0, 0, 0)
     packed = cost_model.packed_cost(count.wire_rows, count.bytes, count.operations)
     why = (f"auto: direct/staged {unpacked * 1e6:.1f} us (posted copies of every group); packed "
            f"{count.wire_rows} wire rows in {count.chunks} chunks + 2 x {count.bytes} B copied + "

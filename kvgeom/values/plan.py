@@ -402,7 +402,14 @@ class TransferPlan:
     # ---- projections -----------------------------------------------------------------------
     def for_decode_rank(self, d_rank: int) -> TransferPlan:
         """The rows a pull executor on D rank ``d_rank`` posts and applies (packed: its wire rows and
-        unpacks, and the packs of the P ranks feeding it)."""
+        unpacks, and the packs of the P ranks feeding it): the plan itself when every row is that
+        rank's already (one D rank, or a plan made for that rank), plans being immutable."""
+        if (self.decode_ranks == 1 and d_rank == 0) or (
+                bool(np.all(self.copies.d_rank == d_rank)) and bool(np.all(self.zeros.d_rank == d_rank))
+                and bool(np.all(self.wire.d_rank == d_rank))
+                and all(r.d_rank == d_rank for r in self.rearranges) and all(x.d_rank == d_rank for x in self.packs)
+                and all(x.d_rank == d_rank for x in self.unpacks)):
+            return self
         return attrs.evolve(
             self,
             copies=self.copies.take(self.copies.d_rank == d_rank),

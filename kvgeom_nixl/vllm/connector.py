@@ -21,6 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvgeom_nixl.errors import ExecutorError
@@ -38,8 +40,11 @@ class KvgeomConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
         self.fields = fields
 
 
-class KvgeomConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """vLLM KV connector moving KV with kvgeom's plans over NIXL (pull: D reads P's pages)."""
+class KvgeomConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """vLLM KV connector moving KV with kvgeom's plans over NIXL (pull: D reads P's pages).
+
+    ``SupportsHMA``: with several KV-cache groups (vLLM's hybrid allocator) P's blocks are handed
+    over per group (``request_finished_all_groups``), and failed loads are reported per request."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -47,9 +52,9 @@ class KvgeomConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler: KvgeomScheduler | None = None
         self._worker: KvgeomWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = KvgeomScheduler(vllm_config, engine_id)
+            self._scheduler = KvgeomScheduler(vllm_config, engine_id, kv_cache_config)
         else:
-            self._worker = KvgeomWorker(vllm_config, engine_id)
+            self._worker = KvgeomWorker(vllm_config, engine_id, kv_cache_config)
 
     def _sched(self) -> KvgeomScheduler:
         if self._scheduler is None:
@@ -81,7 +86,12 @@ class KvgeomConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._work().get_finished(finished_req_ids)
+        sending, recving, _ = self._work().get_transfer_results(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._work().get_transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().get_block_ids_with_load_errors()
@@ -91,8 +101,14 @@ class KvgeomConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._worker.shutdown()
 
     # ---- scheduler side --------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        self._sched().on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return self._sched().loaded_group_ids(self._kv_cache_config)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
@@ -101,4 +117,7 @@ class KvgeomConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return KvgeomConnectorMetadata(self._sched().build_connector_meta())
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)

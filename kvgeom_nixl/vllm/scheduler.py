@@ -2,36 +2,45 @@
 
 It runs in vLLM's scheduler process and plans nothing: it only decides, from the request's
 ``kv_transfer_params`` (the fields vLLM's P/D proxies already pass), what D pulls and what P keeps,
-and hands that to the workers in :class:`KvgeomMetadata`. The workers plan with kvgeom.
+and hands that to the workers in :class:`KvgeomMetadataFields`. The workers plan with kvgeom.
 
 vLLM's calls, in the order a request sees them (``vllm.distributed.kv_transfer.kv_connector.v1.base``):
 
-* ``get_num_new_matched_tokens(request, num_computed_tokens)`` on D: a request with
-  ``do_remote_prefill`` can load ``min(remote_num_tokens, prompt) - num_computed_tokens`` tokens
-  (the local prefix-cache hit ``num_computed_tokens`` is kept: D pulls only the rest),
-  asynchronously (``True``). vLLM recomputes the last prompt token itself to sample.
+* ``on_new_request(request)``: on P, a mamba hybrid's ``do_remote_decode`` request loses its last
+  prompt token (P prefills N - 1 tokens and samples nothing D uses): a recurrent state cannot be
+  rewound, so D must receive the state after N - 1 tokens and compute token N itself, as it
+  recomputes the last token of any request it loads. vLLM's NixlConnector does the same, so P's
+  ``remote_num_tokens`` is N - 1 with either connector.
+* ``get_num_new_matched_tokens(request, S)`` on D, where S is D's local prefix-cache hit (vLLM
+  presents it in whole blocks): a request with ``do_remote_prefill`` and P's fields can load
+  ``min(remote_num_tokens, prompt) - S`` tokens, asynchronously (``True``). D pulls only what it
+  does not hold; vLLM recomputes the last prompt token itself to sample (a mamba hybrid loads at
+  most N - 1 tokens: the state after token N would be advanced twice).
+* ``get_loaded_kv_cache_group_ids(request)``: every KV-cache group (a mamba group's state block
+  arrives with the attention blocks, so vLLM must not zero it after allocation).
 * ``update_state_after_alloc(request, blocks, n)``: D's blocks are allocated; the blocks without a
-  hash (the ones the prefix cache did not supply) receive the pull. ``n == 0`` (a full local hit)
-  pulls nothing but still releases P. Either way ``do_remote_prefill`` is cleared: one transfer
-  per request.
+  hash (the ones the prefix cache did not supply, vLLM's null padding skipped) receive tokens
+  ``[S, S + n)``. ``n == 0`` (a full local hit) pulls nothing but still releases P. Either way
+  ``do_remote_prefill`` is cleared: one transfer per request (vLLM may call this twice).
 * ``build_connector_meta(scheduler_output)``: everything decided since the last step, for the workers.
-* ``request_finished(request, block_ids)`` on P: a finished ``do_remote_decode`` request keeps its
-  blocks (``True``) until the workers report it in ``finished_sending`` (every D rank released it,
-  or ``kv_lease_duration`` passed), and returns the params D needs. On D, a request finished before
-  its blocks were allocated (aborted) releases P without a pull.
+* ``request_finished(request, block_ids)`` / ``request_finished_all_groups`` (hybrid models, one
+  list per KV-cache group) on P: a finished ``do_remote_decode`` request keeps its blocks (``True``)
+  until the workers report it in ``finished_sending`` (every D rank released it, or
+  ``kv_lease_duration`` passed), and returns the params D needs, in the fields of vLLM's
+  NixlConnector. On D, a request finished before its blocks were allocated (aborted) releases P
+  without a pull.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Pull", "Release", "KvgeomMetadataFields", "KvgeomScheduler", "DEFAULT_PORT", "DEFAULT_LEASE_S"]
 
-DEFAULT_PORT = 5700  # KVGEOM_SIDE_CHANNEL_PORT: P rank r listens on port + r
-DEFAULT_LEASE_S = 120.0
+DEFAULT_PORT = 5700  # KVGEOM_SIDE_CHANNEL_PORT (or extra config side_channel_port): rank r listens on port + r
+DEFAULT_LEASE_S = 120.0  # kv_connector_extra_config["kv_lease_duration"]
 REQUIRED = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
@@ -56,6 +65,7 @@ class Pull:
     prefix_hit_tokens: int
     remote_engine_id: str
     release: Release
+    recomputed_tokens: int = 0  # of [.., computed_tokens), the last ones D recomputes itself (not moved)
 
 
 @dataclass
@@ -64,7 +74,7 @@ class KvgeomMetadataFields:
 
     pulls: list[Pull] = field(default_factory=list)
     releases: list[Release] = field(default_factory=list)
-    sends: dict[str, float] = field(default_factory=dict)  # P request -> monotonic expiry
+    sends: dict[str, float] = field(default_factory=dict)  # P request -> its lease in seconds
 
 
 def _release_of(params: dict[str, Any]) -> Release:
@@ -82,22 +92,41 @@ def _lists(value: Any) -> tuple[tuple[int, ...], ...]:
 class KvgeomScheduler:
     """Scheduler-side state of one vLLM engine (both roles: ``kv_both``)."""
 
-    def __init__(self, vllm_config: Any, engine_id: str) -> None:
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any = None) -> None:
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self.engine_id = engine_id
         self.host = os.environ.get("KVGEOM_SIDE_CHANNEL_HOST", "127.0.0.1")
-        self.port = int(os.environ.get("KVGEOM_SIDE_CHANNEL_PORT", DEFAULT_PORT))
+        self.port = int(extra.get("side_channel_port", os.environ.get("KVGEOM_SIDE_CHANNEL_PORT", DEFAULT_PORT)))
         self.tp = int(vllm_config.parallel_config.tensor_parallel_size)
         self.lease_s = float(extra.get("kv_lease_duration", DEFAULT_LEASE_S))
+        # a mamba hybrid: P stops one token short, D loads at most N - 1 tokens (see the module)
+        self.mamba = bool(kv_cache_config is not None and getattr(kv_cache_config, "has_mamba_layers", False))
         self._local_hit: dict[str, int] = {}
         self._step = KvgeomMetadataFields()
+
+    def on_new_request(self, request: Any) -> None:
+        """P, mamba hybrids: prefill all but the last prompt token of a ``do_remote_decode`` request."""
+        params = request.kv_transfer_params
+        if (not self.mamba or not params or not params.get("do_remote_decode") or params.get("_kvgeom_short")
+                or request.prompt_token_ids is None or request.num_prompt_tokens < 2):
+            return
+        skip = getattr(request, "get_skip_reading_prefix_cache", None)
+        if skip is not None and skip():  # (D would not load this request: it recomputes the whole prompt)
+            return
+        # The request's token lists are vLLM's own (its NixlConnector edits the same fields).
+        request.prompt_token_ids.pop()
+        request._all_token_ids.pop()
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params["_kvgeom_short"] = True  # once, even if the request is scheduled again
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or not all(k in params for k in REQUIRED):
             return 0, False
         remote = int(params.get("remote_num_tokens") or request.num_prompt_tokens)
-        count = min(remote, request.num_prompt_tokens) - num_computed_tokens
+        last = request.num_prompt_tokens - 1 if self.mamba else request.num_prompt_tokens
+        count = min(remote, last) - num_computed_tokens
         if count <= 0:
             return 0, False
         self._local_hit[request.request_id] = num_computed_tokens
@@ -116,14 +145,20 @@ class KvgeomScheduler:
             self._step.releases.append(release)  # a full local hit: nothing to pull, P may free now
             return
         local = tuple(tuple(ids) for ids in blocks.get_unhashed_block_ids_all_groups())
-        self._step.pulls.append(Pull(request.request_id, local, _lists(params["remote_block_ids"]),
-                                     hit + num_external_tokens, hit, str(params["remote_engine_id"]), release))
+        computed = hit + num_external_tokens
+        # A load that reaches the request's last token is one token short in vLLM: once it lands the
+        # scheduler steps back and recomputes that token to sample (Scheduler._update_from_kv_xfer_
+        # finished), so that token's window must be on D, not the next one's (design §15.2).
+        recomputed = 1 if computed >= int(request.num_tokens) else 0
+        self._step.pulls.append(Pull(request.request_id, local, _lists(params["remote_block_ids"]), computed, hit,
+                                     str(params["remote_engine_id"]), release, recomputed))
 
     def build_connector_meta(self) -> KvgeomMetadataFields:
         step, self._step = self._step, KvgeomMetadataFields()
         return step
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: one list (a one-group model) or one list per group (``request_finished_all_groups``)."""
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
@@ -142,10 +177,21 @@ class KvgeomScheduler:
         groups = _lists(block_ids) if block_ids else ()
         if not any(groups):
             return False, None
-        self._step.sends[request.request_id] = time.monotonic() + self.lease_s
+        from .executor import local_executor
+
+        worker = local_executor(self.engine_id) if self.tp == 1 else None
+        if worker is not None:  # the worker is in this process: it holds from now, not from the next step
+            worker.send(request.request_id, self.lease_s)
+        else:
+            self._step.sends[request.request_id] = self.lease_s
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": [list(g) for g in groups], "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id, "remote_host": self.host, "remote_port": self.port,
             "tp_size": self.tp, "remote_num_tokens": int(request.num_computed_tokens),
         }
+
+    def loaded_group_ids(self, kv_cache_config: Any) -> tuple[int, ...]:
+        """Every transferred KV-cache group: a pull fills each of them (vLLM must not zero them)."""
+        ids = getattr(kv_cache_config, "transfer_group_ids", None)
+        return tuple(ids) if ids is not None else tuple(range(len(kv_cache_config.kv_cache_groups)))

@@ -1,18 +1,26 @@
-"""The connector's side channel: a small TCP socket per P worker rank (docs/design.md §15.3).
+"""The connector's side channel: a small TCP listener per P worker rank (docs/design.md §15.3).
 
-Two messages cross it, both one length-prefixed JSON frame each way:
+Two requests cross it, each one length-prefixed JSON frame each way:
 
-* ``{"op": "handshake"}`` -> ``{"payload": <base64 of Endpoint.handshake()>}``: D's worker rank
-  fetches the payload of every P rank once per remote engine, then builds its link from them.
+* ``{"op": "handshake", "engine": <D engine id>, "rank": d, "tp": n, "payload": <base64>}`` ->
+  ``{"payload": <base64>}``: D worker rank ``d`` of ``n`` hands over its decode endpoint's
+  :meth:`~kvgeom_nixl.Endpoint.handshake` payload and gets this P rank's prefill payload back.
+  The answer comes only once this P rank has connected to all ``n`` D ranks of that engine (its
+  link, whose keys authenticate D's ``req``), so D may pull as soon as it has every P rank's payload.
 * ``{"op": "release", "request": <P's request id>, "d_rank": r, "d_tp": n}`` -> ``{"ok": true}``:
-  a D rank is done with a request (its pull finished, failed or was never needed); P frees the
-  request's blocks once all ``n`` D ranks said so (or its lease expires).
+  a D rank is done with a request (its pull ended, or none was needed); P frees the request's
+  blocks once all ``n`` D ranks said so (or its lease expires).
 
-Everything read from the socket is hostile (docs/design.md §14): frames beyond ``MAX_FRAME`` bytes,
-non-JSON, wrong types and unbounded release tables are refused with :class:`SideChannelError`
-naming the field; the server drops that connection and keeps serving. Threading: the listener
-runs in one daemon thread and touches only its own lock-protected release table and the handshake
-bytes fixed at start; the executor's endpoints are used by the worker's thread alone.
+Everything read from the socket is hostile (docs/design.md §14): frames beyond ``MAX_FRAME``
+bytes, non-JSON, wrong types, ids beyond 512 characters and unbounded tables are refused with
+:class:`SideChannelError` naming the field; the connection is answered ``{"error": ...}`` and
+dropped, the listener keeps serving. The payloads are credentials (docs/design.md §8.1): this
+channel is plain TCP, so it belongs on a private network or loopback, as vLLM's own side channel.
+
+Threading: one daemon thread accepts; each connection is served on its own daemon thread (at most
+``MAX_CONNECTIONS`` at once, more are refused), because a handshake waits for the other D ranks.
+The server's own state is its lock-protected release table; a handshake calls the connector's
+``on_handshake`` callback, which takes the executor's lock itself.
 """
 
 from __future__ import annotations
@@ -23,17 +31,24 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvgeom_nixl.errors import ExecutorError
 
-__all__ = ["MAX_FRAME", "MAX_PENDING", "SideChannelError", "SideChannelServer", "fetch_handshake", "send_release"]
+__all__ = ["MAX_FRAME", "MAX_PENDING", "MAX_CONNECTIONS", "SideChannelError", "SideChannelServer",
+           "exchange_handshake", "send_release", "read_frame", "write_frame"]
 
 MAX_FRAME = 16 << 20  # a handshake payload of a large engine is ~100 KB; 16 MiB bounds a hostile one
 MAX_PENDING = 100_000  # release entries kept for requests P has not yet been told about
+MAX_CONNECTIONS = 64  # connections served at once
+MAX_ID = 512  # characters of a request or engine id
 PENDING_TTL_S = 3600.0
-IO_TIMEOUT_S = 60.0  # generous: on a loaded host a worker thread can stall for seconds
+IO_TIMEOUT_S = 120.0  # generous: on a loaded host a worker thread can stall for seconds
 _LEN = struct.Struct("!I")
+
+OnHandshake = Callable[[str, int, int, bytes], None]
+"""``(D engine id, D rank, D tp, D payload)``: returns once this P rank is linked to that D engine."""
 
 
 class SideChannelError(ExecutorError):
@@ -43,7 +58,7 @@ class SideChannelError(ExecutorError):
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
         if not chunk:
             raise SideChannelError("frame", f"connection closed after {len(buf)} of {n} bytes")
         buf += chunk
@@ -51,6 +66,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def read_frame(sock: socket.socket) -> dict[str, Any]:
+    """One frame: a 4-byte big-endian length (at most ``MAX_FRAME``), then a JSON object."""
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
     if n > MAX_FRAME:
         raise SideChannelError("frame.length", f"a {n}-byte frame is beyond the limit", actual=n,
@@ -69,21 +85,43 @@ def write_frame(sock: socket.socket, msg: dict[str, Any]) -> None:
     sock.sendall(_LEN.pack(len(body)) + body)
 
 
-def _int_field(msg: dict[str, Any], name: str, lo: int, hi: int) -> int:
+def _int_field(msg: dict[str, Any], op: str, name: str, lo: int, hi: int) -> int:
     v = msg.get(name)
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise SideChannelError(f"release.{name}", f"expected an integer in [{lo}, {hi}], got {v!r:.60}",
+        raise SideChannelError(f"{op}.{name}", f"expected an integer in [{lo}, {hi}], got {v!r:.60}",
                                actual=repr(v)[:60], expected=f"{lo} <= {name} <= {hi}")
     return v
 
 
-class SideChannelServer:
-    """One P worker rank's listener: serves its handshake payload and collects D's releases."""
+def _str_field(msg: dict[str, Any], op: str, name: str) -> str:
+    v = msg.get(name)
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_ID:
+        raise SideChannelError(f"{op}.{name}", f"expected a string of 1-{MAX_ID} characters, got {v!r:.60}",
+                               actual=repr(v)[:60], expected=f"1-{MAX_ID} characters")
+    return v
 
-    def __init__(self, host: str, port: int, payload: bytes) -> None:
+
+def _b64(value: Any, path: str) -> bytes:
+    if not isinstance(value, str):
+        raise SideChannelError(path, f"expected base64 text, got {type(value).__name__}")
+    try:
+        return base64.b64decode(value, validate=True)
+    except ValueError as e:
+        raise SideChannelError(path, f"not base64: {e}") from None
+
+
+class SideChannelServer:
+    """One P worker rank's listener: exchanges handshake payloads and collects D's releases.
+
+    ``on_handshake`` (None: a server that refuses handshakes, for tests of the release table) is
+    called on the connection's thread; what it raises is answered as an error."""
+
+    def __init__(self, host: str, port: int, payload: bytes, on_handshake: OnHandshake | None = None) -> None:
         self._payload = base64.b64encode(payload).decode()
+        self._on_handshake = on_handshake
         self._lock = threading.Lock()
         self._released: dict[str, tuple[float, int, set[int]]] = {}  # request -> (first seen, d_tp, d ranks)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         try:
             self._sock = socket.create_server((host, port), reuse_port=False)
         except OSError as e:
@@ -91,12 +129,12 @@ class SideChannelServer:
                                    fix="give each engine its own port (TP rank r listens on port + r), "
                                    "outside the ephemeral range") from None
         self._sock.settimeout(0.5)
-        self.address = self._sock.getsockname()[:2]
+        self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name=f"kvgeom-side-channel-{port}", daemon=True)
+        self._thread = threading.Thread(target=self._accept, name=f"kvgeom-side-channel-{port}", daemon=True)
         self._thread.start()
 
-    def _serve(self) -> None:
+    def _accept(self) -> None:
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
@@ -104,31 +142,54 @@ class SideChannelServer:
                 continue
             except OSError:
                 return
+            if not self._slots.acquire(blocking=False):
+                self._refuse(conn, f"more than {MAX_CONNECTIONS} connections at once")
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="kvgeom-side-channel-conn", daemon=True).start()
+
+    @staticmethod
+    def _refuse(conn: socket.socket, why: str) -> None:
+        with conn:
+            try:
+                conn.settimeout(1.0)
+                write_frame(conn, {"error": why})
+            except OSError:
+                pass
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
             with conn:
                 conn.settimeout(IO_TIMEOUT_S)
                 try:
                     write_frame(conn, self._answer(read_frame(conn)))
-                except (SideChannelError, OSError) as e:  # a hostile or broken peer: drop it, keep serving
+                except (ExecutorError, OSError) as e:  # a hostile or broken peer: tell it, drop it, keep serving
                     try:
                         write_frame(conn, {"error": str(e)[:500]})
                     except OSError:
                         pass
+        finally:
+            self._slots.release()
 
     def _answer(self, msg: dict[str, Any]) -> dict[str, Any]:
         op = msg.get("op")
         if op == "handshake":
+            engine = _str_field(msg, "handshake", "engine")
+            tp = _int_field(msg, "handshake", "tp", 1, 4096)
+            rank = _int_field(msg, "handshake", "rank", 0, tp - 1)
+            payload = _b64(msg.get("payload"), "handshake.payload")
+            if self._on_handshake is None:
+                raise SideChannelError("handshake", "this listener takes no handshakes (no prefill endpoint)")
+            self._on_handshake(engine, rank, tp, payload)
             return {"payload": self._payload}
         if op == "release":
-            req = msg.get("request")
-            if not isinstance(req, str) or not 0 < len(req) <= 512:
-                raise SideChannelError("release.request", f"a request id is a string of 1-512 characters, got {req!r:.60}")
-            d_tp = _int_field(msg, "d_tp", 1, 4096)
-            d_rank = _int_field(msg, "d_rank", 0, d_tp - 1)
+            req = _str_field(msg, "release", "request")
+            d_tp = _int_field(msg, "release", "d_tp", 1, 4096)
+            d_rank = _int_field(msg, "release", "d_rank", 0, d_tp - 1)
             with self._lock:
                 self._prune()
                 if req not in self._released and len(self._released) >= MAX_PENDING:
                     raise SideChannelError("release", f"{MAX_PENDING} releases pending, refusing more")
-                seen, tp, ranks = self._released.setdefault(req, (time.monotonic(), d_tp, set()))
+                _, tp, ranks = self._released.setdefault(req, (time.monotonic(), d_tp, set()))
                 if tp != d_tp:
                     raise SideChannelError("release.d_tp", f"request {req!r:.60} was released with d_tp {tp}",
                                            actual=d_tp, expected=tp)
@@ -154,7 +215,17 @@ class SideChannelServer:
         with self._lock:
             self._released.pop(request, None)
 
+    def forget_if(self, done: Callable[[str], bool]) -> int:
+        """Forget the release entries of every request ``done(request)`` says P has already freed
+        (a D rank that released after P's lease or a failed hold freed it); returns how many."""
+        with self._lock:
+            gone = [r for r in self._released if done(r)]
+            for r in gone:
+                del self._released[r]
+        return len(gone)
+
     def pending(self) -> int:
+        """Release entries kept (requests some but not all D ranks released, or P never had)."""
         with self._lock:
             return len(self._released)
 
@@ -178,16 +249,13 @@ def _call(host: str, port: int, msg: dict[str, Any], timeout_s: float) -> dict[s
     return reply
 
 
-def fetch_handshake(host: str, port: int, timeout_s: float = IO_TIMEOUT_S) -> bytes:
-    """The handshake payload the P rank listening on ``host:port`` serves."""
-    reply = _call(host, port, {"op": "handshake"}, timeout_s)
-    payload = reply.get("payload")
-    if not isinstance(payload, str):
-        raise SideChannelError("handshake.payload", f"expected base64 text, got {type(payload).__name__}")
-    try:
-        return base64.b64decode(payload, validate=True)
-    except ValueError as e:
-        raise SideChannelError("handshake.payload", f"not base64: {e}") from None
+def exchange_handshake(host: str, port: int, engine: str, rank: int, tp: int, payload: bytes,
+                       timeout_s: float = IO_TIMEOUT_S) -> bytes:
+    """Give the P rank on ``host:port`` this D rank's payload; return that P rank's payload (once
+    it has connected to every D rank of ``engine``)."""
+    reply = _call(host, port, {"op": "handshake", "engine": engine, "rank": rank, "tp": tp,
+                               "payload": base64.b64encode(payload).decode()}, timeout_s)
+    return _b64(reply.get("payload"), "handshake.payload")
 
 
 def send_release(host: str, port: int, request: str, d_rank: int, d_tp: int, timeout_s: float = IO_TIMEOUT_S) -> None:

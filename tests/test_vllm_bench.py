@@ -1,0 +1,191 @@
+"""``python -m benchmarks.vllm_connector`` without vLLM: its arguments, the timing hooks on stand-in
+connector classes, the per-request arithmetic and the table (no instance started, nothing timed).
+
+The hooks wrap methods by name (:mod:`benchmarks.vllm_timing`); the stand-ins here have the same
+names and signatures as kvgeom's ``ConnectorExecutor``/``Transfer`` and vLLM's
+``NixlPullConnectorWorker``, and the expected numbers are the stand-ins' own clock readings.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import vllm_timing
+from benchmarks.vllm_connector import Sample, parse_args, render
+from benchmarks.vllm_timing import RequestTiming, install_kvgeom, install_nixl, read_events, request_timings
+
+# ---- arguments ---------------------------------------------------------------------------------------
+
+
+def test_defaults_are_a_4k_prompt_five_requests_both_connectors() -> None:
+    a = parse_args([])
+    assert (a.tokens, a.requests, a.connectors) == (4096, 5, ["nixl", "kvgeom"])
+    assert parse_args(["--connectors", "kvgeom-before,kvgeom,nixl"]).connectors == ["kvgeom-before", "kvgeom", "nixl"]
+
+
+@pytest.mark.parametrize("argv", [["--tokens", "100"], ["--tokens", "0"], ["--requests", "0"],
+                                  ["--connectors", "nixl,vllm"], ["--connectors", "nixl,nixl"], ["--connectors", ""]])
+def test_bad_arguments_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+# ---- the hooks on stand-ins --------------------------------------------------------------------------
+
+
+class Clock:
+    """A fake ``time.perf_counter`` stepping 1.0 per reading (and ``thread_time`` 0.5)."""
+
+    def __init__(self) -> None:
+        self.t, self.c = 0.0, 0.0
+
+    def perf_counter(self) -> float:
+        self.t += 1.0
+        return self.t
+
+    def thread_time(self) -> float:
+        self.c += 0.5
+        return self.c
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(vllm_timing, "time", types.SimpleNamespace(perf_counter=c.perf_counter,
+                                                                   thread_time=c.thread_time))
+    return c
+
+
+def kvgeom_module() -> Any:
+    """Stand-ins for kvgeom_nixl.vllm.executor's ConnectorExecutor and kvgeom_nixl.transfer's Transfer."""
+
+    class Transfer:
+        def __init__(self, request_id: str) -> None:
+            self.kind, self.request_id, self.posters = "pull", request_id, {"agent": object()}
+
+        def _post_to(self, agent: str, notif_kind: str) -> None:
+            self.posters.pop(agent, None)
+
+    class ConnectorExecutor:
+        def __init__(self) -> None:
+            self._pulls: dict[str, Any] = {}
+            self._out = types.SimpleNamespace(failed={})
+
+        def pull(self, job: Any) -> None:
+            self._start_pull(job)
+
+        def _start_pull(self, job: Any) -> None:
+            self._pulls[job.transfer_id] = job
+
+        def _d_finished(self, ep: Any) -> None:
+            self._pulls.pop(ep, None)  # (here ``ep`` names the transfer that finishes)
+
+    return types.SimpleNamespace(ConnectorExecutor=ConnectorExecutor, Transfer=Transfer)
+
+
+def test_kvgeom_hooks_time_plan_post_the_read_and_done(tmp_path: Path, clock: Clock) -> None:
+    mod, path = kvgeom_module(), tmp_path / "ev.jsonl"
+    install_kvgeom(mod, str(path))
+    install_kvgeom(mod, str(path))  # idempotent: one wrapper, one event per call
+    ex = mod.ConnectorExecutor()
+    job = types.SimpleNamespace(request_id="d1", transfer_id="p1", local_blocks=((4, 5, 6),))
+    ex.pull(job)  # queued at t=1, post t=2..3 (cpu 0.5)
+    t = mod.Transfer("p1")
+    t._post_to("agent", "grant")  # the READ: t=4..5 (cpu 0.5)
+    t._post_to("agent", "grant")  # (nothing left to post: not an event)
+    ex._d_finished("other")  # p1 still in flight: no done (the clock read t=6)
+    ex._d_finished("p1")  # done at t=7
+    events, offset = read_events(path)
+    assert [e["kind"] for e in events] == ["queued", "post", "post_part", "done"]
+    assert offset == path.stat().st_size and read_events(path, offset) == ([], offset)
+    got = request_timings(events)
+    assert got == RequestTiming(overhead=2.0, overhead_cpu=1.0, queue_to_post=4.0, transfer=2.0, blocks=3)
+
+
+def test_nixl_hooks_time_read_blocks_for_req_and_done(tmp_path: Path, clock: Clock) -> None:
+    class NixlPullConnectorWorker:
+        def __init__(self) -> None:
+            self._recving_transfers: dict[str, list[int]] = {}
+            self.other: dict[str, list[int]] = {}
+
+        def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+            self._recving_transfers[req_id] = [7]
+
+        def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
+            done = set(transfers)
+            transfers.clear()
+            return done, set()
+
+    path = tmp_path / "ev.jsonl"
+    install_nixl(types.SimpleNamespace(NixlPullConnectorWorker=NixlPullConnectorWorker), str(path))
+    w = NixlPullConnectorWorker()
+    w._read_blocks_for_req("d1", types.SimpleNamespace(local_block_ids=[[1, 2]]))  # t=1..2
+    w.other["x"] = [1]
+    w._pop_done_transfers(w.other)  # not the receiving transfers: no event
+    w._pop_done_transfers(w._recving_transfers)  # done at t=3
+    got = request_timings(read_events(path)[0])
+    assert got == RequestTiming(overhead=1.0, overhead_cpu=0.5, queue_to_post=1.0, transfer=1.0, blocks=2)
+
+
+def ev(kind: str, **kw: Any) -> dict[str, Any]:
+    return {"kind": kind, "req": "d1", **kw}
+
+
+GOOD = [ev("queued", t=0.0), ev("post", t0=1.0, t1=2.0, cpu=0.25, posted=True, tid="p1", blocks=1),
+        ev("post_part", tid="p1", t0=3.0, t1=5.0, cpu=0.5), ev("post_part", tid="p2", t0=3.0, t1=9.0, cpu=9.0),
+        ev("done", t=6.0)]
+
+
+def test_request_timings_sum_the_posting_parts_of_this_transfer_only() -> None:
+    assert request_timings(GOOD) == RequestTiming(3.0, 0.75, 5.0, 1.0, 1)
+
+
+@pytest.mark.parametrize("events, why", [
+    (GOOD[:-1], "one posted pull and one done"),  # never seen done
+    (GOOD + [ev("done", t=7.0)], "one posted pull and one done"),  # two requests in one window
+    ([*GOOD[:-1], ev("done", t=6.0, failed=True)], "did not finish well"),
+    ([*GOOD[:-1], {**GOOD[-1], "req": "d2"}], "did not finish well"),
+    ([*GOOD[:-1], ev("done", t=1.5)], "out of order"),
+    ([*GOOD[:-1], ev("done", t=4.0)], "posted after it was seen done"),
+    ([{**e, "posted": False} if e["kind"] == "post" else e for e in GOOD], "one posted pull"),
+])
+def test_request_timings_refuse_what_is_not_one_good_transfer(events: list[dict[str, Any]], why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        request_timings(events)
+
+
+def test_a_torn_last_line_waits_for_the_next_read(tmp_path: Path) -> None:
+    path = tmp_path / "ev.jsonl"
+    path.write_text(json.dumps(GOOD[0]) + "\n" + '{"kind": "po')
+    events, offset = read_events(path)
+    assert events == [GOOD[0]] and offset == len(json.dumps(GOOD[0])) + 1
+    assert read_events(tmp_path / "absent.jsonl", 5) == ([], 5)
+
+
+# ---- the table ---------------------------------------------------------------------------------------
+
+
+def sample(scale: float) -> Sample:
+    return Sample(RequestTiming(0.001 * scale, 0.0005 * scale, 0.002 * scale, 0.004 * scale, 3), 0.01 * scale, True)
+
+
+def test_the_table_has_medians_in_ms_and_ratios_over_nixl() -> None:
+    samples = {"nixl": {k: [sample(1), sample(1), sample(100)] for k in ("prompt", "hit")},
+               "kvgeom": {k: [sample(2), sample(3), sample(2)] for k in ("prompt", "hit")}}
+    out = render(samples, 4096, 3, "1.00 2.00 3.00", 2048)
+    lines = out.splitlines()
+    assert "load average 1.00 2.00 3.00" in lines[0] and lines[1].split() == ["nixl", "kvgeom", "kvgeom/nixl"]
+    assert lines[2].startswith("4096-token prompt (8.0 MiB pulled)")
+    assert lines[3].split()[-3:] == ["1.000", "2.000", "2.00"]  # medians 1 and 2 ms: 2x
+    assert lines[7].split()[-3:] == ["10.000", "20.000", "2.00"]  # TTFT
+    assert "nixl 3 blocks, 3/3, kvgeom 3 blocks, 3/3" in lines[8]
+    assert lines[9].startswith("prefix hit: D holds 4096 tokens, pulls 1 more (in one 64 KiB block)")
+    assert len(lines) == 16
+    alone = render({"kvgeom": samples["kvgeom"]}, 4096, 3, "-", 2048).splitlines()
+    assert alone[1].split() == ["kvgeom"] and alone[3].split()[-1] == "2.000"  # no nixl: no ratio column
