@@ -97,6 +97,11 @@ class MetadataProber:
                                     close_fds=True)
         except OSError as e:
             raise ProberUnavailable(f"cannot start the prober: {e}") from None
+        try:  # a child inherits its parent's CPU affinity: a vLLM worker pinned to one core that its
+            # OpenMP threads keep busy would starve the prober's start for minutes; let it run anywhere
+            os.sched_setaffinity(proc.pid, range(os.cpu_count() or 1))
+        except (AttributeError, OSError):  # (no such call here, or a cpuset that forbids it: keep the parent's)
+            pass
         try:
             if proc.stdout is None:
                 raise EOFError("no pipe")

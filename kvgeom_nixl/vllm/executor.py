@@ -394,12 +394,9 @@ class ConnectorExecutor:
 
     # ---- jobs thread -----------------------------------------------------------------------
     def _jobs_loop(self) -> None:
-        try:  # start the metadata prober now, not in the first handshake
-            started = time.monotonic()
-            prober().warm()
-            self.log.debug("kvgeom connector: metadata prober started in %.2f s", time.monotonic() - started)
-        except ProberUnavailable as e:
-            self.log.warning("kvgeom connector: no metadata prober process (%s); connect probes in process", e)
+        # (the endpoints start the metadata prober in the background; waiting for it here delayed
+        # this rank's side-channel handshake, and P waits for every D rank's: on a worker pinned to
+        # a busy core the start took over P's handshake timeout)
         while True:
             job = self._jobs.get()
             if job is None or self._stop.is_set():
