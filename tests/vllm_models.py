@@ -104,11 +104,31 @@ def model_config(kind: str) -> dict[str, Any]:
     }
 
 
-def _weights(seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
+class _Draws:
+    """Weights ~N(0, 0.06) as float32, drawn in call order from one seed (``one``: 1 + such a draw,
+    for norms)."""
 
-    def w(*shape: int) -> np.ndarray:
-        return rng.normal(0.0, 0.06, size=shape).astype(np.float32)
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, *shape: int) -> np.ndarray:
+        return self.rng.normal(0.0, 0.06, size=shape).astype(np.float32)
+
+    def one(self, *shape: int) -> np.ndarray:
+        return (1.0 + self(*shape)).astype(np.float32)
+
+
+def _mlp_and_norms(out: dict[str, np.ndarray], p: str, w: _Draws, ffn: int) -> None:
+    """A Llama-style layer's gated MLP and its two RMS norms, under prefix ``p``."""
+    out[p + "mlp.gate_proj.weight"] = w(ffn, HIDDEN)
+    out[p + "mlp.up_proj.weight"] = w(ffn, HIDDEN)
+    out[p + "mlp.down_proj.weight"] = w(HIDDEN, ffn)
+    out[p + "input_layernorm.weight"] = w.one(HIDDEN)
+    out[p + "post_attention_layernorm.weight"] = w.one(HIDDEN)
+
+
+def _weights(seed: int) -> dict[str, np.ndarray]:
+    w = _Draws(seed)
 
     out = {"model.embed_tokens.weight": w(VOCAB, HIDDEN)}
     for i in range(LAYERS):
@@ -117,29 +137,22 @@ def _weights(seed: int) -> dict[str, np.ndarray]:
         out[p + "self_attn.k_proj.weight"] = w(KV_HEADS * HEAD_DIM, HIDDEN)
         out[p + "self_attn.v_proj.weight"] = w(KV_HEADS * HEAD_DIM, HIDDEN)
         out[p + "self_attn.o_proj.weight"] = w(HIDDEN, HEADS * HEAD_DIM)
-        out[p + "mlp.gate_proj.weight"] = w(FFN, HIDDEN)
-        out[p + "mlp.up_proj.weight"] = w(FFN, HIDDEN)
-        out[p + "mlp.down_proj.weight"] = w(HIDDEN, FFN)
-        out[p + "input_layernorm.weight"] = (1.0 + w(HIDDEN)).astype(np.float32)
-        out[p + "post_attention_layernorm.weight"] = (1.0 + w(HIDDEN)).astype(np.float32)
-    out["model.norm.weight"] = (1.0 + w(HIDDEN)).astype(np.float32)
+        _mlp_and_norms(out, p, w, FFN)
+    out["model.norm.weight"] = w.one(HIDDEN)
     out["lm_head.weight"] = w(VOCAB, HIDDEN)
     return out
 
 
 def _hybrid_weights(seed: int) -> dict[str, np.ndarray]:
     """The ``nemotron-h`` checkpoint, under the names of NVIDIA's Nemotron-H checkpoints."""
-    rng = np.random.default_rng(seed)
-
-    def w(*shape: int) -> np.ndarray:
-        return rng.normal(0.0, 0.06, size=shape).astype(np.float32)
+    w = _Draws(seed)
 
     inner = MAMBA_HEADS * MAMBA_HEAD_DIM
     conv = inner + 2 * MAMBA_GROUPS * MAMBA_STATE
     out = {"backbone.embeddings.weight": w(VOCAB, HIDDEN)}
     for i, kind in enumerate(HYBRID_PATTERN):
         p = f"backbone.layers.{i}."
-        out[p + "norm.weight"] = (1.0 + w(HIDDEN)).astype(np.float32)
+        out[p + "norm.weight"] = w.one(HIDDEN)
         if kind == "M":
             out[p + "mixer.in_proj.weight"] = w(inner + conv + MAMBA_HEADS, HIDDEN)
             out[p + "mixer.conv1d.weight"] = w(conv, 1, MAMBA_CONV)
@@ -147,52 +160,40 @@ def _hybrid_weights(seed: int) -> dict[str, np.ndarray]:
             out[p + "mixer.A_log"] = w(MAMBA_HEADS)  # vLLM loads A = -exp(A_log)
             out[p + "mixer.D"] = w(MAMBA_HEADS)
             out[p + "mixer.dt_bias"] = w(MAMBA_HEADS)
-            out[p + "mixer.norm.weight"] = (1.0 + w(inner)).astype(np.float32)
+            out[p + "mixer.norm.weight"] = w.one(inner)
             out[p + "mixer.out_proj.weight"] = w(HIDDEN, inner)
         else:
             out[p + "mixer.q_proj.weight"] = w(HEADS * HEAD_DIM, HIDDEN)
             out[p + "mixer.k_proj.weight"] = w(KV_HEADS * HEAD_DIM, HIDDEN)
             out[p + "mixer.v_proj.weight"] = w(KV_HEADS * HEAD_DIM, HIDDEN)
             out[p + "mixer.o_proj.weight"] = w(HIDDEN, HEADS * HEAD_DIM)
-    out["backbone.norm_f.weight"] = (1.0 + w(HIDDEN)).astype(np.float32)
+    out["backbone.norm_f.weight"] = w.one(HIDDEN)
     out["lm_head.weight"] = w(VOCAB, HIDDEN)
     return out
 
 
 def _mla_weights(seed: int) -> dict[str, np.ndarray]:
     """The ``deepseek`` checkpoint, under DeepSeek-V2's names."""
-    rng = np.random.default_rng(seed)
-
-    def w(*shape: int) -> np.ndarray:
-        return rng.normal(0.0, 0.06, size=shape).astype(np.float32)
+    w = _Draws(seed)
 
     out = {"model.embed_tokens.weight": w(VOCAB, HIDDEN)}
     for i in range(LAYERS):
         p = f"model.layers.{i}."
         out[p + "self_attn.q_proj.weight"] = w(HEADS * (NOPE_DIM + ROPE_DIM), HIDDEN)
         out[p + "self_attn.kv_a_proj_with_mqa.weight"] = w(KV_LORA_RANK + ROPE_DIM, HIDDEN)
-        out[p + "self_attn.kv_a_layernorm.weight"] = (1.0 + w(KV_LORA_RANK)).astype(np.float32)
+        out[p + "self_attn.kv_a_layernorm.weight"] = w.one(KV_LORA_RANK)
         out[p + "self_attn.kv_b_proj.weight"] = w(HEADS * (NOPE_DIM + V_DIM), KV_LORA_RANK)
         out[p + "self_attn.o_proj.weight"] = w(HIDDEN, HEADS * V_DIM)
-        out[p + "mlp.gate_proj.weight"] = w(2 * HIDDEN, HIDDEN)
-        out[p + "mlp.up_proj.weight"] = w(2 * HIDDEN, HIDDEN)
-        out[p + "mlp.down_proj.weight"] = w(HIDDEN, 2 * HIDDEN)
-        out[p + "input_layernorm.weight"] = (1.0 + w(HIDDEN)).astype(np.float32)
-        out[p + "post_attention_layernorm.weight"] = (1.0 + w(HIDDEN)).astype(np.float32)
-    out["model.norm.weight"] = (1.0 + w(HIDDEN)).astype(np.float32)
+        _mlp_and_norms(out, p, w, 2 * HIDDEN)
+    out["model.norm.weight"] = w.one(HIDDEN)
     out["lm_head.weight"] = w(VOCAB, HIDDEN)
     return out
 
 
 def _gdn_weights(seed: int) -> dict[str, np.ndarray]:
     """The ``qwen3-next`` checkpoint, under Qwen3-Next's names (float32; vLLM casts to bfloat16)."""
-    rng = np.random.default_rng(seed)
-
-    def w(*shape: int) -> np.ndarray:
-        return rng.normal(0.0, 0.06, size=shape).astype(np.float32)
-
-    def one(*shape: int) -> np.ndarray:
-        return (1.0 + w(*shape)).astype(np.float32)
+    w = _Draws(seed)
+    one = w.one
 
     kd, vd = QN_K_HEADS * QN_HEAD_DIM, QN_V_HEADS * QN_HEAD_DIM
     out = {"model.embed_tokens.weight": w(VOCAB, HIDDEN)}
