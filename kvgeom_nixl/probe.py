@@ -27,13 +27,17 @@ An endpoint starts the prober in a background thread when it is made (``warm_pro
 
 Worked number: starting the prober costs about 0.6 s on an idle 2-core machine (1.1 s under load:
 a Python process importing NIXL and making one agent), once per process; a probe then costs about
-1 ms. ``benchmarks/connect.py``: the first connect 1 s after the endpoint was made takes 751 ms
+1 ms. The child imports the NIXL flavour module its parent loaded (:func:`nixl_module`), never the
+``nixl`` meta package, whose import brings torch in to find the CUDA version: in vLLM's venv, at
+load 30, the start took 7.0 s through the meta package and 1.3 s with the flavour module
+(``tests/test_vllm_prober.py`` prints both). ``benchmarks/connect.py``: the first connect 1 s after the endpoint was made takes 751 ms
 before, 21 ms after (idle machine; 1.2 s and 36 ms at load 19).
 """
 
 from __future__ import annotations
 
 import base64
+import importlib
 import json
 import logging
 import os
@@ -45,13 +49,28 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["MetadataProber", "ProbeRefused", "ProberUnavailable", "prober", "PROBE_TIMEOUT_S"]
+__all__ = ["MetadataProber", "ProbeRefused", "ProberUnavailable", "prober", "nixl_module", "FLAVOURS", "PROBE_TIMEOUT_S"]
 
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 30.0  # a probe (or the prober's start) that takes longer is refused and the prober killed
 _HEADER = struct.Struct("<Q")
 MAX_FRAME = 16 << 20
+FLAVOURS = ("nixl_cu13._api", "nixl_cu12._api")  # NIXL's API modules, one per CUDA flavour wheel
+
+
+def nixl_module() -> str:
+    """The NIXL API module this process loaded (``nixl._api`` is the flavour's module itself, put
+    there by the meta package), or ``""`` when none is loaded yet.
+
+    The child imports that module directly: the same NIXL as its parent, without the meta package's
+    ``import nixl``, which imports torch to find the CUDA version (3.8 s against 0.55 s here, under
+    load; a prober that starts in 20 s under load leaves P's first handshake waiting)."""
+    for name in ("nixl._api", *FLAVOURS):
+        module = sys.modules.get(name)
+        if module is not None and module.__name__ in FLAVOURS:
+            return module.__name__
+    return ""
 
 
 class ProbeRefused(Exception):
@@ -81,8 +100,17 @@ def _read_exactly(fd: int, n: int, deadline: float) -> bytes:
 class MetadataProber:
     """A child process that loads (and unloads) peer metadata blobs in a scratch NIXL agent."""
 
-    def __init__(self, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    def __init__(self, timeout_s: float = PROBE_TIMEOUT_S, *, nixl_module: str | None = None) -> None:
+        """``nixl_module``: the NIXL API module the child imports (one of :data:`FLAVOURS`, or ``""``
+        for the meta package's choice); default: the one this process loaded (:func:`nixl_module`)."""
+        if nixl_module not in (None, "", *FLAVOURS):
+            from kvgeom_nixl.errors import ExecutorError  # (this file also runs as the child's script: no package)
+
+            raise ExecutorError("nixl_module", f"{nixl_module!r} is not a NIXL API module", actual=nixl_module,
+                                expected=f"one of {FLAVOURS}, or '' for the meta package's choice",
+                                fix="leave it out: the child imports the module this process loaded")
         self.timeout_s = timeout_s
+        self.nixl_module = nixl_module
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
         self._warming: threading.Thread | None = None
@@ -90,9 +118,11 @@ class MetadataProber:
 
     def _start(self) -> subprocess.Popen[bytes]:
         """Start the child and wait for its ready frame (it has imported NIXL and made its agent)."""
+        module = self.nixl_module if self.nixl_module is not None else nixl_module()
         try:
             # run this file as a script: the child imports NIXL, not kvgeom_nixl (and so not torch)
-            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,  # noqa: S603
+            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), module],  # noqa: S603
+                                    stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=dict(os.environ),
                                     close_fds=True)
         except OSError as e:
@@ -227,20 +257,30 @@ def prober() -> MetadataProber:
         return _prober
 
 
-def _serve() -> int:
-    """The child: answer every framed blob on stdin with ``{"ok", "name" | "error"}`` on stdout."""
-    os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
-    # answers go to a private copy of stdout; fd 1 itself goes where stderr goes (UCX writes its error
-    # lines to stdout, which would corrupt the frames)
-    answers = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    try:  # as kvgeom_nixl.agent.nixl_api: the meta package, else one CUDA flavour installed alone
+def _nixl_classes(module: str) -> tuple[Any, Any]:
+    """``nixl_agent`` and ``nixl_agent_config`` from ``module`` (one of :data:`FLAVOURS`: the parent's),
+    else as kvgeom_nixl.agent.nixl_api finds them: the meta package, else one CUDA flavour alone."""
+    if module in FLAVOURS:
+        api = importlib.import_module(module)
+        return api.nixl_agent, api.nixl_agent_config
+    try:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError:
         try:
             from nixl_cu13._api import nixl_agent, nixl_agent_config
         except ImportError:
             from nixl_cu12._api import nixl_agent, nixl_agent_config
+    return nixl_agent, nixl_agent_config
+
+
+def _serve(module: str = "") -> int:
+    """The child: answer every framed blob on stdin with ``{"ok", "name" | "error"}`` on stdout."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
+    # answers go to a private copy of stdout; fd 1 itself goes where stderr goes (UCX writes its error
+    # lines to stdout, which would corrupt the frames)
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    nixl_agent, nixl_agent_config = _nixl_classes(module)
 
     def make_agent(name: str) -> Any:  # as kvgeom_nixl.agent.make_agent (this script imports no package)
         return nixl_agent(name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
@@ -279,4 +319,4 @@ def _serve() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_serve())
+    sys.exit(_serve(sys.argv[1] if len(sys.argv) > 1 else ""))
