@@ -97,7 +97,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         servers.append(Server("P", model, block_size=P_BLOCK, log_dir=root, kv_transfer_config=KV_TRANSFER_CONFIG))
         servers.append(Server("D", model, block_size=D_BLOCK, log_dir=root, kv_transfer_config=KV_TRANSFER_CONFIG))
         ref.wait_ready()
-        refs = {n: ref.generate(prompt_of[n], MAX_TOKENS) for n in ("judged", "wrong_request", "reversed")}
+        refs = {n: ref.generate(prompt_of[n], MAX_TOKENS, timeout_s=900) for n in ("judged", "wrong_request", "reversed")}
         ref.close()
         ref = None
         for s in servers:
