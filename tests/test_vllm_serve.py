@@ -5,7 +5,8 @@ worker processes each) of the tiny float32 Llama written by the test, configured
 command line, as a deployment would be::
 
     vllm serve MODEL --block-size 32 --kv-transfer-config '{"kv_connector": "KvgeomConnector",
-        "kv_connector_module_path": "kvgeom_nixl.vllm", "kv_role": "kv_both", "kv_buffer_device": "cpu"}'
+        "kv_connector_module_path": "kvgeom_nixl.vllm", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"kv_lease_duration": 180, "side_channel_port": PORT}}'
 
 P's block is 32 tokens and D's 64: a pair where vLLM's own NixlConnector runs and gives wrong
 output on this CPU backend (tests/test_vllm_e2e.py, "32->64"). A client request goes through

@@ -53,7 +53,8 @@ def get_text(url: str, timeout_s: float = 30) -> str:
 class Server:
     """One ``vllm serve`` process tree; ``kv_transfer_config`` (a dict) is passed as ``--kv-transfer-config``.
 
-    ``side_channel_port`` is kvgeom's (``KVGEOM_SIDE_CHANNEL_PORT``; TP rank r listens on it + r).
+    ``side_channel_port`` is kvgeom's, added to the config's ``kv_connector_extra_config``
+    (``side_channel_port``; TP rank r listens on it + r).
     """
 
     def __init__(self, name: str, model: Path, *, block_size: int, log_dir: Path,
@@ -63,7 +64,7 @@ class Server:
         self.port = free_port(1)
         self.side_channel_port = free_port(1)
         self.url = f"http://127.0.0.1:{self.port}"
-        full_env = vllm_env(KVGEOM_SIDE_CHANNEL_PORT=str(self.side_channel_port), OMP_NUM_THREADS="1",
+        full_env = vllm_env(OMP_NUM_THREADS="1",
                             VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_LOGGING_LEVEL="INFO", **(env or {}))
         full_env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
         full_env["PYTHONPATH"] = os.pathsep.join([str(SITE), full_env["PYTHONPATH"]])
@@ -71,8 +72,9 @@ class Server:
                     "--served-model-name", "tiny", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
                     "--block-size", str(block_size), "--max-model-len", str(max_model_len), "--seed", str(seed),
                     "--kv-cache-memory-bytes", str(kv_cache_mb << 20), "--max-num-seqs", "4"]
-        if kv_transfer_config is not None:
-            self.cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        if kv_transfer_config is not None:  # (kvgeom's side-channel port in it: the command line says everything)
+            extra = {**kv_transfer_config.get("kv_connector_extra_config", {}), "side_channel_port": self.side_channel_port}
+            self.cmd += ["--kv-transfer-config", json.dumps({**kv_transfer_config, "kv_connector_extra_config": extra})]
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "w")  # closed in close()
         self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
