@@ -92,8 +92,8 @@ class _Clock:
                 if t.kind == "pull":
                     self.add(t.request_id, time.thread_time() - c0)
 
-        PullSide._start_pull = start_pull  # type: ignore[method-assign]
-        Transfer._post_to = post_to  # type: ignore[method-assign]
+        PullSide._start_pull = start_pull  # type: ignore[method-assign,assignment]
+        Transfer._post_to = post_to  # type: ignore[method-assign,assignment]
 
         def undo() -> None:
             PullSide._start_pull = start  # type: ignore[method-assign]
