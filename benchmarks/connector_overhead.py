@@ -37,9 +37,10 @@ from typing import Any
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-__all__ = ["VARIANTS", "KINDS", "main", "measure", "render"]
+__all__ = ["VARIANTS", "PARTS", "KINDS", "main", "measure", "render"]
 
 VARIANTS = ("planned", "recipe")
+PARTS = tuple(f"{v}/read" for v in VARIANTS)
 KINDS = ("prompt", "hit")
 HEADS, DIM, LAYERS, BLOCK = 4, 32, 2, 32
 WARMUP = 2  # requests of each (variant, kind) not kept: the first plans, the second learns
@@ -62,11 +63,14 @@ class _Clock:
 
     def __init__(self) -> None:
         self.cpu: dict[str, float] = {}
+        self.read: dict[str, float] = {}  # the READ's posting alone (progress thread)
         self.lock = threading.Lock()
 
-    def add(self, tid: str, cpu: float) -> None:
+    def add(self, tid: str, cpu: float, read: bool = False) -> None:
         with self.lock:
             self.cpu[tid] = self.cpu.get(tid, 0.0) + cpu
+            if read:
+                self.read[tid] = self.read.get(tid, 0.0) + cpu
 
     def install(self) -> Callable[[], None]:
         """Wrap ``PullSide._start_pull`` and ``Transfer._post_to``; returns the undo."""
@@ -90,7 +94,7 @@ class _Clock:
                 post(t, agent, kind)
             finally:
                 if t.kind == "pull":
-                    self.add(t.request_id, time.thread_time() - c0)
+                    self.add(t.request_id, time.thread_time() - c0, read=True)
 
         PullSide._start_pull = start_pull  # type: ignore[method-assign,assignment]
         Transfer._post_to = post_to  # type: ignore[method-assign,assignment]
@@ -111,7 +115,8 @@ def _caches(blocks: int, fill: float) -> dict[str, Any]:
 
 
 def measure(tokens: int, requests: int, *, timeout_s: float = 60.0) -> dict[str, dict[str, list[float]]]:
-    """Per variant and kind, the kept requests' plan + post CPU (seconds)."""
+    """Per variant and kind, the kept requests' plan + post CPU (seconds); ``<variant>/read``: the
+    READ's posting alone (its part of that)."""
     from kvgeom_nixl.vllm.caches import CacheGroup, geometry_from_kv_caches
     from kvgeom_nixl.vllm.executor import ConnectorExecutor, PullJob, ReleaseJob
 
@@ -130,7 +135,7 @@ def measure(tokens: int, requests: int, *, timeout_s: float = 60.0) -> dict[str,
                                   recipes=v == "recipe")
     clock = _Clock()
     undo = clock.install()
-    out: dict[str, dict[str, list[float]]] = {v: {k: [] for k in KINDS} for v in VARIANTS}
+    out: dict[str, dict[str, list[float]]] = {v: {k: [] for k in KINDS} for v in (*VARIANTS, *PARTS)}
     rng = random.Random(5)
     try:
         for i in range(requests + WARMUP):
@@ -158,6 +163,7 @@ def measure(tokens: int, requests: int, *, timeout_s: float = 60.0) -> dict[str,
                     time.sleep(0.005)  # (the progress thread's last tick of this request)
                     if i >= WARMUP:
                         out[v][kind].append(clock.cpu[rid])
+                        out[f"{v}/read"][kind].append(clock.read[rid])
         applied = ds["recipe"]._d_recipes["P"].counts["applied"] if "P" in ds["recipe"]._d_recipes else 0
         if applied != len(KINDS) * requests:
             raise RuntimeError(f"the recipe variant applied {applied} recipes, expected {len(KINDS) * requests}")
@@ -169,13 +175,19 @@ def measure(tokens: int, requests: int, *, timeout_s: float = 60.0) -> dict[str,
 
 
 def render(samples: dict[str, dict[str, list[float]]], tokens: int, load: str) -> str:
+    """The table: per cell, each variant's plan + post, then its two parts (the jobs thread: plan
+    or recipe, checks, the transfer and its ``req``; the progress thread: the READ's posting)."""
     lines = [f"D plan+post CPU per request (ms), kvgeom connector, tiny float32 Llama (block {BLOCK}, TP1), "
              f"medians of {len(samples[VARIANTS[0]][KINDS[0]])} requests; load average {load}",
-             f"{'':40}{'planned':>12}{'recipe':>12}{'recipe/planned':>16}"]
+             f"{'':44}{'planned':>10}{'recipe':>10}{'recipe/planned':>16}"]
     titles = {"prompt": f"{tokens}-token prompt (every block)", "hit": f"prefix hit (D holds {tokens}, pulls 1 block)"}
     for kind in KINDS:
-        a, b = (statistics.median(samples[v][kind]) for v in VARIANTS)
-        lines.append(f"  {titles[kind]:38}{a * 1e3:12.3f}{b * 1e3:12.3f}{b / a:16.2f}")
+        med = {v: statistics.median(samples[v][kind]) for v in (*VARIANTS, *PARTS)}
+        rows = [(titles[kind], [med[v] for v in VARIANTS]),
+                ("  of which: plan/recipe + post (jobs)", [med[v] - med[f"{v}/read"] for v in VARIANTS]),
+                ("  of which: the READ's posting", [med[f"{v}/read"] for v in VARIANTS])]
+        for label, (a, b) in rows:
+            lines.append(f"  {label:42}{a * 1e3:10.3f}{b * 1e3:10.3f}{(b / a if a > 0 else 0):16.2f}")
     return "\n".join(lines)
 
 

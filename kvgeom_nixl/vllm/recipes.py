@@ -40,6 +40,7 @@ the P page bytes and D offsets + (17 - d_base) x the D page bytes.
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -99,14 +100,25 @@ class _Seen:
     applied: Applied
 
 
-def _relative(lists: Sequence[Sequence[int]]) -> tuple[int, int, tuple[tuple[int, ...], ...]] | None:
-    """(smallest id, largest relative id, lists minus the smallest), or None when an id is not a
-    Python int (the planner then refuses it by name)."""
-    ids = [x for ids in lists for x in ids]
-    if not all(type(x) is int for x in ids):
+def _relative(lists: Sequence[Sequence[int]]) -> tuple[int, int, tuple[object, ...]] | None:
+    """(smallest id, largest relative id, each list relative to the smallest id), or None when an
+    id is not a Python int (the planner then refuses it by name). A list of consecutive ids is
+    written ``("run", first, count)``, any other as its relative ids."""
+    ids = list(itertools.chain.from_iterable(lists))
+    if not ids:
+        return 0, 0, tuple(() for _ in lists)
+    if not set(map(type, ids)) <= {int}:
         return None
-    base = min(ids) if ids else 0
-    return base, (max(ids) - base if ids else 0), tuple(tuple(x - base for x in ids) for ids in lists)
+    base, top = min(ids), max(ids)
+    out: list[object] = []
+    for one in lists:
+        one = tuple(one)
+        n = len(one)
+        if n and one[-1] - one[0] == n - 1 and one == tuple(range(one[0], one[0] + n)):
+            out.append(("run", one[0] - base, n))
+        else:
+            out.append(tuple(x - base for x in one))
+    return base, top - base, tuple(out)
 
 
 def _rows(plan: TransferPlan, rank: int) -> Reads:
