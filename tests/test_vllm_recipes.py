@@ -288,7 +288,7 @@ def test_repeated_shapes_are_posted_from_their_recipe_byte_exact(p_block: int, p
             units.assert_tokens_equal(e, range(128), p_ids, d_ids)
         for ex in e.d:
             assert ex._d_recipes["P"].counts == {"seen": 1, "learnt": 1, "applied": 2}
-            assert ex.pending()["pulls"] == 0
+            assert ex.counters()["recipes applied"] == 2 and ex.pending()["pulls"] == 0
     finally:
         e.close()
 

@@ -193,7 +193,8 @@ class ConnectorExecutor(PullSide, HoldSide):
         routed by id or nonce), ``unreported`` (results :meth:`take` has not handed out yet): all
         0 on an idle rank. ``inbox_tombs`` and ``inbox_cancelled`` are bounded by time and size
         (not leaks). Then the running totals (never reset): ``freed released``, ``freed lease
-        expired``, ``freed hold ended`` (P), ``pull done``, ``pull failed <reason>`` (D)."""
+        expired``, ``freed hold ended`` (P), ``pull done``, ``pull failed <reason>``, and ``recipes
+        applied`` / ``learnt`` / ``refused`` / ``seen`` (D, :mod:`kvgeom_nixl.vllm.recipes`)."""
         with self.lock:
             eps = [e for e in (self.prefill, self.decode) if e is not None]
             rings = [e.staging for e in eps if e.staging is not None]
@@ -210,6 +211,9 @@ class ConnectorExecutor(PullSide, HoldSide):
                 "inbox_cancelled": sum(len(e.inbox.cancelled) for e in eps),
             })
             out.update(self.outcomes)
+            for book in list(self._d_recipes.values()):  # (the jobs thread's: copied whole, under the GIL)
+                for what, n in dict(book.counts).items():
+                    out[f"recipes {what}"] = out.get(f"recipes {what}", 0) + n
             return out
 
     def _connect_link(self, ep: Endpoint, payloads: list[bytes]) -> Link:
