@@ -343,3 +343,14 @@ def test_post_pull_refuses_rows_outside_the_regions() -> None:
                 link.post_pull("x-rank", {1: tuple(ok)}, consumers={1: 1}, invalid_blocks={}, timeout_s=5.0)
     finally:
         e.close()
+
+
+def test_a_plan_past_max_rows_is_planned_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    pair = engines(16, 1, 16, 1)
+    rel = tuple(range(4))
+    for limit, want in ((3, "learnt"), (2, "refused")):  # 3 layers: 3 rows of this rank
+        monkeypatch.setattr(recipes, "MAX_ROWS", limit)
+        book = PullRecipes(PlanningLink(pair), STRATEGY, 0)  # type: ignore[arg-type]
+        learn(book, pair, 0, 64, 0, 3, 5, rel, rel)
+        learn(book, pair, 0, 64, 0, 9, 9, rel, rel)
+        assert book.counts[want] == 1, (limit, book.counts)

@@ -52,7 +52,7 @@ from kvgeom_nixl.endpoint import Link
 __all__ = ["PullRecipes", "Shape", "Applied", "MAX_RECIPES", "MAX_ROWS"]
 
 MAX_RECIPES = 64  # shapes kept per link (least recently used dropped), learnt or refused
-MAX_ROWS = 1 << 16  # rows of this rank a recipe may keep (a larger plan is planned every time)
+MAX_ROWS = 1 << 12  # rows of this rank a recipe may keep (<= 7 int64 columns: ~230 KB; larger plans are planned)
 _FIRST_ID = 1  # the lowest id a shifted list may hold (0 is vLLM's null block)
 
 Reads = dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
