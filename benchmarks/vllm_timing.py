@@ -108,7 +108,12 @@ def install_kvgeom(module: Any, path: str) -> None:
 
     if os.environ.get(BEFORE):
         _before(module)
-    _wrap(module.Transfer, "_post_to", post_to)
+    transfer: Any = getattr(module, "Transfer", None)  # (a stand-in's; the executor's is kvgeom_nixl.transfer's)
+    if transfer is None:
+        from kvgeom_nixl.transfer import Transfer
+
+        transfer = Transfer
+    _wrap(transfer, "_post_to", post_to)
     _wrap(cls, "pull", pull)
     _wrap(cls, "_start_pull", start_pull)
     _wrap(cls, "_d_finished", d_finished)
@@ -116,16 +121,20 @@ def install_kvgeom(module: Any, path: str) -> None:
 
 def _before(module: Any) -> None:
     """Put back the connector's per-request path as it was before the benchmark's fixes (for the
-    ``kvgeom-before`` column): token-exact pulls (a partly filled last block moved row by row), the
-    2 ms progress tick during transfers, the packed candidate counted with no staging ring, and
-    ``for_decode_rank`` rebuilding (and re-checking) a plan that is that rank's already."""
+    ``kvgeom-before`` column): every request planned (no per-shape recipes), token-exact pulls (a
+    partly filled last block moved row by row, and M - 1 tokens when M ends a block), the 2 ms progress tick during transfers, the packed
+    candidate counted with no staging ring, and ``for_decode_rank`` rebuilding (and re-checking) a
+    plan that is that rank's already."""
     import attrs
 
     from kvgeom.planning import compiled
     from kvgeom.planning.packed import count_packed
     from kvgeom.values.plan import TransferPlan
+    from kvgeom_nixl.vllm import pulls
 
-    module.whole_pages = lambda pair, computed_tokens: computed_tokens
+    module.whole_pages = pulls.whole_pages = lambda pair, computed_tokens: computed_tokens  # type: ignore[assignment]
+    pulls.full_attention_only = lambda pair: False  # (M - 1 planned when M ends a block, as before)
+    pulls.PullSide._recipe_book = lambda self, engine, link: None  # type: ignore[method-assign]
     module.FAST_POLL_S = module.BUSY_POLL_S
     weigh = compiled.weigh_packed
 

@@ -3,6 +3,7 @@
     Link (made by Endpoint.connect; holds the Pair, built once, and the peer ranks' handshakes)
       .plan(request) / .rank_plan(request)       the whole plan, or this rank's part (compiled pair)
       D rank:  .pull(id, request)         req -> grant -> READ -> held        (docs/design.md §8.1)
+               .post_pull(id, reads)      the same with this rank's rows planned already (no planning)
                .accept_push(id, request)  req -> P's WRITE + pushed -> receive steps -> acked
       P rank:  .serve_pull(id, request)   grant each D rank that asks, held after its READ, done on acked
                .hold(id)                  the same knowing only this rank's blocks (no plan)
@@ -29,7 +30,7 @@ per P rank); each P rank counts 1 consumer (``plan.consumers() == [1, 1]``). Wit
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -58,7 +59,7 @@ from kvgeom.values import CopyBlock, check_instance, check_int, check_seconds
 from .agent import RankAgent
 from .errors import ExecutorError
 from .handshake import RankInfo
-from .lowering import MODES
+from .lowering import MODES, copy_descs
 from .memory import RankMemory
 from .packed import PackedTransfer
 from .posting import posters, sides
@@ -113,6 +114,7 @@ class Link:
         self.pair = pair
         self.peer_engine = next(iter(peers.values())).engine
         self._tile: int | None = None
+        self._columns: dict[int | None, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.closed = False
 
     @property
@@ -228,6 +230,67 @@ class Link:
             if not t.settled:
                 t.peers = {self.peers[d].agent: d for d in sorted(self._peer_ranks(copies))}
         return self.endpoint.track(t)
+
+    @locked
+    def post_pull(self, request_id: str, reads: Mapping[int, Sequence[np.ndarray]], *, consumers: Mapping[int, int],
+                  invalid_blocks: Mapping[int, tuple[int, ...]], timeout_s: float = DEFAULT_TIMEOUT_S) -> Transfer:
+        """D rank: :meth:`pull` with this rank's rows already planned (a caller that keeps a plan's
+        rows per request shape: :mod:`kvgeom_nixl.vllm.recipes`); nothing is planned here.
+
+        ``reads[p] = (d_region, d_offset, p_region, p_offset, nbytes)``: the int64 columns of the
+        plan's copies this D rank reads from P rank ``p``, in posting order; ``consumers[p]`` the D
+        ranks reading from P rank ``p`` (told in ``req``, as :meth:`pull` does);
+        ``invalid_blocks`` the D blocks (per group) a failure invalidates. Every row is checked
+        inside both ranks' regions before anything is posted, as :meth:`pull`'s lowering does
+        (:class:`kvgeom.PlanError` fails the transfer); a P rank this link was not given raises
+        :class:`ExecutorError`. Posted coalesced (one descriptor per row)."""
+        started = time.perf_counter()
+        timeout_s = self._begin("decode", "pull", request_id, timeout_s, None, reads)
+        ep = self.endpoint
+        t = Transfer(ep, ep.rank_agent, "pull", request_id, None, None, "coalesced", timeout_s, role=ep.role,
+                     rank=ep.rank, started=started, invalid_blocks=invalid_blocks, resend_s=ep.staging_grace_s)
+        agent = ep.rank_agent
+        sides = {}
+        try:
+            own = self._memory_columns(None)
+            for p in sorted(reads):
+                peer = self._memory_columns(int(p))
+                cols = reads[p]
+                if len(cols) != 5 or len({len(c) for c in cols}) != 1:
+                    raise PlanError(f"reads[{p}]", "five equal-length columns (d_region, d_offset, p_region, "
+                                    "p_offset, nbytes)", actual=[len(c) for c in cols])
+                d_region, d_offset, p_region, p_offset, nbytes = cols
+                _check_rows("d", d_region, d_offset, nbytes, own[2])
+                _check_rows("p", p_region, p_offset, nbytes, peer[2])
+                sides[int(p)] = peer
+        except PlanError as e:
+            t.fail("plan_error", f"posting: {type(e).__name__}: {e}")
+            return ep.track(t)
+        for p, peer in sides.items():
+            info = self.peers[p]
+            d_region, d_offset, p_region, p_offset, nbytes = reads[p]
+            local = copy_descs(own[0], own[1], d_region, d_offset, nbytes)
+            remote = copy_descs(peer[0], peer[1], p_region, p_offset, nbytes)
+
+            def coalesced(notif: bytes, local: np.ndarray = local, remote: np.ndarray = remote, info: RankInfo = info,
+                          n: int = len(nbytes), total: int = int(nbytes.sum())) -> tuple[Any, int, int]:
+                return agent.post_coalesced("READ", local, remote, info.mem_type, info.agent, notif), n, total
+
+            t.posters[info.agent] = coalesced
+            t.peers[info.agent] = p
+            t.consumers[info.agent] = int(consumers.get(p, 0))
+        if self._expired(t, timeout_s):
+            t.posters.clear()
+        return ep.track(t)
+
+    def _memory_columns(self, peer: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(bases, devices, sizes) per region of this rank (``peer`` None) or of peer rank ``peer``
+        (:meth:`peer_info`'s check), built once per link."""
+        cols = self._columns.get(peer)
+        if cols is None:
+            src: Any = self.endpoint.memory if peer is None else self.peer_info(peer)
+            cols = self._columns[peer] = (src.bases, src.devices, np.asarray(src.sizes, dtype=np.int64))
+        return cols
 
     # ---- passive sides ---------------------------------------------------------------------
     @locked
@@ -450,3 +513,31 @@ class Link:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _check_rows(side: str, region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, sizes: np.ndarray) -> None:
+    """:class:`PlanError` unless every row (int64 columns) is a positive run inside its region of
+    ``sizes`` (:meth:`Link.post_pull`'s check, the one lowering makes of a plan's copies)."""
+    for name, col in ((f"{side}_region", region), (f"{side}_offset", offset), ("nbytes", nbytes)):
+        if not isinstance(col, np.ndarray) or col.dtype != np.int64 or col.ndim != 1:
+            raise PlanError(f"reads.{name}", "a one-dimensional int64 column", actual=value_text(col, 60),
+                            expected="numpy int64 array")
+    if not len(region):
+        return
+    n = len(sizes)
+    if len(region) <= 32:  # (a few rows: Python's loop is quicker than numpy's reductions)
+        top = sizes.tolist()
+        if all(0 <= r < n and o >= 0 and b > 0 and o + b <= top[r]
+               for r, o, b in zip(region.tolist(), offset.tolist(), nbytes.tolist())):
+            return
+    elif int(region.min()) >= 0 and int(region.max()) < n and int(offset.min()) >= 0 and int(nbytes.min()) > 0 \
+            and not (offset + nbytes > sizes[region]).any():
+        return
+    bad = (region < 0) | (region >= n) | (offset < 0) | (nbytes <= 0)
+    bad[~bad] = (offset + nbytes > sizes[np.clip(region, 0, max(n - 1, 0))])[~bad] if n else True
+    i = int(np.flatnonzero(bad)[0])
+    raise PlanError(f"reads.{side}_offset[{i}]", f"bytes [{int(offset[i])}, {int(offset[i] + nbytes[i])}) of "
+                    f"region {int(region[i])} are not inside the rank's {n} regions",
+                    actual=(int(region[i]), int(offset[i]), int(nbytes[i])),
+                    expected=f"regions of {[int(x) for x in sizes]} B",
+                    fix="post rows of a plan for this pair (docs/design.md §15.4)")

@@ -186,3 +186,20 @@ def test_packed_section_gives_the_schema() -> None:
     desc = [r for r in rows if r["name"].endswith("/descriptors")]
     assert all(r["met"] is True and r["value"] < r["baseline"] for r in desc)
     assert all(r["met"] is None for r in rows if r["name"].endswith(("/wire", "/e2e")))  # 256 < 16k tokens
+
+
+def test_connector_overhead_runs_both_variants() -> None:
+    """``python -m benchmarks.connector_overhead`` in miniature: both D executors pull both cells
+    (the recipe variant from its recipes: ``measure`` raises otherwise); nothing asserts a speed."""
+    pytest.importorskip("torch")
+    from nixl_env import NIXL_API
+    pytest.importorskip(NIXL_API, reason="the connector benchmark needs the nixl extra")
+    from benchmarks import connector_overhead
+
+    samples = connector_overhead.measure(256, 2)
+    assert {v: {k: len(x) for k, x in s.items()} for v, s in samples.items()} == {
+        v: {k: 2 for k in connector_overhead.KINDS} for v in (*connector_overhead.VARIANTS, *connector_overhead.PARTS)}
+    assert all(x > 0 for s in samples.values() for xs in s.values() for x in xs)
+    text = connector_overhead.render(samples, 256, "1.0")
+    assert "256-token prompt" in text and "prefix hit (D holds 256" in text and "recipe/planned" in text
+    assert text.count("the READ's posting") == 2

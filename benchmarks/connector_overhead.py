@@ -1,0 +1,212 @@
+"""D's per-request plan + post CPU in kvgeom's vLLM connector, planned vs from a recipe, side by side (no vLLM).
+
+    python -m benchmarks.connector_overhead [--tokens 4096] [--requests 20]
+
+One P and two D :class:`~kvgeom_nixl.vllm.executor.ConnectorExecutor` in this process (the tiny
+float32 Llama of ``python -m benchmarks.vllm_connector``: 2 layers, 4 KV heads x 32, block 32, TP1,
+CPU_ATTN pages, NIXL over UCX on 127.0.0.1): ``planned`` plans every request (``recipes=False``:
+the block tables, the request, the plan and its rows checked at every layer, as every request did
+before), ``recipe`` posts a shape seen before from its recipe (:mod:`kvgeom_nixl.vllm.recipes`).
+Requests alternate between the two D executors, each with fresh block ids (P's and D's lists
+start elsewhere every time), for the two cells of the vLLM benchmark:
+
+* ``prompt``: ``--tokens`` tokens, every block pulled (vLLM's numbers: computed = the prompt, the
+  last token recomputed on D);
+* ``hit``: D holds ``--tokens`` tokens, pulls the one block with the 2 tokens past them.
+
+Measured per request as the vLLM benchmark does (:mod:`benchmarks.vllm_timing`): the thread CPU
+time of ``_start_pull`` (jobs thread) plus that of the READ's posting (``Transfer._post_to``,
+progress thread, once P granted). The first 2 requests of each shape (planned, then learnt) are
+not kept. Medians; nothing is asserted. For 8 MiB pulled, the posting includes UCX's copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import random
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+__all__ = ["VARIANTS", "PARTS", "KINDS", "main", "measure", "render"]
+
+VARIANTS = ("planned", "recipe")
+PARTS = tuple(f"{v}/read" for v in VARIANTS)
+KINDS = ("prompt", "hit")
+HEADS, DIM, LAYERS, BLOCK = 4, 32, 2, 32
+WARMUP = 2  # requests of each (variant, kind) not kept: the first plans, the second learns
+
+
+def _port() -> int:
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port")
+
+
+class _Clock:
+    """Thread CPU time of D's per-request work, by transfer id (P's request id)."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = {}
+        self.read: dict[str, float] = {}  # the READ's posting alone (progress thread)
+        self.lock = threading.Lock()
+
+    def add(self, tid: str, cpu: float, read: bool = False) -> None:
+        with self.lock:
+            self.cpu[tid] = self.cpu.get(tid, 0.0) + cpu
+            if read:
+                self.read[tid] = self.read.get(tid, 0.0) + cpu
+
+    def install(self) -> Callable[[], None]:
+        """Wrap ``PullSide._start_pull`` and ``Transfer._post_to``; returns the undo."""
+        from kvgeom_nixl.transfer import Transfer
+        from kvgeom_nixl.vllm.pulls import PullSide
+
+        start, post = PullSide._start_pull, Transfer._post_to
+
+        @functools.wraps(start)
+        def start_pull(ex: Any, job: Any) -> None:
+            c0 = time.thread_time()
+            try:
+                start(ex, job)
+            finally:
+                self.add(job.transfer_id, time.thread_time() - c0)
+
+        @functools.wraps(post)
+        def post_to(t: Any, agent: str, kind: str) -> None:
+            c0 = time.thread_time()
+            try:
+                post(t, agent, kind)
+            finally:
+                if t.kind == "pull":
+                    self.add(t.request_id, time.thread_time() - c0, read=True)
+
+        PullSide._start_pull = start_pull  # type: ignore[method-assign,assignment]
+        Transfer._post_to = post_to  # type: ignore[method-assign,assignment]
+
+        def undo() -> None:
+            PullSide._start_pull = start  # type: ignore[method-assign]
+            Transfer._post_to = post  # type: ignore[method-assign]
+        return undo
+
+
+def _caches(blocks: int, fill: float) -> dict[str, Any]:
+    import torch
+
+    per = blocks * HEADS * BLOCK * 2 * DIM
+    buf = torch.full((LAYERS * per,), fill)
+    return {f"model.layers.{i}.self_attn.attn": buf[i * per:(i + 1) * per].view(blocks, HEADS, BLOCK, 2 * DIM)
+            for i in range(LAYERS)}
+
+
+def measure(tokens: int, requests: int, *, timeout_s: float = 60.0) -> dict[str, dict[str, list[float]]]:
+    """Per variant and kind, the kept requests' plan + post CPU (seconds); ``<variant>/read``: the
+    READ's posting alone (its part of that)."""
+    from kvgeom_nixl.vllm.caches import CacheGroup, geometry_from_kv_caches
+    from kvgeom_nixl.vllm.executor import ConnectorExecutor, PullJob, ReleaseJob
+
+    nb = tokens // BLOCK + 2
+    pool = 4 * nb + 8  # room for each request's lists to start elsewhere
+    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
+    group = CacheGroup("g0", "full", names, BLOCK, HEADS, None, {n: "CPU_ATTN" for n in names},
+                       {n: "vec" for n in names})
+    port = _port()
+    p_geo, p_layers = geometry_from_kv_caches(_caches(pool, 1.0), [group], tp=1, name="P")
+    p = ConnectorExecutor(p_geo, 0, 1, p_layers, engine_id="P", producer=True, consumer=False, port=port)
+    ds = {}
+    for v in VARIANTS:
+        geo, layers = geometry_from_kv_caches(_caches(pool, -7.0), [group], tp=1, name=f"D-{v}")
+        ds[v] = ConnectorExecutor(geo, 0, 1, layers, engine_id=f"D-{v}", producer=False, consumer=True,
+                                  recipes=v == "recipe")
+    clock = _Clock()
+    undo = clock.install()
+    out: dict[str, dict[str, list[float]]] = {v: {k: [] for k in KINDS} for v in (*VARIANTS, *PARTS)}
+    rng = random.Random(5)
+    try:
+        for i in range(requests + WARMUP):
+            for kind in KINDS:
+                for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
+                    d = ds[v]
+                    rid = f"{v}-{kind}-{i}"
+                    m, hit = (tokens, 0) if kind == "prompt" else (tokens + 2, tokens)
+                    n_p = -(-m // BLOCK)
+                    n_d = n_p - hit // BLOCK
+                    p0, d0 = rng.randrange(1, pool - n_p), rng.randrange(1, pool - n_d)
+                    p.send(rid, 60.0)
+                    d.pull(PullJob(f"d-{rid}", rid, "P", m, hit, (tuple(range(p0, p0 + n_p)),),
+                                   (tuple(range(d0, d0 + n_d)),), ReleaseJob(rid, "127.0.0.1", port, 1), 1))
+                    deadline = time.monotonic() + timeout_s
+                    while True:
+                        r = d.take()
+                        if r.finished_recving:
+                            if r.failed:
+                                raise RuntimeError(f"{rid} failed: {r.failed}")
+                            break
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"{rid}: no result in {timeout_s} s")
+                        time.sleep(0.001)
+                    time.sleep(0.005)  # (the progress thread's last tick of this request)
+                    if i >= WARMUP:
+                        out[v][kind].append(clock.cpu[rid])
+                        out[f"{v}/read"][kind].append(clock.read[rid])
+        applied = ds["recipe"]._d_recipes["P"].counts["applied"] if "P" in ds["recipe"]._d_recipes else 0
+        if applied != len(KINDS) * requests:
+            raise RuntimeError(f"the recipe variant applied {applied} recipes, expected {len(KINDS) * requests}")
+    finally:
+        undo()
+        for ex in (*ds.values(), p):
+            ex.close()
+    return out
+
+
+def render(samples: dict[str, dict[str, list[float]]], tokens: int, load: str) -> str:
+    """The table: per cell, each variant's plan + post, then its two parts (the jobs thread: plan
+    or recipe, checks, the transfer and its ``req``; the progress thread: the READ's posting)."""
+    lines = [f"D plan+post CPU per request (ms), kvgeom connector, tiny float32 Llama (block {BLOCK}, TP1), "
+             f"medians of {len(samples[VARIANTS[0]][KINDS[0]])} requests; load average {load}",
+             f"{'':44}{'planned':>10}{'recipe':>10}{'recipe/planned':>16}"]
+    titles = {"prompt": f"{tokens}-token prompt (every block)", "hit": f"prefix hit (D holds {tokens}, pulls 1 block)"}
+    for kind in KINDS:
+        med = {v: statistics.median(samples[v][kind]) for v in (*VARIANTS, *PARTS)}
+        rows = [(titles[kind], [med[v] for v in VARIANTS]),
+                ("  of which: plan/recipe + post (jobs)", [med[v] - med[f"{v}/read"] for v in VARIANTS]),
+                ("  of which: the READ's posting", [med[f"{v}/read"] for v in VARIANTS])]
+        for label, (a, b) in rows:
+            lines.append(f"  {label:42}{a * 1e3:10.3f}{b * 1e3:10.3f}{(b / a if a > 0 else 0):16.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from benchmarks.common import load_average
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.connector_overhead",
+                                 description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=4096, help="prompt tokens, a multiple of 32 (default 4096)")
+    ap.add_argument("--requests", type=int, default=20, help="kept requests per variant and kind (default 20)")
+    args = ap.parse_args(argv)
+    if args.tokens <= 0 or args.tokens % BLOCK:
+        ap.error(f"--tokens {args.tokens}: must be a positive multiple of the block size {BLOCK}")
+    if args.requests < 1:
+        ap.error(f"--requests {args.requests}: must be at least 1")
+    samples = measure(args.tokens, args.requests)
+    print(render(samples, args.tokens, load_average()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
