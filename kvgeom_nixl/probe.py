@@ -37,7 +37,6 @@ before, 21 ms after (idle machine; 1.2 s and 36 ms at load 19).
 from __future__ import annotations
 
 import base64
-import importlib
 import json
 import logging
 import os
@@ -260,17 +259,19 @@ def prober() -> MetadataProber:
 def _nixl_classes(module: str) -> tuple[Any, Any]:
     """``nixl_agent`` and ``nixl_agent_config`` from ``module`` (one of :data:`FLAVOURS`: the parent's),
     else as kvgeom_nixl.agent.nixl_api finds them: the meta package, else one CUDA flavour alone."""
-    if module in FLAVOURS:
-        api = importlib.import_module(module)
-        return api.nixl_agent, api.nixl_agent_config
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError:
+    if module == "nixl_cu13._api":
+        import nixl_cu13._api as api
+    elif module == "nixl_cu12._api":
+        import nixl_cu12._api as api  # type: ignore[no-redef]
+    else:
         try:
-            from nixl_cu13._api import nixl_agent, nixl_agent_config
+            import nixl._api as api  # type: ignore[no-redef]
         except ImportError:
-            from nixl_cu12._api import nixl_agent, nixl_agent_config
-    return nixl_agent, nixl_agent_config
+            try:
+                import nixl_cu13._api as api  # type: ignore[no-redef]
+            except ImportError:
+                import nixl_cu12._api as api  # type: ignore[no-redef]
+    return api.nixl_agent, api.nixl_agent_config
 
 
 def _serve(module: str = "") -> int:
