@@ -84,17 +84,17 @@ CELLS = [
 ]
 RUNS = [(conn, cell) for conn in CONNECTORS for model in FLEETS for cell in CELLS if cell.model == model]
 
-# KvgeomConnector from a TP1 P to a TP2 D: open (issue 23). On this 2-core machine a request of
-# such a pair fails now and then: P's NIXL calls on a TP2 D rank's metadata (the probe in P's
-# prober, then P's own add_remote_agent) take 8-21 s while the D workers do their first-request
-# work, and past P's 30 s probe timeout or D's 120 s side-channel timeout now and then (the
-# handshake is refused), or a D rank waits 120 s for P's grant while P's progress thread does not
-# tick. Loading such metadata does not need the peer (a stopped, starved or silent peer loads in
-# under 10 ms standalone); the root cause is not found. Runs with no instrumentation on a quiet
-# machine: TP1 -> TP2 32 matched in 2 of 3, TP1 32 -> TP2 64 in 1 of 2; the other requests of the
-# same cells matched. KVGEOM_E2E_TP2_D=1 runs them.
+# KvgeomConnector from a TP1 P to a TP2 D: open (issue 23). On this 2-core VM a request of such a
+# pair fails now and then: P's NIXL calls on the D metadata, its grant or D's READ make no progress
+# for 120 s, and the handshake or the pull times out. Every such failure seen (9 of them, 2026-12-01)
+# fell inside a stall the kernel reported (dmesg: "workqueue lockup ... stuck for 30-119s" on both
+# CPUs, "rcu_preempt detected stalls"), during which nothing on the machine ran (a watcher's own
+# 2 s loop stopped for 2 minutes); none came during a 32-minute CI run or the passing TP2 runs.
+# Loading D's metadata does not need the peer (a stopped, starved or silent peer loads in under
+# 10 ms standalone). What makes the VM stall while TP2 D instances run is not found. Runs with
+# nothing else on the machine: 10 of 13 cells matched. KVGEOM_E2E_TP2_D=1 runs them.
 TP2_D_OPEN = "KvgeomConnector TP1 -> TP2 D cells are open (issue 23: a pull to a TP2 D times out now and then " \
-             "on this 2-core machine, P's NIXL calls on its metadata stalling); KVGEOM_E2E_TP2_D=1 runs them"
+             "on this 2-core VM, inside kernel-reported CPU stalls); KVGEOM_E2E_TP2_D=1 runs them"
 
 
 def _open(connector: str, cell: Cell) -> bool:
