@@ -26,7 +26,6 @@ import argparse
 import functools
 import os
 import random
-import socket
 import statistics
 import sys
 import threading
@@ -44,18 +43,6 @@ PARTS = tuple(f"{v}/read" for v in VARIANTS)
 KINDS = ("prompt", "hit")
 HEADS, DIM, LAYERS, BLOCK = 4, 32, 2, 32
 WARMUP = 2  # requests of each (variant, kind) not kept: the first plans, the second learns
-
-
-def _port() -> int:
-    for _ in range(200):
-        port = random.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port")
 
 
 class _Clock:
@@ -117,6 +104,7 @@ def _caches(blocks: int, fill: float) -> dict[str, Any]:
 def measure(tokens: int, requests: int, *, timeout_s: float = 60.0) -> dict[str, dict[str, list[float]]]:
     """Per variant and kind, the kept requests' plan + post CPU (seconds); ``<variant>/read``: the
     READ's posting alone (its part of that)."""
+    from kvgeom_nixl.testing import free_ports
     from kvgeom_nixl.vllm.caches import CacheGroup, geometry_from_kv_caches
     from kvgeom_nixl.vllm.executor import ConnectorExecutor, PullJob, ReleaseJob
 
@@ -125,7 +113,7 @@ def measure(tokens: int, requests: int, *, timeout_s: float = 60.0) -> dict[str,
     names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
     group = CacheGroup("g0", "full", names, BLOCK, HEADS, None, {n: "CPU_ATTN" for n in names},
                        {n: "vec" for n in names})
-    port = _port()
+    port = free_ports(1)
     p_geo, p_layers = geometry_from_kv_caches(_caches(pool, 1.0), [group], tp=1, name="P")
     p = ConnectorExecutor(p_geo, 0, 1, p_layers, engine_id="P", producer=True, consumer=False, port=port)
     ds = {}

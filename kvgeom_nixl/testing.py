@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 import time
 from typing import Any
 
@@ -33,11 +35,41 @@ from kvgeom.tools import parse_pair_file
 
 from .agent import use_local_defaults
 from .endpoint import Endpoint
-from .errors import TransferFailed
+from .errors import ExecutorError, TransferFailed
 from .local import LocalDeployment, allocate_caches, check_caches, fill_caches, rank_buffers, slot_bytes_for
 from .transfer import wait_all
 
-__all__ = ["engine_process", "result_dict", "requested_device", "run_local"]
+__all__ = ["engine_process", "result_dict", "requested_device", "run_local", "free_ports"]
+
+_HANDED_OUT: set[int] = set()
+
+
+def free_ports(count: int = 1, *, host: str = "127.0.0.1") -> int:
+    """A port ``p`` with ``p .. p + count - 1`` free on ``host`` (a P engine's rank r listens on
+    ``p + r``), for tests and benchmarks that start side channels.
+
+    Drawn in 20000-32000, below Linux's ephemeral range (32768-60999) where the kernel and vLLM's
+    own ``get_open_port`` pick theirs, and never the same port twice in this process: a vLLM
+    instance binds its side channel only once its workers are up, long after the port was chosen.
+    """
+    if not isinstance(count, int) or not 1 <= count <= 64:
+        raise ExecutorError("count", f"free_ports needs 1 to 64 consecutive ports, got {count!r}",
+                            fix="free_ports(count) with count = the P engine's TP size")
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(20000, 32000 - count)
+        ports = range(base, base + count)
+        if _HANDED_OUT.intersection(ports):
+            continue
+        try:
+            for port in ports:
+                with socket.socket() as s:
+                    s.bind((host, port))
+        except OSError:
+            continue
+        _HANDED_OUT.update(ports)
+        return base
+    raise RuntimeError(f"free_ports: no {count} consecutive free ports on {host} in 20000-32000 after 500 draws")
 
 
 def result_dict(r: Any) -> dict[str, Any]:

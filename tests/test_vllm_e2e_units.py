@@ -10,7 +10,6 @@ end-to-end cells on real vLLM are tests/test_vllm_e2e.py.
 
 from __future__ import annotations
 
-import random
 import socket
 import struct
 import time
@@ -27,6 +26,7 @@ pytest.importorskip(NIXL_API, reason="kvgeom_nixl needs the nixl extra")
 
 from kvgeom import EngineGeometry, Pair  # noqa: E402
 from kvgeom_nixl.errors import ExecutorError  # noqa: E402
+from kvgeom_nixl.testing import free_ports  # noqa: E402
 from kvgeom_nixl.vllm.caches import CacheGroup, geometry_from_kv_caches  # noqa: E402
 from kvgeom_nixl.vllm.executor import ConnectorExecutor, PullJob, ReleaseJob, Results, whole_pages  # noqa: E402
 from kvgeom_nixl.vllm.side_channel import (  # noqa: E402
@@ -168,6 +168,18 @@ def test_hostile_releases_are_refused_by_field(server: SideChannelServer, msg: d
     assert server.pending() == 0
 
 
+def test_free_ports_are_bindable_and_never_handed_out_twice() -> None:
+    bases = [free_ports(3) for _ in range(20)]
+    handed = [port for base in bases for port in range(base, base + 3)]
+    assert len(set(handed)) == len(handed)  # no port handed out twice in this process
+    assert all(20000 <= p < 32000 for p in handed)
+    for port in handed[-3:]:  # each one is still bindable (nothing else took it meanwhile)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    with pytest.raises(ExecutorError, match="count"):
+        free_ports(0)
+
+
 def test_an_unreachable_p_is_a_side_channel_error() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -182,20 +194,6 @@ def test_a_taken_port_is_refused_by_name(server: SideChannelServer) -> None:
 
 
 # ---- the executor, P and D ranks in this process ---------------------------------------------------
-
-
-def free_ports(count: int) -> int:
-    """``count`` consecutive free ports (P rank r listens on base + r)."""
-    for _ in range(200):
-        base = random.randrange(20000, 32000 - count)
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free ports")
 
 
 class Engines:

@@ -18,9 +18,7 @@ import collections
 import json
 import os
 import queue
-import random
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -30,39 +28,22 @@ from typing import Any
 
 from vllm_env import ROOT, vllm_env, vllm_python
 
+from kvgeom_nixl.testing import free_ports
+
 __all__ = ["TOLERANCE", "Instance", "Comparison", "compare", "disaggregated", "free_port"]
 
 TOLERANCE = 1e-4
 MARK = "@@kvgeom "
 SCRIPT = ROOT / "tests" / "vllm_instance.py"
-SITE = ROOT / "tests" / "vllm_e2e_site"  # sitecustomize.py: vLLM's worker processes spin 10 ms, not 1 s
+SITE = ROOT / "tests" / "vllm_e2e_site"  # sitecustomize.py: vLLM's workers spin 10 ms, not 1 s, sleeping 0.1 ms a turn
 
 
-_HANDED_OUT: set[int] = set()
 
 
 def free_port(count: int = 2) -> int:
-    """A port ``p`` with ``p .. p + count - 1`` free on 127.0.0.1 (kvgeom's P rank r listens on p + r).
-
-    Drawn below Linux's ephemeral range (32768-60999), where vLLM's own ``get_open_port`` (TP
-    rendezvous, ZMQ) and the kernel pick theirs, and never the same twice in this process: an
-    instance binds its side channel only once its workers are up, long after the port was chosen.
-    """
-    rng = random.Random()
-    for _ in range(500):
-        base = rng.randrange(20000, 32000 - count)
-        ports = range(base, base + count)
-        if _HANDED_OUT.intersection(ports):
-            continue
-        try:
-            for port in ports:
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        _HANDED_OUT.update(ports)
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports")
+    """A port ``p`` with ``p .. p + count - 1`` free on 127.0.0.1 (kvgeom's P rank r listens on p + r):
+    :func:`kvgeom_nixl.testing.free_ports`, never the same twice in this process."""
+    return free_ports(count)
 
 
 class Instance:

@@ -6,7 +6,15 @@ threads poll.
 * vLLM's multiprocess executor (TP2 here) hands each step to its worker processes through a
   shared-memory queue whose readers spin (``sched_yield``) for ``busy_loop_s`` = 1 s after every
   read before they sleep on a socket: an engine that steps every few milliseconds keeps both
-  workers spinning on both cores. Here they spin 10 ms.
+  workers spinning on both cores. Here they spin 10 ms, and each turn of the spin sleeps
+  ``YIELD_SLEEP_S`` = 0.1 ms instead of calling ``sched_yield()``. On this VM's kernel (6.18,
+  ``PREEMPT(none)``), a TP2 D whose engine steps empty while a request waits for its KV, with
+  both workers yield-spinning on their pinned cores, starves every other task for 20-140 s now
+  and then: the P instance, kernel threads (dmesg: ``workqueue lockup``, ``rcu_preempt kthread
+  starved``) and a shell loop alike. Measured with one TP1 P -> TP2 D pair (KvgeomConnector, a
+  request every ~0.1 s, 2026-12-02): with ``sched_yield`` 4 of 4 runs stalled within 1-5 min
+  (D's pull times out at 120 s: P, starved, never grants it); with the 0.1 ms sleep 3010
+  requests in 300 s, no stall. ``KVGEOM_E2E_YIELD_SLEEP_S=0`` restores vLLM's ``sched_yield``.
 * NIXL 1.5.1's Python API creates every agent with ``pthrDelay = 0``: its progress thread (on by
   default, vLLM's NixlConnector uses it) spins one core per agent, idle or not (measured: an idle
   NixlConnector instance uses 100 % of a core, a KvgeomConnector one 3 %). Here it waits up to
@@ -26,10 +34,12 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 BUSY_LOOP_S = 0.01
+YIELD_SLEEP_S = float(os.environ.get("KVGEOM_E2E_YIELD_SLEEP_S", "0.0001"))
 NIXL_PROGRESS_DELAY_US = 1000
 
 
@@ -40,6 +50,12 @@ def _spin_less(module: Any) -> None:
     names = init.__code__.co_varnames[:init.__code__.co_argcount]
     if names[-1:] == ("busy_loop_s",):
         init.__defaults__ = (*init.__defaults__[:-1], BUSY_LOOP_S)
+    if YIELD_SLEEP_S > 0 and callable(getattr(module, "sched_yield", None)):
+        module.sched_yield = _sleep_a_little
+
+
+def _sleep_a_little() -> None:
+    time.sleep(YIELD_SLEEP_S)
 
 
 def _nixl_delay(module: Any) -> None:
