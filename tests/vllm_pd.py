@@ -30,20 +30,12 @@ from vllm_env import ROOT, vllm_env, vllm_python
 
 from kvgeom_nixl.testing import free_ports
 
-__all__ = ["TOLERANCE", "Instance", "Comparison", "compare", "disaggregated", "free_port"]
+__all__ = ["TOLERANCE", "Instance", "Comparison", "compare", "disaggregated"]
 
 TOLERANCE = 1e-4
 MARK = "@@kvgeom "
 SCRIPT = ROOT / "tests" / "vllm_instance.py"
 SITE = ROOT / "tests" / "vllm_e2e_site"  # sitecustomize.py: vLLM's workers spin 10 ms, not 1 s, sleeping 0.1 ms a turn
-
-
-
-
-def free_port(count: int = 2) -> int:
-    """A port ``p`` with ``p .. p + count - 1`` free on 127.0.0.1 (kvgeom's P rank r listens on p + r):
-    :func:`kvgeom_nixl.testing.free_ports`, never the same twice in this process."""
-    return free_ports(count)
 
 
 class Instance:
@@ -60,7 +52,7 @@ class Instance:
                  failure_policy: str = "fail", max_model_len: int = 2048, prefix_caching: bool = True,
                  env: dict[str, str] | None = None, dtype: str = "float32", attention_backend: str = "") -> None:
         self.name, self.block_size, self.tp, self.connector = name, block_size, tp, connector
-        self.port = free_port()
+        self.port = free_ports(2)  # the side channel of rank r (TP <= 2 here) listens on port + r
         extra_env = env
         env = vllm_env(VLLM_NIXL_SIDE_CHANNEL_PORT=str(self.port), KVGEOM_SIDE_CHANNEL_PORT=str(self.port),
                        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1", OMP_NUM_THREADS="1",

@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from vllm_env import ROOT, vllm_env, vllm_python
-from vllm_pd import SITE, free_port
+from vllm_pd import SITE
+
+from kvgeom_nixl.testing import free_ports
 
 __all__ = ["Server", "post_json", "get_text"]
 
@@ -61,8 +63,8 @@ class Server:
                  kv_transfer_config: dict[str, Any] | None = None, max_model_len: int = 1024,
                  kv_cache_mb: int = 64, seed: int = 0, env: dict[str, str] | None = None) -> None:
         self.name = name
-        self.port = free_port(1)
-        self.side_channel_port = free_port(1)
+        self.port = free_ports(1)
+        self.side_channel_port = free_ports(1)
         self.url = f"http://127.0.0.1:{self.port}"
         full_env = vllm_env(OMP_NUM_THREADS="1",
                             VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_LOGGING_LEVEL="INFO", **(env or {}))
