@@ -1,13 +1,15 @@
-"""D's per-request plan + post CPU in kvgeom's vLLM connector, planned vs from a recipe, side by side (no vLLM).
+"""D's per-request plan + post CPU in kvgeom's vLLM connector: planned, from a recipe, and eager, side by side (no vLLM).
 
     python -m benchmarks.connector_overhead [--tokens 4096] [--requests 20]
 
-One P and two D :class:`~kvgeom_nixl.vllm.executor.ConnectorExecutor` in this process (the tiny
+One P and three D :class:`~kvgeom_nixl.vllm.executor.ConnectorExecutor` in this process (the tiny
 float32 Llama of ``python -m benchmarks.vllm_connector``: 2 layers, 4 KV heads x 32, block 32, TP1,
 CPU_ATTN pages, NIXL over UCX on 127.0.0.1): ``planned`` plans every request (``recipes=False``:
 the block tables, the request, the plan and its rows checked at every layer, as every request did
-before), ``recipe`` posts a shape seen before from its recipe (:mod:`kvgeom_nixl.vllm.recipes`).
-Requests alternate between the two D executors, each with fresh block ids (P's and D's lists
+before), ``recipe`` posts a shape seen before from its recipe (:mod:`kvgeom_nixl.vllm.recipes`);
+both ask P first (``req``) and READ once it grants (the connector's default). ``eager``
+(``"eager_pull": true``) posts from the recipe and READs at once (``Link.pull``'s ``eager``: no
+``req``, P's ``held`` after the READ decides). Requests alternate between the D executors, each with fresh block ids (P's and D's lists
 start elsewhere every time), for the two cells of the vLLM benchmark:
 
 * ``prompt``: ``--tokens`` tokens, every block pulled (vLLM's numbers: computed = the prompt, the
@@ -15,9 +17,10 @@ start elsewhere every time), for the two cells of the vLLM benchmark:
 * ``hit``: D holds ``--tokens`` tokens, pulls the one block with the 2 tokens past them.
 
 Measured per request as the vLLM benchmark does (:mod:`benchmarks.vllm_timing`): the thread CPU
-time of ``_start_pull`` (jobs thread) plus that of the READ's posting (``Transfer._post_to``,
-progress thread, once P granted). The first 2 requests of each shape (planned, then learnt) are
-not kept. Medians; nothing is asserted. For 8 MiB pulled, the posting includes UCX's copy.
+time of ``_start_pull`` (jobs thread) plus that of the READ's posting (``Transfer._post_to``: on
+the progress thread once P granted; eager: inside ``_start_pull``, counted once). The first 2
+requests of each shape (planned, then learnt) are not kept. Medians; nothing is asserted. For 8
+MiB pulled, the posting includes UCX's copy.
 """
 
 from __future__ import annotations
@@ -38,7 +41,11 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 __all__ = ["VARIANTS", "PARTS", "KINDS", "main", "measure", "render"]
 
-VARIANTS = ("planned", "recipe")
+VARIANTS = ("planned", "recipe", "eager")
+#: each variant's ConnectorExecutor options: planned and recipe READ after P's grant (req -> grant,
+#: the connector's default), eager READs at once (a recipe; "eager_pull": true)
+OPTIONS = {"planned": {"recipes": False, "eager": False}, "recipe": {"recipes": True, "eager": False},
+           "eager": {"recipes": True, "eager": True}}
 PARTS = tuple(f"{v}/read" for v in VARIANTS)
 KINDS = ("prompt", "hit")
 HEADS, DIM, LAYERS, BLOCK = 4, 32, 2, 32
@@ -50,7 +57,7 @@ class _Clock:
 
     def __init__(self) -> None:
         self.cpu: dict[str, float] = {}
-        self.read: dict[str, float] = {}  # the READ's posting alone (progress thread)
+        self.read: dict[str, float] = {}  # the READ's posting alone (its part of cpu)
         self.lock = threading.Lock()
 
     def add(self, tid: str, cpu: float, read: bool = False) -> None:
@@ -59,6 +66,11 @@ class _Clock:
             if read:
                 self.read[tid] = self.read.get(tid, 0.0) + cpu
 
+    def read_inside(self, tid: str, cpu: float) -> None:
+        """The READ's posting inside ``_start_pull`` (eager): its part of the total, not added to it."""
+        with self.lock:
+            self.read[tid] = self.read.get(tid, 0.0) + cpu
+
     def install(self) -> Callable[[], None]:
         """Wrap ``PullSide._start_pull`` and ``Transfer._post_to``; returns the undo."""
         from kvgeom_nixl.transfer import Transfer
@@ -66,22 +78,30 @@ class _Clock:
 
         start, post = PullSide._start_pull, Transfer._post_to
 
+        inside = threading.local()  # in _start_pull: an eager READ's posting is in its time already
+
         @functools.wraps(start)
         def start_pull(ex: Any, job: Any) -> None:
             c0 = time.thread_time()
+            inside.on = True
             try:
                 start(ex, job)
             finally:
+                inside.on = False
                 self.add(job.transfer_id, time.thread_time() - c0)
 
         @functools.wraps(post)
-        def post_to(t: Any, agent: str, kind: str) -> None:
+        def post_to(t: Any, agent: str, kind: str, *args: int) -> None:
             c0 = time.thread_time()
             try:
-                post(t, agent, kind)
+                post(t, agent, kind, *args)
             finally:
                 if t.kind == "pull":
-                    self.add(t.request_id, time.thread_time() - c0, read=True)
+                    cpu = time.thread_time() - c0
+                    if getattr(inside, "on", False):
+                        self.read_inside(t.request_id, cpu)
+                    else:
+                        self.add(t.request_id, cpu, read=True)
 
         PullSide._start_pull = start_pull  # type: ignore[method-assign,assignment]
         Transfer._post_to = post_to  # type: ignore[method-assign,assignment]
@@ -120,7 +140,7 @@ def measure(tokens: int, requests: int, *, timeout_s: float = 60.0) -> dict[str,
     for v in VARIANTS:
         geo, layers = geometry_from_kv_caches(_caches(pool, -7.0), [group], tp=1, name=f"D-{v}")
         ds[v] = ConnectorExecutor(geo, 0, 1, layers, engine_id=f"D-{v}", producer=False, consumer=True,
-                                  recipes=v == "recipe")
+                                  recipes=OPTIONS[v]["recipes"], eager=OPTIONS[v]["eager"])
     clock = _Clock()
     undo = clock.install()
     out: dict[str, dict[str, list[float]]] = {v: {k: [] for k in KINDS} for v in (*VARIANTS, *PARTS)}
@@ -128,7 +148,7 @@ def measure(tokens: int, requests: int, *, timeout_s: float = 60.0) -> dict[str,
     try:
         for i in range(requests + WARMUP):
             for kind in KINDS:
-                for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):
+                for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1]):  # (the order alternates)
                     d = ds[v]
                     rid = f"{v}-{kind}-{i}"
                     m, hit = (tokens, 0) if kind == "prompt" else (tokens + 2, tokens)
@@ -152,9 +172,12 @@ def measure(tokens: int, requests: int, *, timeout_s: float = 60.0) -> dict[str,
                     if i >= WARMUP:
                         out[v][kind].append(clock.cpu[rid])
                         out[f"{v}/read"][kind].append(clock.read[rid])
-        applied = ds["recipe"]._d_recipes["P"].counts["applied"] if "P" in ds["recipe"]._d_recipes else 0
-        if applied != len(KINDS) * requests:
-            raise RuntimeError(f"the recipe variant applied {applied} recipes, expected {len(KINDS) * requests}")
+        for v in VARIANTS:
+            if not OPTIONS[v]["recipes"]:
+                continue
+            applied = ds[v]._d_recipes["P"].counts["applied"] if "P" in ds[v]._d_recipes else 0
+            if applied != len(KINDS) * requests:
+                raise RuntimeError(f"the {v} variant applied {applied} recipes, expected {len(KINDS) * requests}")
     finally:
         undo()
         for ex in (*ds.values(), p):
@@ -165,17 +188,20 @@ def measure(tokens: int, requests: int, *, timeout_s: float = 60.0) -> dict[str,
 def render(samples: dict[str, dict[str, list[float]]], tokens: int, load: str) -> str:
     """The table: per cell, each variant's plan + post, then its two parts (the jobs thread: plan
     or recipe, checks, the transfer and its ``req``; the progress thread: the READ's posting)."""
+    first = VARIANTS[0]
+    ratios = [f"{v}/{first}" for v in VARIANTS[1:]]
     lines = [f"D plan+post CPU per request (ms), kvgeom connector, tiny float32 Llama (block {BLOCK}, TP1), "
-             f"medians of {len(samples[VARIANTS[0]][KINDS[0]])} requests; load average {load}",
-             f"{'':44}{'planned':>10}{'recipe':>10}{'recipe/planned':>16}"]
+             f"medians of {len(samples[first][KINDS[0]])} requests; load average {load}",
+             f"{'':44}" + "".join(f"{v:>10}" for v in VARIANTS) + "".join(f"{r:>16}" for r in ratios)]
     titles = {"prompt": f"{tokens}-token prompt (every block)", "hit": f"prefix hit (D holds {tokens}, pulls 1 block)"}
     for kind in KINDS:
         med = {v: statistics.median(samples[v][kind]) for v in (*VARIANTS, *PARTS)}
         rows = [(titles[kind], [med[v] for v in VARIANTS]),
-                ("  of which: plan/recipe + post (jobs)", [med[v] - med[f"{v}/read"] for v in VARIANTS]),
+                ("  of which: plan/recipe + post, req", [med[v] - med[f"{v}/read"] for v in VARIANTS]),
                 ("  of which: the READ's posting", [med[f"{v}/read"] for v in VARIANTS])]
-        for label, (a, b) in rows:
-            lines.append(f"  {label:42}{a * 1e3:10.3f}{b * 1e3:10.3f}{(b / a if a > 0 else 0):16.2f}")
+        for label, values in rows:
+            lines.append(f"  {label:42}" + "".join(f"{x * 1e3:10.3f}" for x in values)
+                         + "".join(f"{(x / values[0] if values[0] > 0 else 0):16.2f}" for x in values[1:]))
     return "\n".join(lines)
 
 

@@ -1,12 +1,16 @@
 """kvgeom's vLLM connector against vLLM's NixlConnector on the same geometry, side by side in one run.
 
-    python -m benchmarks.vllm_connector [--tokens 4096] [--requests 5] [--connectors nixl,kvgeom-before,kvgeom]
+    python -m benchmarks.vllm_connector [--tokens 4096] [--requests 5]
+                                        [--connectors nixl,kvgeom-before,kvgeom,kvgeom-eager]
 
 Per connector one P and one D vLLM instance (tests/vllm_pd.Instance: the tiny float32 Llama of
 tests/vllm_models.py with room for the prompt, block 32, TP1, separate processes on 127.0.0.1),
 all started at once and driven in turn, request by request (the order alternating), so that both connectors see the
 same machine load. ``kvgeom-before`` is kvgeom's connector with this benchmark's fixes undone in its
-processes (:func:`benchmarks.vllm_timing._before`), for a before/after in the same run. After a warm-up request of each kind (handshake, first plan, first step):
+processes (:func:`benchmarks.vllm_timing._before`), for a before/after in the same run;
+``kvgeom-eager`` is kvgeom's connector with ``"eager_pull": true`` (the READ at once, no
+``req``/grant round trip; docs/design.md §8.1). After two warm-up requests of each kind (the
+handshake, the first plan and step; then kvgeom learns the shape's recipe, with two probe plans):
 
 * ``prompt``: ``--requests`` fresh prompts of ``--tokens`` tokens; P prefills, D pulls every block.
 * ``hit``: D first computes ``--tokens`` tokens itself (whole blocks, in its prefix cache), then
@@ -52,14 +56,15 @@ from benchmarks.vllm_timing import BEFORE, ENV, RequestTiming, read_events, requ
 
 __all__ = ["CONNECTORS", "DEFAULT_CONNECTORS", "KINDS", "METRICS", "parse_args", "render", "main"]
 
-CONNECTORS = ("nixl", "kvgeom-before", "kvgeom")
-DEFAULT_CONNECTORS = ("nixl", "kvgeom")
+CONNECTORS = ("nixl", "kvgeom-before", "kvgeom", "kvgeom-eager")
+DEFAULT_CONNECTORS = ("nixl", "kvgeom", "kvgeom-eager")
 KINDS = ("prompt", "hit")
 #: (key, label, unit scale): the rows of each kind, in order
 METRICS = (("overhead", "D plan+post, wall (ms)", 1e3), ("overhead_cpu", "D plan+post, CPU (ms)", 1e3),
            ("queue_to_post", "D queue -> posted (ms)", 1e3), ("transfer", "transfer post->done (ms)", 1e3),
            ("ttft", "D TTFT (ms)", 1e3))
 BLOCK = 32
+WARMUP = 2  # rounds not kept: kvgeom plans a shape's first request and learns its recipe on the second
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -105,7 +110,7 @@ def render(samples: dict[str, dict[str, list[Sample]]], tokens: int, requests: i
     ratios = [c for c in names if c != "nixl"] if "nixl" in names else []
     head = f"{'':34}" + "".join(f"{c:>14}" for c in names) + "".join(f"{c + '/nixl':>20}" for c in ratios)
     lines = [f"vLLM P/D, tiny float32 Llama (2 layers, 4 KV heads x 32, block {BLOCK}, TP1), D pulls from P; "
-             f"medians of {requests} requests after a warm-up; load average {load}", head]
+             f"medians of {requests} requests after {WARMUP} warm-up rounds; load average {load}", head]
     titles = {"prompt": f"{tokens}-token prompt ({tokens * bytes_per_token / 2**20:.1f} MiB pulled)",
               "hit": f"prefix hit: D holds {tokens} tokens, pulls 1 more (in one {bytes_per_token * BLOCK // 1024} KiB block)"}
     for kind in KINDS:
@@ -134,6 +139,8 @@ class Pair:
         before = {BEFORE: "1"} if connector == "kvgeom-before" else {}
         common: dict[str, Any] = {"connector": connector.split("-")[0], "log_dir": root,
                                   "kv_cache_mb": args.kv_cache_mb, "max_model_len": args.tokens + 2 * BLOCK}
+        if connector == "kvgeom-eager":  # READs at once, no req/grant (kv_connector_extra_config)
+            common["extra"] = {"eager_pull": True}
         # (P's hooks too: the before variant's patches apply where the timing hooks are installed)
         self.p = Instance(f"bench-{connector}-p", model, env={ENV: str(root / f"events-{connector}-p.jsonl"), **before},
                           **common)
@@ -192,16 +199,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             pair.ready()
         print(f"instances ready in {time.perf_counter() - started:.0f} s (logs in {root})", file=sys.stderr)
         n = args.requests
-        fresh = prompts([args.tokens] * (n + 1), seed=11)
-        hits = prompts([args.tokens + 2] * (n + 1), seed=12)
-        for i in range(n + 1):  # i == 0: the warm-up, not kept
+        fresh = prompts([args.tokens] * (n + WARMUP), seed=11)
+        hits = prompts([args.tokens + 2] * (n + WARMUP), seed=12)
+        for i in range(n + WARMUP):  # i < WARMUP: the warm-up, not kept
             order = pairs if i % 2 == 0 else pairs[::-1]
             for kind, prompt in (("prompt", fresh[i]), ("hit", hits[i])):
                 for pair in order:
                     s = pair.request(prompt, hit=kind == "hit")
-                    if i:
+                    if i >= WARMUP:
                         samples[pair.connector][kind].append(s)
-            print(f"round {i}/{n} done", file=sys.stderr)
+            print(f"round {i + 1}/{n + WARMUP} done", file=sys.stderr)
         load = load_average()
     finally:
         for pair in pairs:

@@ -10,9 +10,13 @@ Installed by ``tests/vllm_e2e_site/sitecustomize.py`` in a vLLM instance's proce
   (build the request from the block tables, plan it, post the pull under the lock; on the jobs
   thread). vLLM's NixlConnector: ``NixlPullConnectorWorker._read_blocks_for_req`` (map the block
   ids, build the descriptor ids, ``make_prepped_xfer`` + ``transfer``; on the engine's thread).
-* ``post_part``: kvgeom only, the READ itself, posted later by the progress thread once P granted
-  (``Transfer._post_to``: the NIXL descriptor lists, ``initialize_xfer`` + ``transfer``), keyed by
-  P's request id (``tid``, also in kvgeom's ``post`` event); it counts in the overhead.
+* ``post_part``: kvgeom only, the READ itself when it is posted later by the progress thread once
+  P granted (``Transfer._post_to``: the NIXL descriptor lists, ``initialize_xfer`` + ``transfer``),
+  keyed by P's request id (``tid``, also in kvgeom's ``post`` event); it counts in the overhead.
+  A READ posted inside ``_start_pull`` is timed there already: no ``post_part``; the post event's
+  ``t_read`` is when it went out. An eager pull's READ (``"eager_pull": true``) is posted by the
+  progress thread right after ``_start_pull`` queued it, often before ``_start_pull`` returns: it
+  counts as posted at its ``post_part``'s end, which may come before the post event's.
 * ``queued``: kvgeom only, when the engine thread hands the pull to the executor
   (``ConnectorExecutor.pull``; vLLM's connector posts in the same call, so its ``t0`` is that).
 * ``done``: when the worker first sees the transfer finished (kvgeom: its progress thread's
@@ -68,16 +72,21 @@ def install_kvgeom(module: Any, path: str) -> None:
             return original(self, job)
         return run
 
+    inside = threading.local()  # this thread is in _start_pull: an eager READ's posting counts there already
+
     def start_pull(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, job: Any) -> Any:
             t0, c0 = time.perf_counter(), time.thread_time()
+            inside.on, inside.read = True, None
             try:
                 return original(self, job)
             finally:
+                inside.on = False
                 t1, c1 = time.perf_counter(), time.thread_time()
+                extra = {} if inside.read is None else {"t_read": inside.read}
                 _emit(path, kind="post", connector="kvgeom", req=str(job.request_id), tid=str(job.transfer_id),
                       t0=t0, t1=t1, cpu=c1 - c0, posted=job.request_id not in self._out.failed,
-                      blocks=sum(len(g) for g in job.local_blocks))
+                      blocks=sum(len(g) for g in job.local_blocks), **extra)
         return run
 
     def d_finished(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -94,12 +103,17 @@ def install_kvgeom(module: Any, path: str) -> None:
         return run
 
     def post_to(original: Callable[..., Any]) -> Callable[..., Any]:
-        def run(self: Any, agent: str, notif_kind: str) -> Any:
+        def run(self: Any, agent: str, notif_kind: str, *args: int) -> Any:
             if self.kind != "pull" or agent not in self.posters:
-                return original(self, agent, notif_kind)
+                return original(self, agent, notif_kind, *args)
+            if getattr(inside, "on", False):  # an eager READ: its time is in the post event's
+                try:
+                    return original(self, agent, notif_kind, *args)
+                finally:
+                    inside.read = time.perf_counter()
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
-                return original(self, agent, notif_kind)
+                return original(self, agent, notif_kind, *args)
             finally:
                 t1, c1 = time.perf_counter(), time.thread_time()
                 _emit(path, kind="post_part", connector="kvgeom", tid=str(self.request_id), t0=t0, t1=t1,
@@ -122,7 +136,8 @@ def install_kvgeom(module: Any, path: str) -> None:
 def _before(module: Any) -> None:
     """Put back the connector's per-request path as it was before the benchmark's fixes (for the
     ``kvgeom-before`` column): every request planned (no per-shape recipes), token-exact pulls (a
-    partly filled last block moved row by row, and M - 1 tokens when M ends a block), the 2 ms progress tick during transfers, the packed
+    partly filled last block moved row by row, and M - 1 tokens when M ends a block), READs only after
+    P's grant (not eager), the 2 ms progress tick during transfers, the packed
     candidate counted with no staging ring, and ``for_decode_rank`` rebuilding (and re-checking) a
     plan that is that rank's already."""
     import attrs
@@ -135,6 +150,12 @@ def _before(module: Any) -> None:
     module.whole_pages = pulls.whole_pages = lambda pair, computed_tokens: computed_tokens  # type: ignore[assignment]
     pulls.full_attention_only = lambda pair: False  # (M - 1 planned when M ends a block, as before)
     pulls.PullSide._recipe_book = lambda self, engine, link: None  # type: ignore[method-assign]
+    init = module.ConnectorExecutor.__init__
+
+    def not_eager(self: Any, *args: Any, **kwargs: Any) -> None:  # (req, grant, then the READ)
+        init(self, *args, **{**kwargs, "eager": False})
+
+    module.ConnectorExecutor.__init__ = not_eager
     module.FAST_POLL_S = module.BUSY_POLL_S
     weigh = compiled.weigh_packed
 
@@ -228,12 +249,15 @@ def request_timings(events: Iterable[dict[str, Any]]) -> RequestTiming:
     post, done = posts[0], dones[0]
     if post["req"] != done["req"] or done.get("failed"):
         raise ValueError(f"the pull of {post['req']!r} did not finish well: {done}")
-    if not post["t0"] <= post["t1"] <= done["t"]:
+    read = post.get("t_read")  # a READ posted inside the post event
+    parts = [e for e in evs if e["kind"] == "post_part" and "tid" in post and e["tid"] == post["tid"]]
+    # posted: when the READ went out (an eager READ, posted by the progress thread, may go out and
+    # even finish before the post event ends: _start_pull goes on after posting, e.g. to learn a recipe)
+    posted = max(e["t1"] for e in parts) if parts else post["t1"] if read is None else read
+    if not post["t0"] <= post["t1"] or done["t"] < post["t0"]:
         raise ValueError(f"events out of order: post {post['t0']}..{post['t1']}, done {done['t']}")
     queued = [e["t"] for e in evs if e["kind"] == "queued" and e["req"] == post["req"]]
     start = min(queued) if queued else post["t0"]
-    parts = [e for e in evs if e["kind"] == "post_part" and "tid" in post and e["tid"] == post["tid"]]
-    posted = max([post["t1"], *(e["t1"] for e in parts)])
     if posted > done["t"]:
         raise ValueError(f"the READ of {post['req']!r} was posted after it was seen done")
     return RequestTiming(overhead=post["t1"] - post["t0"] + sum(e["t1"] - e["t0"] for e in parts),

@@ -466,7 +466,8 @@ class Endpoint:
         self._bury()
 
     def pending_notifications(self) -> dict[tuple[str, str], set[str]]:
-        """D ranks' reqs no transfer has taken yet: ("req", request id) -> sender agents."""
+        """D ranks' messages no transfer has taken yet: (kind, request id) -> sender agents; kind
+        ``req`` (a pull's or an accept_push's) or ``read`` (an eager pull's READ, already done)."""
         return self.inbox.pending_ids()
 
     def receive(self, rearranges: Sequence[Rearrange], zeros: Zeros) -> Any:

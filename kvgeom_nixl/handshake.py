@@ -1,6 +1,6 @@
 """The handshake payload: what one rank tells a peer engine about itself, as versioned JSON.
 
-    {"kvgeom_handshake": 2,                     <- payload version
+    {"kvgeom_handshake": 3,                     <- payload version (3: the eager pull's "read" message)
      "role": "prefill", "rank": 1, "agent": "kvgeom-prefill-1-3f2a",
      "engine": {... kvgeom.tools.serialize document of the engine's geometry ...},
      "memory": {"mem_type": "DRAM",
@@ -50,7 +50,7 @@ from .protocol import SECRET_BYTES
 __all__ = ["HANDSHAKE_VERSION", "RankInfo", "encode_rank", "decode_rank", "ROLES", "HandshakeLimits",
            "DEFAULT_LIMITS"]
 
-HANDSHAKE_VERSION = 2
+HANDSHAKE_VERSION = 3  # 3: a D rank may send "read" (an eager pull), which a version-2 peer drops
 ROLES = ("prefill", "decode")
 _KEYS = {"kvgeom_handshake", "role", "rank", "agent", "engine", "memory", "nixl_metadata", "secret"}
 _OPTIONAL = {"staging"}

@@ -4,10 +4,11 @@
       sender not a connected peer (no link key) -------------> dropped, counted (unknown_sender)
       longer than MAX_MESSAGE, malformed, bad MAC -----------> dropped, counted (rejected)
       names a live or fencing attempt (its nonce) -----------> attempt.on_message (O(1) state update)
-      P: a D rank's "req" before P's attempt is posted ------> kept: one per (request id, sender),
+      P: a D rank's "req" (or an eager READ's "read") -------> kept: one per (request id, sender),
+         before P's attempt is posted
                                                                at most inbox_max, for inbox_ttl_s
       "cancel" of an attempt this rank no longer has --------> answered "ended" (nothing in flight)
-      P: "pulled" of an attempt that is over ----------------> answered "cancel" (D must not call it done)
+      P: "pulled" or "read" of an attempt that is over ------> answered "cancel" (D must not call it done)
       anything else (late, replayed, another attempt's) -----> dropped, counted (stale)
 
 Nothing but those ``req`` entries is stored for a request no attempt waits for, so the inbox holds
@@ -117,11 +118,11 @@ class Inbox:
             else:
                 self.counts["stale"] += 1
             return
-        if m.p_nonce == 0:  # D does not know P's attempt yet: its req, or its cancel before a grant
+        if m.p_nonce == 0:  # D does not know P's attempt yet: its req or eager read, or its cancel before either
             t = self.by_id.get(m.request_id)
             if t is not None and m.sender in t.peers and t.peer_nonce.get(m.sender, m.d_nonce) == m.d_nonce:
                 t.on_message(m)  # (a req of another D attempt waits for P's next attempt of the id)
-            elif m.kind == "req":
+            elif m.kind in ("req", "read"):
                 if (m.sender, m.d_nonce) in self.cancelled:
                     self.counts["stale"] += 1
                     return
@@ -150,7 +151,7 @@ class Inbox:
             t.on_message(m)
         elif m.kind == "cancel":
             reply(m.sender, "ended", m.request_id, m.d_nonce, m.p_nonce)
-        elif m.kind == "pulled":
+        elif m.kind in ("pulled", "read"):
             self.counts["late_read"] += 1
             reply(m.sender, "cancel", m.request_id, m.d_nonce, m.p_nonce)
         else:
@@ -171,10 +172,10 @@ class Inbox:
                            self.name, evicted, self.ttl_s, self.max_entries)
 
     def pending_ids(self) -> dict[tuple[str, str], set[str]]:
-        """Kept reqs: ("req", request id) -> sender agents."""
+        """Kept messages: (kind, request id) -> sender agents (kind ``req``, or ``read`` for an eager READ's)."""
         out: dict[tuple[str, str], set[str]] = {}
-        for rid, sender in self.pending:
-            out.setdefault(("req", rid), set()).add(sender)
+        for (rid, sender), (_, m) in self.pending.items():
+            out.setdefault((m.kind, rid), set()).add(sender)
         return out
 
     def nbytes(self) -> int:

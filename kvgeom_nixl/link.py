@@ -189,19 +189,22 @@ class Link:
     @locked
     def pull(self, request_id: str, request: Request | None = None, *, plan: TransferPlan | None = None,
              mode: str = "coalesced", timeout_s: float = DEFAULT_TIMEOUT_S, strategy: str = "direct",
-             budget: PlanBudget | None = None) -> Transfer:
+             budget: PlanBudget | None = None, eager: bool = False) -> Transfer:
         """D rank: ask every P rank it needs (``req``), READ this rank's rows from each once it grants,
         done when each has confirmed it still held its blocks (``held``); returns at once (a packed
         plan is pulled chunk by chunk through the staging rings, docs/design.md §12.5).
 
         Without ``plan`` the request is planned with ``strategy`` under ``budget`` (the endpoint's by
-        default); ``timeout_s`` counts from this call, planning included."""
+        default); ``timeout_s`` counts from this call, planning included. ``eager`` (direct plans):
+        READ at once, with no ``req`` and no wait for the grant; P's ``held`` after the READ still
+        decides whether the bytes count (one round trip and one message less; a READ of blocks P no
+        longer holds fails instead of never being posted; :mod:`kvgeom_nixl.transfer`)."""
         started = time.perf_counter()
         timeout_s = self._begin("decode", "pull", request_id, timeout_s, request, plan)
         plan, blocks = self._planned(request, plan, strategy, budget, mode)
         if plan.packed:
             return self._packed("pull", request_id, request, plan, mode, timeout_s, started)
-        t = self._transfer("pull", request_id, request, plan, self._mode(mode), timeout_s, started)
+        t = self._transfer("pull", request_id, request, plan, self._mode(mode), timeout_s, started, eager=eager)
         if not self._expired(t, timeout_s):
             copies = t.decode_part().copies
             t.posters = posters(self, t, copies, "READ", blocks)
@@ -233,7 +236,8 @@ class Link:
 
     @locked
     def post_pull(self, request_id: str, reads: Mapping[int, Sequence[np.ndarray]], *, consumers: Mapping[int, int],
-                  invalid_blocks: Mapping[int, tuple[int, ...]], timeout_s: float = DEFAULT_TIMEOUT_S) -> Transfer:
+                  invalid_blocks: Mapping[int, tuple[int, ...]], timeout_s: float = DEFAULT_TIMEOUT_S,
+                  eager: bool = False) -> Transfer:
         """D rank: :meth:`pull` with this rank's rows already planned (a caller that keeps a plan's
         rows per request shape: :mod:`kvgeom_nixl.vllm.recipes`); nothing is planned here.
 
@@ -243,12 +247,13 @@ class Link:
         ``invalid_blocks`` the D blocks (per group) a failure invalidates. Every row is checked
         inside both ranks' regions before anything is posted, as :meth:`pull`'s lowering does
         (:class:`kvgeom.PlanError` fails the transfer); a P rank this link was not given raises
-        :class:`ExecutorError`. Posted coalesced (one descriptor per row)."""
+        :class:`ExecutorError`. Posted coalesced (one descriptor per row); ``eager`` as in :meth:`pull`."""
         started = time.perf_counter()
         timeout_s = self._begin("decode", "pull", request_id, timeout_s, None, reads)
         ep = self.endpoint
         t = Transfer(ep, ep.rank_agent, "pull", request_id, None, None, "coalesced", timeout_s, role=ep.role,
-                     rank=ep.rank, started=started, invalid_blocks=invalid_blocks, resend_s=ep.staging_grace_s)
+                     rank=ep.rank, started=started, invalid_blocks=invalid_blocks, resend_s=ep.staging_grace_s,
+                     eager=eager)
         agent = ep.rank_agent
         sides = {}
         try:
@@ -421,12 +426,12 @@ class Link:
         return ep.track(t)
 
     def _transfer(self, kind: str, request_id: str, request: Request | None, plan: TransferPlan, mode: str,
-                  timeout_s: float, started: float, *, bytes_moved: int = 0) -> Transfer:
+                  timeout_s: float, started: float, *, bytes_moved: int = 0, eager: bool = False) -> Transfer:
         ep = self.endpoint
         invalid = self.pair.writable_blocks(request) if request is not None and self.local_is_decode else {}
         return Transfer(ep, ep.rank_agent, kind, request_id, request, plan, mode, timeout_s, role=ep.role,
                         rank=ep.rank, bytes_moved=bytes_moved, receive=ep.receive if self.local_is_decode else None,
-                        started=started, invalid_blocks=invalid, resend_s=ep.staging_grace_s)
+                        started=started, invalid_blocks=invalid, resend_s=ep.staging_grace_s, eager=eager)
 
     def _peer_ranks(self, copies: Copies) -> set[int]:
         return {int(r) for r in np.unique(sides(copies, self.local_is_decode)[0])}

@@ -4,7 +4,7 @@ Every message one rank sends another names the attempt it belongs to and is sign
 the link between the two agents::
 
     kvgeom2|<kind>|<D nonce>|<P nonce>|<args...>|<request id>|<mac>
-      kind      one of KINDS (req, grant, pulled, held, pushed, acked, cancel, ended, ping, and the
+      kind      one of KINDS (req, grant, pulled, read, held, pushed, acked, cancel, ended, ping, and the
                 packed plans' want, slot, packed, chunk_pulled, landed)
       nonces    16 hex digits each, drawn fresh for every attempt (pull, push, serve_pull, hold,
                 accept_push); 0 where the sender does not know the peer's yet (a D rank's first ``req``)
@@ -40,6 +40,7 @@ KINDS = {
     "req": 1,  # D -> P: D's attempt opens; args: how many D ranks read from this P rank (0: unknown)
     "grant": 0,  # P -> D: P's attempt holds its blocks for D's attempt (direct pull)
     "pulled": 0,  # D -> P: NIXL's notification of D's READ (after the data)
+    "read": 1,  # D -> P: an eager READ's notification (after the data; no req before it); args: as req's
     "held": 0,  # P -> D: P still held its blocks when the READ finished (a direct pull is done)
     "pushed": 0,  # P -> D: NIXL's notification of P's WRITE (after the data)
     "acked": 0,  # D -> P: D's attempt is done (a push, a serve_pull or a hold ends done on it)

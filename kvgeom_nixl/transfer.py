@@ -19,10 +19,28 @@ cancelled one, of the same request id) is dropped and counted. The direct protoc
                      <------------------------   held      (D: done; a late READ gets cancel instead)
       acked (D is done) ---------------------->   P: done for that D rank (P's end mirrors D's)
 
+    eager pull (D)                             serve_pull / hold (P)
+      READ + NIXL notification "read(consumers)" -->   P still holds? -> held (the req and the
+                     <------------------------   held      grant skipped: one round trip less)
+      acked ---------------------------------->   P: done for that D rank
+
     accept_push (D)                            push (P)
       req ------------------------------------>   WRITE + NIXL notification "pushed"
           <-----------------------------------   (after the data)
       receive steps, done; acked ------------->   done (P knows D's attempt took the bytes)
+
+An eager pull (``Link.pull(..., eager=True)``, direct plans) READs in its first ``advance``, with
+no ``req``: P's ``held``, sent
+once the READ's notification arrived while P still held its blocks, is what makes the bytes count,
+as in the pull above. P's blocks cannot change while P holds them, a hold only ever ends, and it
+began before D could know P's block ids; so blocks still held when the READ's notification (sent
+after the data) arrives were held for the whole READ. A READ of blocks P no longer holds gets
+``cancel`` and fails (its D blocks invalid); it never completes. What the grant adds is that D
+never reads blocks P has already let go, and that a P that hangs before granting leaves no READ in
+progress: an eager READ to a hung P can stay in progress past D's deadline, and D's attempt stays
+fencing (its blocks not reusable) until NIXL ends it (design §8.1, §15.4). D repeats ``read`` as a plain message
+every ``resend_s`` once its READs are DONE and a P rank has not confirmed (never before the data:
+P would confirm bytes not yet moved).
 
 A transfer never blocks and never polls on its own: :meth:`Transfer.advance` takes one step and is
 called by its endpoint's ``progress()`` (which first routes the arrived messages to it);
@@ -136,8 +154,10 @@ class Transfer:
                  peers: Mapping[str, int] | None = None, posters: Mapping[str, Poster] | None = None,
                  consumers: Mapping[str, int] | None = None, expect_count: int | None = None,
                  receive: ReceiveSteps | None = None, bytes_moved: int = 0, started: float | None = None,
-                 invalid_blocks: Mapping[int, tuple[int, ...]] | None = None, resend_s: float = 5.0) -> None:
+                 invalid_blocks: Mapping[int, tuple[int, ...]] | None = None, resend_s: float = 5.0,
+                 eager: bool = False) -> None:
         self.endpoint = endpoint
+        self.eager = eager and kind == "pull" and self.direct  # READ at once, no req/grant (module docstring)
         self.agent = agent
         self.kind = kind
         self.request_id = request_id
@@ -237,8 +257,17 @@ class Transfer:
         self.mode = mode
 
     def start(self) -> None:
-        """The attempt's first messages (a D rank's ``req`` to every P rank it needs)."""
+        """The attempt's first messages (a D rank's ``req`` to every P rank it needs). An eager pull
+        sends none: its first :meth:`advance` posts the READs (each with its ``read`` notification),
+        so that NIXL is driven from the thread that progresses the endpoint, as for every other
+        request (posting from another thread while it progressed contended for UCX's worker lock:
+        1-4 ms of CPU per READ in a vLLM worker, where the progress thread posts in 0.2 ms)."""
         if self.settled or not self.on_decode:
+            return
+        if self.eager:
+            self.contacted.update(self.peers)
+            self.granted.update(self.peers)  # (nothing to wait for before the READ)
+            self._last_req = time.perf_counter()
             return
         try:
             for a in self.peers:
@@ -251,6 +280,11 @@ class Transfer:
             self._last_req = time.perf_counter()
         except nixl_errors() as e:
             self.fail(classify(e), f"sending req: {type(e).__name__}: {e}")
+
+    def _post_eager(self) -> None:
+        """An eager pull's READs, each with its ``read`` (the first :meth:`advance`; errors fail it there)."""
+        for a in sorted(self.posters):
+            self._post_to(a, "read", self.consumers.get(a, 0))
 
     def fail(self, reason: str, detail: str) -> None:
         """Settle as failed (no-op once settled): tell the peers, keep what NIXL still has in progress
@@ -322,7 +356,7 @@ class Transfer:
         """A verified message routed to this attempt; one of another attempt is dropped and counted."""
         a = m.sender
         mine, theirs = (m.d_nonce, m.p_nonce) if self.on_decode else (m.p_nonce, m.d_nonce)
-        if a not in self.peers or (mine != self.nonce and not (mine == 0 and m.kind in ("req", "cancel"))):
+        if a not in self.peers or (mine != self.nonce and not (mine == 0 and m.kind in ("req", "read", "cancel"))):
             self.endpoint.count("stale")
             return
         known = self.peer_nonce.get(a)
@@ -389,6 +423,11 @@ class Transfer:
             self.confirmed.add(a)
         elif self.kind in ("serve_pull", "hold") and k == "req":
             self._on_req(a, m.args[0])
+        elif self.kind in ("serve_pull", "hold") and k == "read":  # an eager READ's notification (or its repeat)
+            if a in self.granted or self._consumers_agree(a, m.args[0]):
+                self.granted.add(a)
+                self.confirmed.add(a)
+                self._say(a, "held")
         elif self.kind in ("serve_pull", "hold") and k == "pulled" and a in self.granted:
             self.confirmed.add(a)
             self._say(a, "held")
@@ -406,32 +445,38 @@ class Transfer:
             self.endpoint.count("stale")
 
     def _on_req(self, a: str, consumers: int) -> None:
+        if self._consumers_agree(a, consumers):
+            self.granted.add(a)
+            self._say(a, "grant")
+
+    def _consumers_agree(self, a: str, consumers: int) -> bool:
+        """P: D rank ``a`` says ``consumers`` D ranks read from this rank (0: it does not know);
+        the first such count is kept, one that exceeds the link or differs fails this attempt."""
         if consumers:
             if consumers > len(self.peers):
                 self.fail("plan_error", f"D rank {a} says {consumers} D ranks read from this rank, the link has "
                           f"{len(self.peers)}")
-                return
+                return False
             if self.expect_count is None:
                 self.expect_count = consumers
             elif consumers != self.expect_count:
                 self.fail("plan_error", f"D rank {a} says {consumers} D ranks read from this rank, the plan says "
                           f"{self.expect_count}")
-                return
-        self.granted.add(a)
-        self._say(a, "grant")
+                return False
+        return True
 
     def _late(self, m: Message) -> None:
         """A message for this attempt after it settled: what clears a fence (packed plans: per chunk)."""
         if self.kind == "accept_push" and m.kind == "pushed":
             self.touching.discard(m.sender)
-        elif self.kind in ("serve_pull", "hold") and m.kind == "pulled":
+        elif self.kind in ("serve_pull", "hold") and m.kind in ("pulled", "read"):
             self._tell(m.sender, "cancel")  # a READ after this attempt ended: D must not call it done
 
-    def _post_to(self, a: str, notif_kind: str) -> None:
+    def _post_to(self, a: str, notif_kind: str, *args: int) -> None:
         poster = self.posters.pop(a, None)
         if poster is None:
             return
-        handle, descriptors, nbytes = poster(self.endpoint.signed(self, a, notif_kind))
+        handle, descriptors, nbytes = poster(self.endpoint.signed(self, a, notif_kind, *args))
         self.add_request(handle, descriptors=descriptors, nbytes=nbytes)
 
     def _waiting_for(self) -> str:
@@ -448,6 +493,8 @@ class Transfer:
 
     def _step(self) -> None:
         if self.state == "posted":
+            if self.eager and self.posters:
+                self._post_eager()
             self._repeat_req()
             self._check_posted()
         if self.state == "landed":
@@ -465,16 +512,22 @@ class Transfer:
         """A direct pull not yet granted by every P rank repeats its ``req`` to those ranks every
         ``resend_s``: a req P dropped (it came before P's link to this rank existed, so its key was
         unknown: ``unknown_sender``) is then kept once P knows this rank, and P's hold grants it.
-        P answers a repeated req of an attempt it granted with ``grant`` again, which D ignores."""
+        P answers a repeated req of an attempt it granted with ``grant`` again, which D ignores. An
+        eager pull repeats its ``read`` instead, once its READs are DONE, to the P ranks that have not
+        said ``held``; P answers ``held`` again."""
         if self.kind != "pull" or not self.direct or time.perf_counter() - self._last_req < self.resend_s:
             return
-        waiting = sorted(a for a in self.peers if a not in self.granted)
+        if self.eager:  # the READ's notification again, only once every READ is DONE (never before the data)
+            kind, waiting = "read", ([] if self.handles or self.posters else
+                                     sorted(a for a in self.peers if a not in self.confirmed))
+        else:
+            kind, waiting = "req", sorted(a for a in self.peers if a not in self.granted)
         if not waiting:
             return
         self._last_req = time.perf_counter()
         try:
             for a in waiting:
-                self._say(a, "req", self.consumers.get(a, 0))
+                self._say(a, kind, self.consumers.get(a, 0))
         except nixl_errors() as e:
             self.fail(classify(e), f"repeating req: {type(e).__name__}: {e}")
 

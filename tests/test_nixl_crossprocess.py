@@ -186,6 +186,35 @@ def test_prefill_process_killed_mid_transfer(stopper: list[Any]) -> None:
     assert "not_zeroed" in kinds and kinds <= {"not_zeroed", "missing", "wrong_data"}, kinds
 
 
+def test_an_eager_pull_whose_p_process_dies_fails_fast_and_fences(stopper: list[Any]) -> None:
+    """An eager pull (docs/design.md §8.1) READs at once, from a P process that does not progress
+    NIXL (it waits on the pipe): the READs stay posted and no ``held`` comes. The process dies: the
+    pull fails ``peer_disconnected`` within a second, and its READ handles are released (fenced),
+    so D's blocks may be reused: a dead P, unlike a hung one, does not keep D's blocks."""
+    pair, request = _pair(2, 1)
+    child, eps, d_caches, links = _connected(pair, request, "prefill", stopper)
+    plan = plan_pair(pair, request)
+    t = links[0].pull("eager-doomed", request, plan=plan, timeout_s=30, eager=True)
+    for _ in range(20):
+        eps[0].progress()
+    assert t.nixl_requests == 2  # posted in D's first progress, one READ per P rank
+    assert not t.settled and t.granted == set(t.peers) and not t.confirmed
+    handles = list(t.handles)
+    child.send("die")
+    child.proc.join(10)
+    start = time.perf_counter()
+    with pytest.raises(TransferFailed) as ei:
+        t.wait(peers=eps)
+    assert ei.value.reason == "peer_disconnected", str(ei.value)
+    assert time.perf_counter() - start < 1.0
+    assert ei.value.invalid_blocks == {0: request.groups[0].decode.block_ids}  # type: ignore[union-attr]
+    deadline = time.perf_counter() + 10
+    while not t.fenced:
+        eps[0].progress()
+        assert time.perf_counter() < deadline, f"still fencing on {t.handles} / {t.touching}"
+    assert all(h._released for h in handles) and not eps[0].in_flight and not eps[0].fencing
+
+
 def test_pull_from_two_pipeline_stages_across_processes(stopper: list[Any]) -> None:
     """Child: P PP2 x TP1 (rank 0 = layers 0-1, rank 1 = layers 2-3) serving pulls. Parent: D TP2 pulling."""
     m = ModelSpec("m", [AttentionSpec("attn", "full", 4, 4, 128)])

@@ -316,6 +316,129 @@ def test_hold_counts_the_consumers_d_announces_on_a_tp2_decode() -> None:
         assert check_caches(pair, request, d)[0] == []
 
 
+# ---- eager pulls: the READ at once, P's held decides (no req, no grant) ------------------------------------
+
+def _sent_kinds(ep: Any) -> list[str]:
+    """Wrap ``ep``'s sender: the kinds of the messages it sends from now on (standalone ones, not
+    those riding on a NIXL request)."""
+    kinds: list[str] = []
+    send = ep.rank_agent.send
+
+    def spy(peer: str, message: bytes) -> None:
+        kinds.append(message.split(b"|")[1].decode())
+        send(peer, message)
+
+    ep.rank_agent.send = spy
+    return kinds
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_an_eager_pull_reads_at_once_and_moves_every_byte(eager: bool) -> None:
+    """Eager: D's READs are posted in D's first progress, before P has run at all, and D sends no
+    ``req``; the pull ends done with every byte right once P said ``held``. The control (not eager)
+    posts nothing before P's grant and sends a req to each P rank."""
+    dep, p_caches, d_caches = _deployment()
+    with dep:
+        holds = [lk.hold("e1", timeout_s=10) for lk in dep.p_links]
+        sent = _sent_kinds(dep.d[0])
+        t = dep.d_links[0].pull("e1", REQUEST, plan=PLAN, timeout_s=10, eager=eager)
+        assert t.nixl_requests == 0  # (nothing is posted from the caller's thread)
+        dep.d[0].progress()  # D alone: P has not run
+        assert t.nixl_requests == (2 if eager else 0)  # one READ per P rank
+        assert sent.count("req") == (0 if eager else 2)
+        wait_all([t, *holds], peers=dep.endpoints)
+        assert _wrong(d_caches) == 0 and all(h.done for h in holds)
+        assert "req" not in sent if eager else "req" in sent
+
+
+def test_an_eager_read_of_blocks_p_let_go_fails_and_is_never_done() -> None:
+    """P's holds ended (expired), P reused its blocks; D's eager READ moves P's new bytes, and P
+    answers ``cancel``: the pull fails with its D blocks invalid. (The same pull asking first is
+    test_a_pull_after_p_expired_fails_instead_of_reading_new_bytes.)"""
+    dep, p_caches, d_caches = _deployment()
+    with dep:
+        serves = [lk.serve_pull("x", REQUEST, plan=PLAN, timeout_s=0.2) for lk in dep.p_links]
+        with pytest.raises(TransferFailed):
+            wait_all(serves, peers=dep.p)  # D never came: P's holds expire
+        _scribble(p_caches, 0xCD)  # P reuses its blocks
+        t = dep.d_links[0].pull("x", REQUEST, plan=PLAN, timeout_s=5, eager=True)
+        dep.d[0].progress()
+        assert t.nixl_requests == 2  # the READs went out: P's bytes are not the request's any more
+        with pytest.raises(TransferFailed) as ei:
+            t.wait(peers=dep.endpoints)
+        assert ei.value.reason == "aborted" and ei.value.invalid_blocks == {0: (4, 5, 6, 7)}
+        assert not t.done and _wrong(d_caches) > 0  # the wrong bytes landed, and were never called done
+
+
+def test_an_eager_read_that_lands_after_the_hold_ended_is_not_done() -> None:
+    dep, p_caches, d_caches = _deployment()
+    with dep:
+        holds = [lk.hold("y", timeout_s=30) for lk in dep.p_links]
+        t = dep.d_links[0].pull("y", REQUEST, plan=PLAN, timeout_s=10, eager=True)
+        for h in holds:  # P gives up (its lease) before it reads D's "read"
+            h.cancel("timeout", "expired")
+        _scribble(p_caches, 0xCD)
+        with pytest.raises(TransferFailed) as ei:
+            t.wait(peers=dep.endpoints)
+        assert ei.value.reason == "aborted"
+
+
+def test_an_eager_read_before_p_holds_waits_in_p_inbox_then_completes() -> None:
+    """The connector's order: D's READ (and its ``read``) can reach P before P's worker holds the
+    request; P keeps the ``read`` (one entry per id and D rank, as a ``req``), and the hold, once
+    posted, takes it and confirms."""
+    dep, p_caches, d_caches = _deployment()
+    with dep:
+        t = dep.d_links[0].pull("w", REQUEST, plan=PLAN, timeout_s=10, eager=True)
+        _drive(dep.endpoints, lambda: all(("read", "w") in p.pending_notifications() for p in dep.p))
+        assert not t.settled
+        holds = [lk.hold("w", timeout_s=10) for lk in dep.p_links]
+        wait_all([t, *holds], peers=dep.endpoints)
+        assert _wrong(d_caches) == 0 and not any(p.pending_notifications() for p in dep.p)
+
+
+def test_an_eager_read_p_dropped_is_repeated_once_the_read_is_done() -> None:
+    """The ``read`` riding on each READ is lost on its way to P (each P rank's drain drops the
+    first one); D repeats it as a plain message every ``resend_s`` once its READs are DONE, and the
+    pull completes. Control: with nothing dropped, no plain ``read`` is sent."""
+    p = allocate_caches(PAIR.prefill)
+    d = allocate_caches(PAIR.decode)
+    fill_caches(PAIR, REQUEST, p, d)
+    for drop in (True, False):
+        with LocalDeployment(PAIR, p, d, staging_grace_s=0.2) as dep:
+            fill_caches(PAIR, REQUEST, p, d)
+            dropped: list[str] = []
+            if drop:
+                for ep in dep.p:
+                    _DropFirstRead(ep, dropped)
+            holds = [lk.hold("v", timeout_s=10) for lk in dep.p_links]
+            sent = _sent_kinds(dep.d[0])
+            t = dep.d_links[0].pull("v", REQUEST, plan=PLAN, timeout_s=10, eager=True)
+            wait_all([t, *holds], peers=dep.endpoints)
+            assert _wrong(d) == 0
+            assert (len(dropped), sent.count("read")) == ((2, 2) if drop else (0, 0))
+
+
+class _DropFirstRead:
+    """An endpoint's drain that loses the first ``read`` message of each sender."""
+
+    def __init__(self, endpoint: Any, dropped: list[str]) -> None:
+        self.drain = endpoint.rank_agent.drain
+        self.dropped = dropped
+        self.seen: set[str] = set()
+        endpoint.rank_agent.drain = self
+
+    def __call__(self) -> list[tuple[str, bytes]]:
+        out = []
+        for sender, raw in self.drain():
+            if raw.split(b"|")[1:2] == [b"read"] and sender not in self.seen:
+                self.seen.add(sender)
+                self.dropped.append(sender)
+                continue
+            out.append((sender, raw))
+        return out
+
+
 # ---- no storm from posting order (packed) -------------------------------------------------------------
 
 ORDER_PAIRS = {  # (P TP, P DCP, D TP), and per chunk: the most P ranks a D rank reads, D ranks a P rank feeds

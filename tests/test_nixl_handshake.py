@@ -124,7 +124,8 @@ def _mut(payload: bytes, fn: Any) -> bytes:
 
 @pytest.mark.parametrize("mutate, path, words", [
     (lambda d: d.update(kvgeom_handshake=1), "$.kvgeom_handshake", "unsupported handshake version 1"),
-    (lambda d: d.update(kvgeom_handshake=3), "$.kvgeom_handshake", "unsupported handshake version 3"),
+    (lambda d: d.update(kvgeom_handshake=2), "$.kvgeom_handshake", "unsupported handshake version 2"),
+    (lambda d: d.update(kvgeom_handshake=4), "$.kvgeom_handshake", "unsupported handshake version 4"),
     (lambda d: d.pop("secret"), "$.secret", "missing field"),
     (lambda d: d.update(secret="c2hvcnQ="), "$.secret", "a secret of 5 bytes"),
     (lambda d: d.update(secret="not base64!"), "$.secret", "not valid base64"),

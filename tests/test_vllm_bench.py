@@ -22,9 +22,9 @@ from benchmarks.vllm_timing import RequestTiming, install_kvgeom, install_nixl, 
 # ---- arguments ---------------------------------------------------------------------------------------
 
 
-def test_defaults_are_a_4k_prompt_five_requests_both_connectors() -> None:
+def test_defaults_are_a_4k_prompt_five_requests_both_connectors_and_eager() -> None:
     a = parse_args([])
-    assert (a.tokens, a.requests, a.connectors) == (4096, 5, ["nixl", "kvgeom"])
+    assert (a.tokens, a.requests, a.connectors) == (4096, 5, ["nixl", "kvgeom", "kvgeom-eager"])
     assert parse_args(["--connectors", "kvgeom-before,kvgeom,nixl"]).connectors == ["kvgeom-before", "kvgeom", "nixl"]
 
 
@@ -108,6 +108,35 @@ def test_kvgeom_hooks_time_plan_post_the_read_and_done(tmp_path: Path, clock: Cl
     assert got == RequestTiming(overhead=2.0, overhead_cpu=1.0, queue_to_post=4.0, transfer=2.0, blocks=3)
 
 
+def test_an_eager_read_is_timed_inside_the_post_and_may_finish_before_it_returns(tmp_path: Path,
+                                                                              clock: Clock) -> None:
+    """Eager (``"eager_pull": true``): the READ is posted inside ``_start_pull``, so no
+    ``post_part``; the post event says when the READ went out (``t_read``), and the pull counts as
+    posted then, even when it is seen done before ``_start_pull`` returns."""
+    mod, path = kvgeom_module(), tmp_path / "ev.jsonl"
+    t = mod.Transfer("p1")
+
+    def start_pull(self: Any, job: Any) -> None:
+        self._pulls[job.transfer_id] = job
+        t._post_to("agent", "read", 1)  # the READ, posted here
+
+    mod.ConnectorExecutor._start_pull = start_pull
+    mod.Transfer._post_to = lambda self, agent, kind, *args: self.posters.pop(agent, None)
+    install_kvgeom(mod, str(path))
+    ex = mod.ConnectorExecutor()
+    ex.pull(types.SimpleNamespace(request_id="d1", transfer_id="p1", local_blocks=((4,),)))
+    # queued t=1; post t0=2, the READ posted at t=3, post t1=4 (cpu 0.5)
+    ex._d_finished("p1")  # done at t=5
+    events, _ = read_events(path)
+    assert [e["kind"] for e in events] == ["queued", "post", "done"] and events[1]["t_read"] == 3.0
+    got = request_timings(events)
+    assert got == RequestTiming(overhead=2.0, overhead_cpu=0.5, queue_to_post=2.0, transfer=2.0, blocks=1)
+    done_early = [*events[:2], {**events[2], "t": 3.5}]  # seen done before _start_pull returned (t1=4)
+    assert request_timings(done_early).transfer == 0.5
+    with pytest.raises(ValueError, match="posted after it was seen done"):
+        request_timings([*events[:2], {**events[2], "t": 2.5}])
+
+
 def test_nixl_hooks_time_read_blocks_for_req_and_done(tmp_path: Path, clock: Clock) -> None:
     class NixlPullConnectorWorker:
         def __init__(self) -> None:
@@ -151,7 +180,8 @@ def test_request_timings_sum_the_posting_parts_of_this_transfer_only() -> None:
     (GOOD + [ev("done", t=7.0)], "one posted pull and one done"),  # two requests in one window
     ([*GOOD[:-1], ev("done", t=6.0, failed=True)], "did not finish well"),
     ([*GOOD[:-1], {**GOOD[-1], "req": "d2"}], "did not finish well"),
-    ([*GOOD[:-1], ev("done", t=1.5)], "out of order"),
+    ([*GOOD[:-1], ev("done", t=0.5)], "out of order"),  # done before the post began
+    ([*GOOD[:-1], ev("done", t=1.5)], "posted after it was seen done"),
     ([*GOOD[:-1], ev("done", t=4.0)], "posted after it was seen done"),
     ([{**e, "posted": False} if e["kind"] == "post" else e for e in GOOD], "one posted pull"),
 ])
@@ -189,3 +219,13 @@ def test_the_table_has_medians_in_ms_and_ratios_over_nixl() -> None:
     assert len(lines) == 16
     alone = render({"kvgeom": samples["kvgeom"]}, 4096, 3, "-", 2048).splitlines()
     assert alone[1].split() == ["kvgeom"] and alone[3].split()[-1] == "2.000"  # no nixl: no ratio column
+
+
+def test_an_eager_read_posted_by_the_progress_thread_may_end_before_the_post_event() -> None:
+    """An eager pull's READ goes out on the progress thread as soon as ``_start_pull`` queued it,
+    and may be done before ``_start_pull`` returns (it learns a recipe after posting): posted is
+    its ``post_part``'s end, and the row is kept."""
+    events = [ev("queued", t=0.0), ev("post", t0=1.0, t1=9.0, cpu=2.0, posted=True, tid="p1", blocks=1),
+              ev("post_part", tid="p1", t0=2.0, t1=3.0, cpu=0.5), ev("done", t=4.0)]
+    assert request_timings(events) == RequestTiming(overhead=9.0, overhead_cpu=2.5, queue_to_post=3.0, transfer=1.0,
+                                                    blocks=1)

@@ -200,8 +200,8 @@ class Engines:
     """P and D engines of executors (one per rank), their caches and P's side-channel port."""
 
     def __init__(self, p_block: int, p_tp: int, d_block: int, d_tp: int, *, lease_s: float = 30.0,
-                 pull_timeout_s: float = 30.0, window: int | None = None) -> None:
-        self.window = window
+                 pull_timeout_s: float = 30.0, window: int | None = None, eager: bool = False) -> None:
+        self.window, self.eager = window, eager
         self.port = free_ports(p_tp)
         self.p_caches = [caches(p_block, p_tp, seed=10 + r) for r in range(p_tp)]
         self.d_caches = [caches(d_block, d_tp, fill=-7.0) for _ in range(d_tp)]
@@ -215,7 +215,7 @@ class Engines:
         geo, layers = geometry_from_kv_caches(kv, [group(block, self.window)], tp=tp, name=engine)
         return ConnectorExecutor(geo, rank, tp, layers, engine_id=engine, producer=producer, consumer=not producer,
                                  port=self.port + rank if producer else 0, pull_timeout_s=pull_timeout_s,
-                                 handshake_timeout_s=30.0)
+                                 handshake_timeout_s=30.0, eager=self.eager)
 
     def pull(self, rid: str, tokens: int, p_ids: list[int], d_ids: list[int], *, hit: int = 0,
              port: int | None = None, recomputed: int = 0) -> None:
@@ -259,12 +259,13 @@ def assert_tokens_equal(e: Engines, tokens: range, p_ids: list[int], d_ids: list
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("p_block, p_tp, d_block, d_tp", [
-    (32, 1, 32, 1), (32, 1, 64, 1), (64, 1, 32, 1), (32, 1, 96, 1), (128, 1, 32, 1),
-    (32, 1, 64, 2), (32, 2, 64, 1), (32, 2, 32, 1),
+@pytest.mark.parametrize("p_block, p_tp, d_block, d_tp, eager", [
+    (32, 1, 32, 1, False), (32, 1, 64, 1, False), (64, 1, 32, 1, False), (32, 1, 96, 1, False),
+    (128, 1, 32, 1, False), (32, 1, 64, 2, False), (32, 2, 64, 1, False), (32, 2, 32, 1, False),
+    (32, 1, 64, 2, True), (32, 2, 64, 1, True), (32, 1, 32, 1, True),  # eager READs (eager_pull: true)
 ])
-def test_a_pull_moves_every_token_byte_exact(p_block: int, p_tp: int, d_block: int, d_tp: int) -> None:
-    e = Engines(p_block, p_tp, d_block, d_tp)
+def test_a_pull_moves_every_token_byte_exact(p_block: int, p_tp: int, d_block: int, d_tp: int, eager: bool) -> None:
+    e = Engines(p_block, p_tp, d_block, d_tp, eager=eager)
     try:
         m = 100  # off every block boundary
         p_ids = list(range(3, 3 + -(-m // p_block)))
@@ -460,3 +461,16 @@ def test_a_release_to_a_hung_p_does_not_hold_up_pulls() -> None:
             assert_tokens_equal(e, range(100), [3, 4, 5, 6], [7, 8, 9, 10])
         finally:
             e.close()
+
+
+def test_the_eager_pull_switch_takes_json_booleans_only() -> None:
+    """``kv_connector_extra_config["eager_pull"]``: absent -> off; true/false as given; anything else
+    (the string "false" would read as true) is refused by name with the fix."""
+    from kvgeom_nixl.vllm.worker import _flag
+
+    assert _flag({}, "eager_pull", False) is False
+    assert _flag({"eager_pull": True}, "eager_pull", False) is True
+    for bad in ("true", 1, None):
+        with pytest.raises(ExecutorError, match="kv_connector_extra_config.eager_pull") as ei:
+            _flag({"eager_pull": bad}, "eager_pull", False)
+        assert "JSON boolean" in str(ei.value)

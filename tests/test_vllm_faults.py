@@ -257,14 +257,15 @@ def test_p_never_answers(rig: Rig) -> None:
 
 
 def test_p_killed_mid_transfer(rig: Rig) -> None:
-    """P SIGKILLs itself once it has granted D's READ (tests/vllm_instance.py fault
-    ``die_after_grant``): D's pull fails, vLLM recomputes, and D's output equals the monolithic
-    run; D is idle afterwards. Runs last: P is gone after it."""
+    """P SIGKILLs itself as D's eager READ's ``read`` reaches its hold, before confirming it
+    (tests/vllm_instance.py fault ``die_on_read``: D's READ is done, P's ``held`` never comes):
+    D's pull fails, vLLM recomputes, and D's output equals the monolithic run; D is idle
+    afterwards. Runs last: P is gone after it."""
     d0 = assert_idle(rig.d)
     prompt = rig.prompt()
     ref = rig.ref(prompt)
     params = rig.prefill(prompt)
-    rig.p.call({"op": "fault", "kind": "die_after_grant"})
+    rig.p.call({"op": "fault", "kind": "die_on_read"})
     started = time.monotonic()
     got = rig.d.generate(prompt, MAX_TOKENS, params, timeout_s=PULL_TIMEOUT_S + 240)  # a hang guard
     waited = time.monotonic() - started

@@ -16,9 +16,10 @@ Starts an offline ``vllm.LLM`` once (float32, eager, greedy, token-id prompts, n
   (``ConnectorExecutor.counters()``; null for other connectors). TP1 only (the worker is in this process).
 * ``{"op": "abort", "prompt", "max_tokens", "kv_transfer_params", "steps": k}`` -> ``{"aborted": true}``:
   the request is added, the engine stepped ``k`` times, then the request aborted (a client gone).
-* ``{"op": "fault", "kind": "die_after_grant"}`` -> ``{"armed": ...}``: from now on, this process
-  SIGKILLs itself as soon as its connector has granted a D rank's READ of a held request (P killed
-  mid-transfer: D was told to read and never gets P's confirmation). TP1 only.
+* ``{"op": "fault", "kind": "die_on_read"}`` -> ``{"armed": ...}``: from now on, this process
+  SIGKILLs itself as soon as one of its connector's holds hears from a D rank: the ``read`` of an
+  eager pull (D's READ is done, P's confirmation never comes) or the ``req`` of one that asks first
+  (P dies before granting). P killed mid-transfer. TP1 only.
 * ``{"op": "quit"}`` -> exits.
 
 One process serves many requests so that a test pays vLLM's start-up (20-50 s here) once per
@@ -127,20 +128,18 @@ def arm(kind: str) -> None:
     """A fault for the fault tests (module docstring)."""
     import signal
 
-    from kvgeom_nixl.vllm.executor import ConnectorExecutor
+    from kvgeom_nixl.transfer import Transfer
 
-    if kind != "die_after_grant":
-        raise ValueError(f"unknown fault {kind!r} (die_after_grant)")
-    original = ConnectorExecutor._tick
+    if kind != "die_on_read":
+        raise ValueError(f"unknown fault {kind!r} (die_on_read)")
+    original = Transfer._on
 
-    def tick(self: Any) -> bool:
-        busy = original(self)
-        with self.lock:
-            if any(s.hold is not None and s.hold.granted for s in self._sends.values()):
-                os.kill(os.getpid(), signal.SIGKILL)
-        return bool(busy)
+    def on(self: Any, m: Any) -> None:
+        if self.kind in ("hold", "serve_pull") and m.kind in ("read", "req"):
+            os.kill(os.getpid(), signal.SIGKILL)  # before P answers (held, or grant)
+        original(self, m)
 
-    ConnectorExecutor._tick = tick  # type: ignore[method-assign]
+    Transfer._on = on  # type: ignore[method-assign]
 
 
 def holding(llm: Any) -> bool:

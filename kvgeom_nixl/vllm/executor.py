@@ -125,13 +125,14 @@ class ConnectorExecutor(PullSide, HoldSide):
     D's pull jobs are :class:`~kvgeom_nixl.vllm.pulls.PullSide`'s, P's pending sends, holds and
     handshakes :class:`~kvgeom_nixl.vllm.holds.HoldSide`'s; this class owns their state, the lock,
     the endpoints and the threads. ``recipes=False`` plans every pull (no per-shape recipes,
-    :mod:`kvgeom_nixl.vllm.recipes`)."""
+    :mod:`kvgeom_nixl.vllm.recipes`); ``eager=True`` READs at once instead of asking P (``req``)
+    and waiting for its grant (``Link.pull(..., eager=True)``; the trade: docs/design.md §15.4)."""
 
     def __init__(self, engine: EngineGeometry, rank: int, tp: int, layers: Sequence[LayerTensors], *, engine_id: str,
                  producer: bool = True, consumer: bool = True, host: str = "127.0.0.1", port: int = 0,
                  staging_bytes: int = 0, pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
                  handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S, strategy: str = STRATEGY,
-                 log: logging.Logger | None = None, recipes: bool = True) -> None:
+                 log: logging.Logger | None = None, recipes: bool = True, eager: bool = False) -> None:
         self.log = log or logging.getLogger(__name__)
         self.engine_id, self.rank, self.tp = engine_id, rank, tp
         self.pull_timeout_s, self.handshake_timeout_s, self.strategy = pull_timeout_s, handshake_timeout_s, strategy
@@ -144,6 +145,7 @@ class ConnectorExecutor(PullSide, HoldSide):
         # D state: links by P engine (jobs thread), posted pulls by transfer id (under the lock)
         self._d_links: dict[str, Link] = {}
         self.recipes = recipes
+        self.eager = eager
         self._d_recipes: dict[str, PullRecipes] = {}  # by P engine: the recipes learnt on its current link
         self._pulls: dict[str, PullJob] = {}
         # P state (under the lock): links by D engine, D agent -> engine, pending sends

@@ -2,8 +2,8 @@
 (docs/design.md §15.4).
 
 vLLM hands P's finished requests over as pending sends (:meth:`HoldSide.send`, with a lease). The
-progress thread holds each one on the link of the D engine whose rank asked for it (``req``,
-``link.hold``: P knows only its own blocks), and frees it (``finished_sending``) once every D rank
+progress thread holds each one on the link of the D engine whose rank asked for it (``req``, or
+the ``read`` of D's eager READ; ``link.hold``: P knows only its own blocks), and frees it (``finished_sending``) once every D rank
 released it over the side channel and its hold is over, or when its lease expires. The
 side-channel threads collect a D engine's handshakes and connect once all its ranks arrived.
 
@@ -96,7 +96,7 @@ class HoldSide:
             return
         for (kind, rid), agents in ep.pending_notifications().items():
             s = self._sends.get(rid)
-            if kind != "req" or s is None or s.closing or s.hold is not None:
+            if kind not in ("req", "read") or s is None or s.closing or s.hold is not None:
                 continue
             engine = next((self._agent_engine[a] for a in sorted(agents) if a in self._agent_engine), None)
             if engine is None:

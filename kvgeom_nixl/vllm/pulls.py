@@ -2,7 +2,8 @@
 
 The engine thread queues a :class:`PullJob` per request (:meth:`PullSide.pull`); the jobs thread
 handshakes with the P engine once (the link), builds the request from the block tables, plans it
-and posts the pull under the executor's lock; the progress thread reports it done or failed
+and posts the pull under the executor's lock (``eager``: the READ goes out at once, P's ``held``
+after it decides whether the bytes count); the progress thread reports it done or failed
 (``_d_finished``). Releases to P go out on their own thread, so a P that never answers delays no
 pull. Each request shape's plan and lowering is learnt once (:mod:`kvgeom_nixl.vllm.recipes`):
 a later request of the same shape is checked and posted from the recipe, with no planning.
@@ -112,6 +113,7 @@ class PullSide:
     decode: Endpoint | None
     outcomes: Counter[str]
     recipes: bool  # learn and use per-shape recipes (False: plan every request, as the first of a shape)
+    eager: bool  # READ at once, no req/grant (Link.pull's eager): P's held after the READ decides
     _d_payload: bytes
     _d_links: dict[str, Link]
     _d_recipes: dict[str, PullRecipes]
@@ -244,7 +246,8 @@ class PullSide:
                     self._pulls[job.transfer_id] = job
                     try:
                         link.post_pull(job.transfer_id, got.reads, consumers=got.consumers,
-                                       invalid_blocks=got.invalid_blocks, timeout_s=self.pull_timeout_s)
+                                       invalid_blocks=got.invalid_blocks, timeout_s=self.pull_timeout_s,
+                                       eager=self.eager)
                     except BaseException:
                         del self._pulls[job.transfer_id]
                         raise
@@ -256,7 +259,8 @@ class PullSide:
                 with self.lock:
                     self._pulls[job.transfer_id] = job
                     try:
-                        t = link.pull(job.transfer_id, request, plan=plan, timeout_s=self.pull_timeout_s)
+                        t = link.pull(job.transfer_id, request, plan=plan, timeout_s=self.pull_timeout_s,
+                                      eager=self.eager)
                     except BaseException:
                         del self._pulls[job.transfer_id]
                         raise

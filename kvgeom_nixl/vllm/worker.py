@@ -127,7 +127,7 @@ class KvgeomWorker:
             host=self.host, port=self.port + self.rank, staging_bytes=staging,
             pull_timeout_s=float(self.extra.get("pull_timeout_s", DEFAULT_PULL_TIMEOUT_S)),
             handshake_timeout_s=float(self.extra.get("handshake_timeout_s", DEFAULT_HANDSHAKE_TIMEOUT_S)),
-            log=self.log)
+            log=self.log, eager=_flag(self.extra, "eager_pull", False))
         self.log.info("kvgeom connector rank %d: %s, side channel %s:%d, staging %d B", self.rank, geo.summary(),
                       self.host, self.port + self.rank, staging)
 
@@ -175,3 +175,13 @@ class KvgeomWorker:
 def _release_job(rel: Release) -> ReleaseJob:
     return ReleaseJob(rel.remote_request_id, rel.remote_host, rel.remote_port, rel.remote_tp)
 
+
+
+def _flag(extra: dict[str, Any], name: str, default: bool) -> bool:
+    """A yes/no key of ``kv_connector_extra_config`` (JSON true/false only: "false" as a string is refused)."""
+    value = extra.get(name, default)
+    if not isinstance(value, bool):
+        raise ExecutorError(f"kv_connector_extra_config.{name}", "must be true or false", actual=value,
+                            expected=f"true or false (default {str(default).lower()})",
+                            fix=f'write "{name}": {str(default).lower()} (a JSON boolean, not a string)')
+    return value
