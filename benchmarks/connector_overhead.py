@@ -18,7 +18,7 @@ start elsewhere every time), for the two cells of the vLLM benchmark:
 
 Measured per request as the vLLM benchmark does (:mod:`benchmarks.vllm_timing`): the thread CPU
 time of ``_start_pull`` (jobs thread) plus that of the READ's posting (``Transfer._post_to``: on
-the progress thread once P granted; eager: inside ``_start_pull``, counted once). The first 2
+the progress thread once P granted, or at once for an eager pull). The first 2
 requests of each shape (planned, then learnt) are not kept. Medians; nothing is asserted. For 8
 MiB pulled, the posting includes UCX's copy.
 """
@@ -66,11 +66,6 @@ class _Clock:
             if read:
                 self.read[tid] = self.read.get(tid, 0.0) + cpu
 
-    def read_inside(self, tid: str, cpu: float) -> None:
-        """The READ's posting inside ``_start_pull`` (eager): its part of the total, not added to it."""
-        with self.lock:
-            self.read[tid] = self.read.get(tid, 0.0) + cpu
-
     def install(self) -> Callable[[], None]:
         """Wrap ``PullSide._start_pull`` and ``Transfer._post_to``; returns the undo."""
         from kvgeom_nixl.transfer import Transfer
@@ -78,16 +73,12 @@ class _Clock:
 
         start, post = PullSide._start_pull, Transfer._post_to
 
-        inside = threading.local()  # in _start_pull: an eager READ's posting is in its time already
-
         @functools.wraps(start)
         def start_pull(ex: Any, job: Any) -> None:
             c0 = time.thread_time()
-            inside.on = True
             try:
                 start(ex, job)
             finally:
-                inside.on = False
                 self.add(job.transfer_id, time.thread_time() - c0)
 
         @functools.wraps(post)
@@ -97,11 +88,7 @@ class _Clock:
                 post(t, agent, kind, *args)
             finally:
                 if t.kind == "pull":
-                    cpu = time.thread_time() - c0
-                    if getattr(inside, "on", False):
-                        self.read_inside(t.request_id, cpu)
-                    else:
-                        self.add(t.request_id, cpu, read=True)
+                    self.add(t.request_id, time.thread_time() - c0, read=True)
 
         PullSide._start_pull = start_pull  # type: ignore[method-assign,assignment]
         Transfer._post_to = post_to  # type: ignore[method-assign,assignment]

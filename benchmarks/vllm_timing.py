@@ -13,8 +13,7 @@ Installed by ``tests/vllm_e2e_site/sitecustomize.py`` in a vLLM instance's proce
 * ``post_part``: kvgeom only, the READ itself when it is posted later by the progress thread once
   P granted (``Transfer._post_to``: the NIXL descriptor lists, ``initialize_xfer`` + ``transfer``),
   keyed by P's request id (``tid``, also in kvgeom's ``post`` event); it counts in the overhead.
-  A READ posted inside ``_start_pull`` is timed there already: no ``post_part``; the post event's
-  ``t_read`` is when it went out. An eager pull's READ (``"eager_pull": true``) is posted by the
+  An eager pull's READ (``"eager_pull": true``) is posted by the
   progress thread right after ``_start_pull`` queued it, often before ``_start_pull`` returns: it
   counts as posted at its ``post_part``'s end, which may come before the post event's.
 * ``queued``: kvgeom only, when the engine thread hands the pull to the executor
@@ -72,21 +71,16 @@ def install_kvgeom(module: Any, path: str) -> None:
             return original(self, job)
         return run
 
-    inside = threading.local()  # this thread is in _start_pull: an eager READ's posting counts there already
-
     def start_pull(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, job: Any) -> Any:
             t0, c0 = time.perf_counter(), time.thread_time()
-            inside.on, inside.read = True, None
             try:
                 return original(self, job)
             finally:
-                inside.on = False
                 t1, c1 = time.perf_counter(), time.thread_time()
-                extra = {} if inside.read is None else {"t_read": inside.read}
                 _emit(path, kind="post", connector="kvgeom", req=str(job.request_id), tid=str(job.transfer_id),
                       t0=t0, t1=t1, cpu=c1 - c0, posted=job.request_id not in self._out.failed,
-                      blocks=sum(len(g) for g in job.local_blocks), **extra)
+                      blocks=sum(len(g) for g in job.local_blocks))
         return run
 
     def d_finished(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -106,11 +100,6 @@ def install_kvgeom(module: Any, path: str) -> None:
         def run(self: Any, agent: str, notif_kind: str, *args: int) -> Any:
             if self.kind != "pull" or agent not in self.posters:
                 return original(self, agent, notif_kind, *args)
-            if getattr(inside, "on", False):  # an eager READ: its time is in the post event's
-                try:
-                    return original(self, agent, notif_kind, *args)
-                finally:
-                    inside.read = time.perf_counter()
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return original(self, agent, notif_kind, *args)
@@ -249,11 +238,10 @@ def request_timings(events: Iterable[dict[str, Any]]) -> RequestTiming:
     post, done = posts[0], dones[0]
     if post["req"] != done["req"] or done.get("failed"):
         raise ValueError(f"the pull of {post['req']!r} did not finish well: {done}")
-    read = post.get("t_read")  # a READ posted inside the post event
     parts = [e for e in evs if e["kind"] == "post_part" and "tid" in post and e["tid"] == post["tid"]]
     # posted: when the READ went out (an eager READ, posted by the progress thread, may go out and
     # even finish before the post event ends: _start_pull goes on after posting, e.g. to learn a recipe)
-    posted = max(e["t1"] for e in parts) if parts else post["t1"] if read is None else read
+    posted = max(e["t1"] for e in parts) if parts else post["t1"]
     if not post["t0"] <= post["t1"] or done["t"] < post["t0"]:
         raise ValueError(f"events out of order: post {post['t0']}..{post['t1']}, done {done['t']}")
     queued = [e["t"] for e in evs if e["kind"] == "queued" and e["req"] == post["req"]]

@@ -401,12 +401,9 @@ def test_an_eager_read_p_dropped_is_repeated_once_the_read_is_done() -> None:
     """The ``read`` riding on each READ is lost on its way to P (each P rank's drain drops the
     first one); D repeats it as a plain message every ``resend_s`` once its READs are DONE, and the
     pull completes. Control: with nothing dropped, no plain ``read`` is sent."""
-    p = allocate_caches(PAIR.prefill)
-    d = allocate_caches(PAIR.decode)
-    fill_caches(PAIR, REQUEST, p, d)
     for drop in (True, False):
-        with LocalDeployment(PAIR, p, d, staging_grace_s=0.2) as dep:
-            fill_caches(PAIR, REQUEST, p, d)
+        dep, _, d = _deployment(staging_grace_s=0.2)
+        with dep:
             dropped: list[str] = []
             if drop:
                 for ep in dep.p:

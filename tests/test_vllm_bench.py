@@ -108,35 +108,6 @@ def test_kvgeom_hooks_time_plan_post_the_read_and_done(tmp_path: Path, clock: Cl
     assert got == RequestTiming(overhead=2.0, overhead_cpu=1.0, queue_to_post=4.0, transfer=2.0, blocks=3)
 
 
-def test_an_eager_read_is_timed_inside_the_post_and_may_finish_before_it_returns(tmp_path: Path,
-                                                                              clock: Clock) -> None:
-    """Eager (``"eager_pull": true``): the READ is posted inside ``_start_pull``, so no
-    ``post_part``; the post event says when the READ went out (``t_read``), and the pull counts as
-    posted then, even when it is seen done before ``_start_pull`` returns."""
-    mod, path = kvgeom_module(), tmp_path / "ev.jsonl"
-    t = mod.Transfer("p1")
-
-    def start_pull(self: Any, job: Any) -> None:
-        self._pulls[job.transfer_id] = job
-        t._post_to("agent", "read", 1)  # the READ, posted here
-
-    mod.ConnectorExecutor._start_pull = start_pull
-    mod.Transfer._post_to = lambda self, agent, kind, *args: self.posters.pop(agent, None)
-    install_kvgeom(mod, str(path))
-    ex = mod.ConnectorExecutor()
-    ex.pull(types.SimpleNamespace(request_id="d1", transfer_id="p1", local_blocks=((4,),)))
-    # queued t=1; post t0=2, the READ posted at t=3, post t1=4 (cpu 0.5)
-    ex._d_finished("p1")  # done at t=5
-    events, _ = read_events(path)
-    assert [e["kind"] for e in events] == ["queued", "post", "done"] and events[1]["t_read"] == 3.0
-    got = request_timings(events)
-    assert got == RequestTiming(overhead=2.0, overhead_cpu=0.5, queue_to_post=2.0, transfer=2.0, blocks=1)
-    done_early = [*events[:2], {**events[2], "t": 3.5}]  # seen done before _start_pull returned (t1=4)
-    assert request_timings(done_early).transfer == 0.5
-    with pytest.raises(ValueError, match="posted after it was seen done"):
-        request_timings([*events[:2], {**events[2], "t": 2.5}])
-
-
 def test_nixl_hooks_time_read_blocks_for_req_and_done(tmp_path: Path, clock: Clock) -> None:
     class NixlPullConnectorWorker:
         def __init__(self) -> None:
