@@ -16,6 +16,11 @@ start elsewhere every time), for the two cells of the vLLM benchmark:
   last token recomputed on D);
 * ``hit``: D holds ``--tokens`` tokens, pulls the one block with the 2 tokens past them.
 
+A second table times the recipe key alone (``PullRecipes.shape``, in a tight loop) for a 1-block
+pull after contexts of 4k to 128k tokens, side by side: keyed as a prefix hit (P's ids past the hit
+only, what the connector does) and with P's whole list keyed (what a request with no hit costs, and
+every hit cost before the key left the hit's blocks out).
+
 Measured per request as the vLLM benchmark does (:mod:`benchmarks.vllm_timing`): the thread CPU
 time of ``_start_pull`` (jobs thread) plus that of the READ's posting (``Transfer._post_to``: on
 the progress thread once P granted, or at once for an eager pull). The first 2
@@ -39,7 +44,7 @@ from typing import Any
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-__all__ = ["VARIANTS", "PARTS", "KINDS", "main", "measure", "render"]
+__all__ = ["VARIANTS", "PARTS", "KINDS", "KEY_CONTEXTS", "main", "measure", "render", "key_costs", "render_keys"]
 
 VARIANTS = ("planned", "recipe", "eager")
 #: each variant's ConnectorExecutor options: planned and recipe READ after P's grant (req -> grant,
@@ -50,6 +55,7 @@ PARTS = tuple(f"{v}/read" for v in VARIANTS)
 KINDS = ("prompt", "hit")
 HEADS, DIM, LAYERS, BLOCK = 4, 32, 2, 32
 WARMUP = 2  # requests of each (variant, kind) not kept: the first plans, the second learns
+KEY_CONTEXTS = (4096, 32768, 131072)  # tokens D holds before the 1-block pull, for the key table
 
 
 class _Clock:
@@ -192,6 +198,43 @@ def render(samples: dict[str, dict[str, list[float]]], tokens: int, load: str) -
     return "\n".join(lines)
 
 
+def key_costs(contexts: Sequence[int] = KEY_CONTEXTS, *, number: int = 2000) -> dict[int, tuple[float, float]]:
+    """Per context (tokens D holds), the best-of-5 time (seconds) of one ``PullRecipes.shape`` for
+    a 1-block pull after it: (keyed as the hit, P's whole list keyed). The second is the same
+    lists with the hit's token count left out of the key's P part (``prefix_hit_tokens`` below one
+    P block), so both key the same two lists and differ only in what of P's list is read."""
+    import timeit
+
+    from kvgeom import AttentionSpec, EngineGeometry, ModelSpec, Pair
+    from kvgeom_nixl.vllm.recipes import PullRecipes
+
+    model = ModelSpec("tiny", [AttentionSpec("attn", "full", LAYERS, HEADS, DIM)])
+    out = {}
+    for held in contexts:
+        n = held // BLOCK + 1
+        engine = EngineGeometry.build(model, tp=1, kernel_block_tokens=BLOCK, num_blocks=n + 16, layout="CPU_ATTN")
+
+        class _Link:  # (what PullRecipes reads of a link before planning: its pair)
+            pair = Pair(engine, engine)
+
+        book = PullRecipes(_Link(), "auto", 0)  # type: ignore[arg-type]
+        remote, local = [tuple(range(7, 7 + n))], [(5,)]
+        m = held + BLOCK
+        past, whole = (functools.partial(book.shape, m, hit, m, remote, local) for hit in (held, BLOCK - 1))
+        out[held] = (min(timeit.repeat(past, number=number, repeat=5)) / number,
+                     min(timeit.repeat(whole, number=number, repeat=5)) / number)
+    return out
+
+
+def render_keys(costs: dict[int, tuple[float, float]]) -> str:
+    lines = ["recipe key (PullRecipes.shape) of a 1-block pull, tight loop (us): P's ids past the hit vs P's whole list",
+             f"{'':36}{'past the hit':>14}{'whole list':>14}{'whole/past':>12}"]
+    for held, (past, whole) in costs.items():
+        lines.append(f"  {f'after {held} tokens ({held // BLOCK + 1} P ids)':34}{past * 1e6:14.1f}{whole * 1e6:14.1f}"
+                     f"{whole / past if past > 0 else 0:12.1f}")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks.common import load_average
 
@@ -206,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--requests {args.requests}: must be at least 1")
     samples = measure(args.tokens, args.requests)
     print(render(samples, args.tokens, load_average()))
+    print()
+    print(render_keys(key_costs()))
     return 0
 
 

@@ -26,6 +26,9 @@ tests/vllm_e2e_site/sitecustomize.py with ``KVGEOM_BENCH_TIMINGS``), per request
   block-id mapping, descriptor ids, ``make_prepped_xfer`` + ``transfer``), wall and thread CPU
   time. NIXL over UCX on one host copies much of a READ inside ``transfer()``, so for 8 MiB
   both connectors' overhead includes most of the copy;
+* engine thread: the CPU time of the worker's ``start_load_kv`` call that started the pull, on
+  vLLM's engine thread (what delays the forward pass most directly; kvgeom: the pull jobs queued,
+  its plan and post run on the connector's own threads; vLLM: kernel block ids and the whole post);
 * queue -> post: from the engine thread's hand-off to the posted READ (kvgeom's jobs-thread wait
   included; for vLLM the same as its overhead);
 * transfer: posted -> first seen done by the worker;
@@ -61,7 +64,7 @@ DEFAULT_CONNECTORS = ("nixl", "kvgeom", "kvgeom-eager")
 KINDS = ("prompt", "hit")
 #: (key, label, unit scale): the rows of each kind, in order
 METRICS = (("overhead", "D plan+post, wall (ms)", 1e3), ("overhead_cpu", "D plan+post, CPU (ms)", 1e3),
-           ("queue_to_post", "D queue -> posted (ms)", 1e3), ("transfer", "transfer post->done (ms)", 1e3),
+           ("engine_cpu", "D engine thread, CPU (ms)", 1e3), ("queue_to_post", "D queue -> posted (ms)", 1e3), ("transfer", "transfer post->done (ms)", 1e3),
            ("ttft", "D TTFT (ms)", 1e3))
 BLOCK = 32
 WARMUP = 2  # rounds not kept: kvgeom plans a shape's first request and learns its recipe on the second

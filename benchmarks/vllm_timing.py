@@ -20,6 +20,12 @@ Installed by ``tests/vllm_e2e_site/sitecustomize.py`` in a vLLM instance's proce
   (``ConnectorExecutor.pull``; vLLM's connector posts in the same call, so its ``t0`` is that).
 * ``done``: when the worker first sees the transfer finished (kvgeom: its progress thread's
   ``_d_finished``; vLLM: ``_pop_done_transfers`` of its receiving transfers, once per step).
+* ``engine``: the worker's ``start_load_kv`` on vLLM's engine thread, for a call that started
+  pulls (``reqs``: their D request ids), with ``cpu`` its thread CPU time less the hooks' own
+  writes inside it. kvgeom: ``KvgeomWorker.start_load_kv`` (the pull jobs built from the metadata
+  and queued; plan and post run on the connector's own threads); vLLM: ``NixlPullConnectorWorker
+  .start_load_kv`` (kernel block ids, then ``_read_blocks_for_req``: the whole post). What the
+  engine thread spends on a request's pull, where it delays the forward pass most directly.
 
 With ``KVGEOM_BENCH_BEFORE`` also set, :func:`_before` undoes the connector fixes the benchmark
 measured, in that process only.
@@ -39,17 +45,49 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ENV", "BEFORE", "install_kvgeom", "install_nixl", "RequestTiming", "request_timings", "read_events"]
+__all__ = ["ENV", "BEFORE", "install_kvgeom", "install_kvgeom_engine", "install_nixl", "RequestTiming",
+           "request_timings", "read_events"]
 
 ENV = "KVGEOM_BENCH_TIMINGS"
 BEFORE = "KVGEOM_BENCH_BEFORE"  # set (with ENV): the kvgeom connector as it was before the fixes, see _before
 _WRITE = threading.Lock()
+_ENGINE = threading.local()  # inside a timed start_load_kv: .reqs (pulls started), .hooks_cpu (our writes)
 
 
 def _emit(path: str, **event: Any) -> None:
+    inside = getattr(_ENGINE, "reqs", None) is not None  # in a timed start_load_kv: not its own cost
+    c0 = time.thread_time() if inside else 0.0
     line = json.dumps(event) + "\n"
     with _WRITE, open(path, "a") as f:
         f.write(line)
+    if inside:
+        _ENGINE.hooks_cpu += time.thread_time() - c0
+
+
+def _started(req: str) -> None:
+    """A pull of ``req`` started inside the timed ``start_load_kv`` running on this thread (if any)."""
+    reqs = getattr(_ENGINE, "reqs", None)
+    if reqs is not None:
+        reqs.append(req)
+
+
+def _engine(connector: str, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The ``engine`` event's wrapper of a worker's ``start_load_kv`` (module docstring)."""
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            _ENGINE.reqs, _ENGINE.hooks_cpu = [], 0.0
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                t1, c1 = time.perf_counter(), time.thread_time()
+                reqs, hooks = _ENGINE.reqs, _ENGINE.hooks_cpu
+                _ENGINE.reqs = None
+                if reqs:
+                    _emit(path, kind="engine", connector=connector, reqs=reqs, t0=t0, t1=t1,
+                          cpu=max(0.0, c1 - c0 - hooks))
+        return run
+    return make
 
 
 def _wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -67,6 +105,7 @@ def install_kvgeom(module: Any, path: str) -> None:
 
     def pull(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, job: Any) -> Any:
+            _started(str(job.request_id))
             _emit(path, kind="queued", connector="kvgeom", req=str(job.request_id), t=time.perf_counter())
             return original(self, job)
         return run
@@ -122,6 +161,11 @@ def install_kvgeom(module: Any, path: str) -> None:
     _wrap(cls, "_d_finished", d_finished)
 
 
+def install_kvgeom_engine(module: Any, path: str) -> None:
+    """Time ``module.KvgeomWorker.start_load_kv`` (``kvgeom_nixl.vllm.worker``): engine."""
+    _wrap(module.KvgeomWorker, "start_load_kv", _engine("kvgeom", path))
+
+
 def _before(module: Any) -> None:
     """Put back the connector's per-request path as it was before the benchmark's fixes (for the
     ``kvgeom-before`` column): every request planned (no per-shape recipes), token-exact pulls (a
@@ -169,11 +213,12 @@ def _before(module: Any) -> None:
 
 
 def install_nixl(module: Any, path: str) -> None:
-    """Time ``module.NixlPullConnectorWorker`` (vLLM's ``...v1.nixl.pull_worker``): post, done."""
+    """Time ``module.NixlPullConnectorWorker`` (vLLM's ``...v1.nixl.pull_worker``): post, done, engine."""
     cls = module.NixlPullConnectorWorker
 
     def read_for_req(original: Callable[..., Any]) -> Callable[..., Any]:
         def run(self: Any, req_id: str, meta: Any) -> Any:
+            _started(str(req_id))
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return original(self, req_id, meta)
@@ -197,6 +242,7 @@ def install_nixl(module: Any, path: str) -> None:
 
     _wrap(cls, "_read_blocks_for_req", read_for_req)
     _wrap(cls, "_pop_done_transfers", pop_done)
+    _wrap(cls, "start_load_kv", _engine("nixl", path))
 
 
 def read_events(path: str | os.PathLike[str], offset: int = 0) -> tuple[list[dict[str, Any]], int]:
@@ -216,19 +262,23 @@ class RequestTiming:
     """One D request on the worker (seconds): ``overhead`` the post's own work (plan + post), wall
     time, and ``overhead_cpu`` its thread's CPU time (what the load on a shared machine inflates
     least), ``queue_to_post`` from the engine thread's hand-off to the posted READ (kvgeom: the jobs
-    thread's wait; vLLM: the same call, = ``overhead``), ``transfer`` from posted to seen done."""
+    thread's wait; vLLM: the same call, = ``overhead``), ``transfer`` from posted to seen done,
+    ``engine_cpu`` the engine thread's CPU time in the ``start_load_kv`` that started the pull
+    (shared evenly when one call started several)."""
 
     overhead: float
     overhead_cpu: float
     queue_to_post: float
     transfer: float
     blocks: int = 0  # D blocks the pull wrote
+    engine_cpu: float = 0.0
 
 def request_timings(events: Iterable[dict[str, Any]]) -> RequestTiming:
     """The timing of the ONE request pulled in ``events`` (the events one D request left).
 
     Raises ``ValueError`` unless there is exactly one posting post event, one done event after
-    it, for the same request, not failed: a benchmark row must come from a transfer that happened.
+    it, for the same request, not failed, and an engine event that started it: a benchmark row
+    must come from a transfer that happened, timed on every thread.
     """
     evs = list(events)
     posts = [e for e in evs if e["kind"] == "post" and e.get("posted")]
@@ -248,6 +298,10 @@ def request_timings(events: Iterable[dict[str, Any]]) -> RequestTiming:
     start = min(queued) if queued else post["t0"]
     if posted > done["t"]:
         raise ValueError(f"the READ of {post['req']!r} was posted after it was seen done")
+    engine = [e for e in evs if e["kind"] == "engine" and post["req"] in e["reqs"]]
+    if not engine:
+        raise ValueError(f"no engine-thread event (start_load_kv) started the pull of {post['req']!r}")
     return RequestTiming(overhead=post["t1"] - post["t0"] + sum(e["t1"] - e["t0"] for e in parts),
                          overhead_cpu=post["cpu"] + sum(e["cpu"] for e in parts),
-                         queue_to_post=posted - start, transfer=done["t"] - posted, blocks=int(post.get("blocks", 0)))
+                         queue_to_post=posted - start, transfer=done["t"] - posted, blocks=int(post.get("blocks", 0)),
+                         engine_cpu=sum(e["cpu"] / len(e["reqs"]) for e in engine))

@@ -24,6 +24,7 @@ attempt 0xa1 asking P for request ``r1``, saying 2 D ranks read from that P rank
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import secrets
@@ -91,8 +92,18 @@ def link_key(prefill_secret: bytes, decode_secret: bytes, prefill_agent: str, de
     return hmac.new(prefill_secret + decode_secret, body, hashlib.sha256).digest()
 
 
+@functools.lru_cache(maxsize=256)
+def _mac_prefix(key: bytes, sender: str, receiver: str) -> hmac.HMAC:
+    """The HMAC of ``sender|receiver|`` under ``key``, kept per link and direction (a message's MAC
+    copies it and adds the body: the key's pads are not hashed again for every message; bounded)."""
+    return hmac.new(key, sender.encode() + b"|" + receiver.encode() + b"|", hashlib.sha256)
+
+
 def _mac(key: bytes, sender: str, receiver: str, body: bytes) -> str:
-    return hmac.new(key, sender.encode() + b"|" + receiver.encode() + b"|" + body, hashlib.sha256).hexdigest()[:_MAC_HEX]
+    """HMAC-SHA256 of ``sender|receiver|body`` under ``key``, truncated to ``_MAC_HEX`` hex digits."""
+    mac = _mac_prefix(key, sender, receiver).copy()  # (copy: the cached object is never updated)
+    mac.update(body)
+    return mac.hexdigest()[:_MAC_HEX]
 
 
 def encode(key: bytes, sender: str, receiver: str, kind: str, request_id: str, d_nonce: int, p_nonce: int,

@@ -203,3 +203,17 @@ def test_connector_overhead_runs_every_variant() -> None:
     text = connector_overhead.render(samples, 256, "1.0")
     assert "256-token prompt" in text and "prefix hit (D holds 256" in text and "eager/planned" in text
     assert text.count("the READ's posting") == 2
+
+
+def test_connector_overhead_key_table_times_both_keys() -> None:
+    """The recipe-key table in miniature: both keys timed for each context, one row each; the
+    whole-list key really reads P's whole list (it is the slower one at 4k P ids, by far more than
+    the machine's noise: 4097 ids against 1), nothing else about speed is asserted."""
+    from benchmarks import connector_overhead
+
+    costs = connector_overhead.key_costs((256, 131072), number=20)
+    assert list(costs) == [256, 131072] and all(x > 0 for pair in costs.values() for x in pair)
+    past, whole = costs[131072]
+    assert whole > 3 * past, costs
+    text = connector_overhead.render_keys(costs)
+    assert "after 256 tokens (9 P ids)" in text and "after 131072 tokens (4097 P ids)" in text

@@ -237,7 +237,8 @@ def test_state_groups_and_plans_with_receive_steps_are_planned_every_time() -> N
 
 
 def test_probes_use_the_request_as_listed() -> None:
-    """A probe moves one side's ids by one and keeps everything else (first tokens, S)."""
+    """A probe moves one side's ids by one and keeps everything else (first tokens, S, and P's ids
+    inside the hit: blocks 0-3 of 16 tokens for S = 64, which the pull never reads)."""
     pair = engines(16, 1, 16, 1)
     seen: list[Request] = []
     link = PlanningLink(pair)
@@ -252,7 +253,7 @@ def test_probes_use_the_request_as_listed() -> None:
     learn(book, pair, 0, 96, 64, 3, 5, tuple(range(6)), (0, 1))
     learn(book, pair, 0, 96, 64, 9, 9, tuple(range(6)), (0, 1))
     assert [r.groups[0] for r in seen] == [
-        GroupRequest(BlockList(tuple(range(10, 16)), 0), BlockList((9, 10), 64)),
+        GroupRequest(BlockList((9, 10, 11, 12, 14, 15), 0), BlockList((9, 10), 64)),
         GroupRequest(BlockList(tuple(range(9, 15)), 0), BlockList((10, 11), 64))]
     assert all(r.prefix_hit_tokens == 64 and r.computed_tokens == 96 for r in seen)
 
@@ -343,6 +344,38 @@ def test_post_pull_refuses_rows_outside_the_regions() -> None:
                 link.post_pull("x-rank", {1: tuple(ok)}, consumers={1: 1}, invalid_blocks={}, timeout_s=5.0)
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("cell", [CELLS[0], CELLS[3], CELLS[4]],  # (cells whose hit plans are copies only)
+                         ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}x{c[3]}-{'-'.join(c[4].values())}")
+def test_p_ids_inside_the_hit_are_not_part_of_the_shape(cell: tuple[Any, ...]) -> None:
+    """A prefix hit's P blocks before the first one past S are never read: requests that differ
+    only there share a recipe, and its rows are the planner's for each of them (the planner sees
+    every id). Control: the first P id past the hit moved gives another shape."""
+    p_block, p_tp, d_block, d_tp, kw = cell
+    pair = engines(p_block, p_tp, d_block, d_tp, **kw)
+    per_p, per_d = pair.prefill.logical_block_tokens, pair.decode.logical_block_tokens
+    s = 2 * per_d  # (a multiple of both block sizes)
+    m = s + 2 * per_d  # (whole blocks: a partial one zeroes D's rest, and plans with zeros are not learnt)
+    n_p = -(-m // per_p)
+    skip = s // per_p
+    d_rel = tuple(range(-(-m // per_d) - s // per_d))
+    heads = [tuple(range(skip)), tuple(40 + 2 * i for i in range(skip))[::-1], tuple(70 + i for i in range(skip))]
+    tail = tuple(range(20, 20 + n_p - skip))
+    for rank in range(d_tp):
+        book = PullRecipes(PlanningLink(pair), STRATEGY, rank)  # type: ignore[arg-type]
+        for i, head in enumerate(heads[:2]):
+            learn(book, pair, rank, m, s, 0, 3 + i, head + tail, d_rel)
+        assert book.counts["learnt"] == 1, book.counts
+        for head in heads:
+            for dp, d0 in ((0, 1), (-15, 30), (5, 9)):
+                p_rel = head + tuple(x + dp for x in tail)
+                assert_applies_as_planned(book, pair, rank, m, s, 0, d0, p_rel, d_rel)
+        d_ids = [tuple(5 + x for x in d_rel)]
+        same = book.shape(m, s, m, [heads[2] + tail], d_ids)
+        moved = book.shape(m, s, m, [heads[0] + (tail[0] + 50,) + tail[1:]], d_ids)  # (the first block read)
+        assert same is not None and moved is not None and book.apply(same) is not None
+        assert book.apply(moved) is None and moved.key != same.key
 
 
 def test_a_plan_past_max_rows_is_planned_every_time(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,8 +7,9 @@ builds the same objects each time; for a shape seen before, this module gives th
 posts from the learnt ones, each offset moved by the shift of its side's block ids (numpy, one
 multiply-add per column), with no planning::
 
-    shape   (tokens planned, prefix hit S, decode tokens N,
-             each side's lists as ids minus that side's smallest id)      -> the key
+    shape   (tokens planned, prefix hit S, decode tokens N, P's list lengths,
+             P's lists from the first block past S and D's lists, each
+             side's as ids minus that side's smallest id)                 -> the key
     recipe  this rank's rows at the learnt ids, per P rank (d_region, d_offset, p_region, p_offset,
             nbytes); per row the bytes one id of shift moves its P and its D offset; the consumers
             per P rank; D's writable blocks; how far each side's ids may shift (inside its pool)
@@ -20,7 +21,10 @@ Why the shifted rows are the plan of the shifted request: a region's logical blo
 dimension, so moving every id of one side by ``k`` moves every byte of that side's blocks by ``k``
 times its region's block stride; the request keeps its relative pattern, so the planner builds the
 same rows in the same order (coalescing merges rows adjacent on both sides within one region pair,
-and a shift that is uniform per region keeps adjacency). Each recipe is checked before it is kept:
+and a shift that is uniform per region keeps adjacency). P's blocks wholly inside D's prefix hit
+(the first S // P's block tokens of each list) are never read, since D holds those tokens: they
+are left out of the shape (on a 1-block hit after 4096 tokens, 1 id of P's 129 is made relative, not
+129) and out of the probes, and a pull from a recipe never looks at them. Each recipe is checked before it is kept:
 two probe plans (the ids of one side + 1) measure every row's step, and a recipe is refused when
 rows of one region disagree, when the probe changes anything but the shifted side's offsets, or
 when it does not reproduce, row for row, the plan of the earlier request of the same shape (a
@@ -29,7 +33,9 @@ alone are learnt (no zeros, no rearranges, not packed) on models of attention gr
 stay in [1, pool): the null block 0, which a window's list may carry, is never shifted to.
 
 Every posted row is still checked inside both ranks' regions (:meth:`~kvgeom_nixl.Link.post_pull`),
-and P's ids, which cross the proxy, are bounded by P's pool here before any row is built.
+and the P ids a pull reads, which cross the proxy, are bounded by P's pool here before any row is
+built (the ids inside the hit are not read, so a recipe does not check them; the planner, which a
+shape's first two requests go through, checks every id).
 
 Worked number: a 4096-token prompt into 128 fresh blocks of 32 tokens (tiny Llama, 2 layers, TP1)
 plans to 2 rows (one per layer: the blocks are consecutive on both sides); the next such prompt
@@ -170,6 +176,7 @@ class PullRecipes:
         self.rank = rank
         pair = link.pair
         self._attention_only = all(isinstance(g, AttentionSpec) for g in pair.model.groups)
+        self._p_block_tokens = pair.prefill.logical_block_tokens
         self._pool = {side: min((pair.side(side).num_logical_blocks(r) for gi in range(len(pair.model.groups))
                                  for r in pair.side(side).group_regions(gi)), default=0)
                       for side in ("prefill", "decode")}
@@ -182,10 +189,13 @@ class PullRecipes:
         that is not an int)."""
         if not self._attention_only:
             return None
-        p, d = _relative(remote), _relative(local)
+        skip = prefix_hit_tokens // self._p_block_tokens  # P's blocks wholly inside the hit: never read
+        p = _relative([one[skip:] for one in remote] if skip else remote)
+        d = _relative(local)
         if p is None or d is None:
             return None
-        return Shape((tokens, prefix_hit_tokens, decode_tokens, p[2], d[2]), p[0], d[0], p[1], d[1])
+        lengths = tuple(len(one) for one in remote)
+        return Shape((tokens, prefix_hit_tokens, decode_tokens, lengths, p[2], d[2]), p[0], d[0], p[1], d[1])
 
     def apply(self, shape: Shape) -> Applied | None:
         """The rows of a request of ``shape`` from its recipe, or None (no recipe yet, or an id
@@ -245,14 +255,17 @@ class PullRecipes:
                        applied.invalid_blocks)
 
     def _probe(self, request: Request, dp: int, dd: int) -> Reads | None:
-        """This rank's rows for ``request`` with P's ids + ``dp`` and D's + ``dd`` (planned)."""
+        """This rank's rows for ``request`` with P's ids past the hit + ``dp`` and D's + ``dd`` (planned)."""
+        hit_blocks = request.prefix_hit_tokens // self._p_block_tokens
         try:
             groups = []
             for g in request.groups:
                 p, d = g.prefill, g.decode
                 if not isinstance(p, BlockList) or not isinstance(d, BlockList):
                     return None
-                groups.append(GroupRequest(BlockList(tuple(b + dp for b in p.block_ids), p.first_token),
+                keep = max(0, hit_blocks - p.first_token // self._p_block_tokens)  # (the ids shape() leaves out)
+                p_ids = p.block_ids[:keep] + tuple(b + dp for b in p.block_ids[keep:])
+                groups.append(GroupRequest(BlockList(p_ids, p.first_token),
                                            BlockList(tuple(b + dd for b in d.block_ids), d.first_token)))
             moved = Request(request.computed_tokens, tuple(groups), request.prefix_hit_tokens, partial=request.partial)
             plan = self.link.plan(moved, strategy=self.strategy)

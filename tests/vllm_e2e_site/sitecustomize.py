@@ -89,6 +89,7 @@ def _timed(which: str) -> Callable[[Any], None]:
 
 if os.environ.get("KVGEOM_BENCH_TIMINGS"):
     PATCHES["kvgeom_nixl.vllm.executor"] = _timed("kvgeom")
+    PATCHES["kvgeom_nixl.vllm.worker"] = _timed("kvgeom_engine")
     PATCHES["vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker"] = _timed("nixl")
 
 
