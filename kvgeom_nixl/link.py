@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -114,7 +114,7 @@ class Link:
         self.pair = pair
         self.peer_engine = next(iter(peers.values())).engine
         self._tile: int | None = None
-        self._columns: dict[int | None, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._columns: dict[int | None, _Regions] = {}
         self.closed = False
 
     @property
@@ -265,17 +265,14 @@ class Link:
                     raise PlanError(f"reads[{p}]", "five equal-length columns (d_region, d_offset, p_region, "
                                     "p_offset, nbytes)", actual=[len(c) for c in cols])
                 d_region, d_offset, p_region, p_offset, nbytes = cols
-                _check_rows("d", d_region, d_offset, nbytes, own[2])
-                _check_rows("p", p_region, p_offset, nbytes, peer[2])
-                sides[int(p)] = peer
+                sides[int(p)] = (_lowered("d", d_region, d_offset, nbytes, own),
+                                 _lowered("p", p_region, p_offset, nbytes, peer))
         except PlanError as e:
             t.fail("plan_error", f"posting: {type(e).__name__}: {e}")
             return ep.track(t)
-        for p, peer in sides.items():
+        for p, (local, remote) in sides.items():
             info = self.peers[p]
-            d_region, d_offset, p_region, p_offset, nbytes = reads[p]
-            local = copy_descs(own[0], own[1], d_region, d_offset, nbytes)
-            remote = copy_descs(peer[0], peer[1], p_region, p_offset, nbytes)
+            nbytes = reads[p][4]
 
             def coalesced(notif: bytes, local: np.ndarray = local, remote: np.ndarray = remote, info: RankInfo = info,
                           n: int = len(nbytes), total: int = int(nbytes.sum())) -> tuple[Any, int, int]:
@@ -288,13 +285,15 @@ class Link:
             t.posters.clear()
         return ep.track(t)
 
-    def _memory_columns(self, peer: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _memory_columns(self, peer: int | None) -> _Regions:
         """(bases, devices, sizes) per region of this rank (``peer`` None) or of peer rank ``peer``
         (:meth:`peer_info`'s check), built once per link."""
         cols = self._columns.get(peer)
         if cols is None:
             src: Any = self.endpoint.memory if peer is None else self.peer_info(peer)
-            cols = self._columns[peer] = (src.bases, src.devices, np.asarray(src.sizes, dtype=np.int64))
+            sizes = np.asarray(src.sizes, dtype=np.int64)
+            cols = self._columns[peer] = _Regions(src.bases, src.devices, sizes, src.bases.tolist(),
+                                                  src.devices.tolist(), sizes.tolist())
         return cols
 
     # ---- passive sides ---------------------------------------------------------------------
@@ -518,6 +517,37 @@ class Link:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _Regions(NamedTuple):
+    """One rank's regions as :meth:`Link.post_pull` reads them: numpy columns, and the same as lists."""
+
+    bases: np.ndarray  # uint64 addresses
+    devices: np.ndarray
+    sizes: np.ndarray  # int64 bytes
+    bases_list: list[int]
+    devices_list: list[int]
+    sizes_list: list[int]
+
+
+_FEW_ROWS = 32  # up to this many rows, one Python pass checks and lowers them (quicker than numpy's calls)
+
+
+def _lowered(side: str, region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, regions: _Regions) -> np.ndarray:
+    """The rows' ``(addr, len, dev)`` descriptors (Nx3 uint64, :func:`copy_descs`), after
+    :func:`_check_rows`'s check; :class:`PlanError` names the first row outside ``regions``."""
+    if len(region) <= _FEW_ROWS and all(type(c) is np.ndarray and c.dtype == np.int64 and c.ndim == 1
+                                        for c in (region, offset, nbytes)):
+        bases, devices, sizes = regions.bases_list, regions.devices_list, regions.sizes_list
+        n, out = len(sizes), []
+        for r, o, b in zip(region.tolist(), offset.tolist(), nbytes.tolist()):
+            if not (0 <= r < n and o >= 0 and b > 0 and o + b <= sizes[r]):
+                break  # (the check below names it)
+            out.append((bases[r] + o, b, devices[r]))
+        else:
+            return np.array(out, dtype=np.uint64).reshape(-1, 3)
+    _check_rows(side, region, offset, nbytes, regions.sizes)
+    return copy_descs(regions.bases, regions.devices, region, offset, nbytes)
 
 
 def _check_rows(side: str, region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, sizes: np.ndarray) -> None:

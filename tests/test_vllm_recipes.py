@@ -387,3 +387,33 @@ def test_a_plan_past_max_rows_is_planned_every_time(monkeypatch: pytest.MonkeyPa
         learn(book, pair, 0, 64, 0, 3, 5, rel, rel)
         learn(book, pair, 0, 64, 0, 9, 9, rel, rel)
         assert book.counts[want] == 1, (limit, book.counts)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 32, 33, 200])
+def test_post_pulls_descriptors_are_base_plus_offset_on_both_paths(rows: int) -> None:
+    """``Link.post_pull`` lowers a few rows (<= 32) in one Python pass and more with numpy: both give
+    each row (address = its region's base + offset, its bytes, its region's device), checked here by
+    hand arithmetic, and both refuse the same row outside its region with the same error."""
+    from kvgeom import PlanError
+    from kvgeom_nixl import link
+
+    sizes = [1 << 20, 3 << 20, 1 << 16]
+    bases = [0x7F0000000000, 0x7F1000000000, 0x10000]
+    devices = [0, 0, 3]
+    regions = link._Regions(np.array(bases, dtype=np.uint64), np.array(devices, dtype=np.uint64),
+                            np.array(sizes, dtype=np.int64), bases, devices, sizes)
+    rng = np.random.default_rng(rows)
+    region = rng.integers(0, 3, rows).astype(np.int64)
+    nbytes = rng.integers(1, 4096, rows).astype(np.int64)
+    offset = np.array([int(rng.integers(0, sizes[r] - b)) for r, b in zip(region, nbytes)], dtype=np.int64)
+    got = link._lowered("d", region, offset, nbytes, regions)
+    assert got.dtype == np.uint64 and got.shape == (rows, 3)
+    assert got.tolist() == [[bases[r] + o, b, devices[r]] for r, o, b in zip(region.tolist(), offset.tolist(),
+                                                                             nbytes.tolist())]
+    if rows:
+        bad = offset.copy()
+        bad[-1] = sizes[int(region[-1])] - int(nbytes[-1]) + 1  # one byte past its region
+        with pytest.raises(PlanError, match=rf"reads\.d_offset\[{rows - 1}\]"):
+            link._lowered("d", region, bad, nbytes, regions)
+        with pytest.raises(PlanError, match="int64"):
+            link._lowered("d", region.astype(np.int32), offset, nbytes, regions)
