@@ -71,7 +71,7 @@ from .lowering import MAX_TABLE_TILES
 from .memory import RankMemory
 from .packed import DEFAULT_GRACE_S
 from .probe import ProbeRefused, prober
-from .protocol import encode, link_key, new_secret
+from .protocol import encode, forget_keys, link_key, new_secret
 from .receive import apply_receive_steps
 from .staging import DEFAULT_SLOTS, StagingBuffer, run_steps
 from .threads import locked
@@ -462,6 +462,7 @@ class Endpoint:
     def peer_removed(self, agent: str) -> None:
         """A link forgot ``agent``: it can touch nothing any more; its transfers fail (``closed``)."""
         self.inbox.keys.pop(agent, None)
+        forget_keys()  # (no HMAC state of the dropped key is kept)
         self._mark_dead(agent, "closed", "the link was closed (its agent removed)")
         self._bury()
 
@@ -523,6 +524,7 @@ class Endpoint:
         self._inflight = []
         self._fencing = []
         self.inbox.clear()
+        forget_keys()
         self.closed = True
         self.memory.release()
         self.staging = None

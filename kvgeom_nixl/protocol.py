@@ -34,7 +34,7 @@ import attrs
 from .errors import ExecutorError
 
 __all__ = ["KINDS", "MAX_MESSAGE", "MAX_ID", "Message", "encode", "decode", "link_key", "new_nonce",
-           "new_secret", "SECRET_BYTES"]
+           "new_secret", "forget_keys", "SECRET_BYTES"]
 
 TAG = "kvgeom2"
 KINDS = {
@@ -94,9 +94,16 @@ def link_key(prefill_secret: bytes, decode_secret: bytes, prefill_agent: str, de
 
 @functools.lru_cache(maxsize=256)
 def _mac_prefix(key: bytes, sender: str, receiver: str) -> hmac.HMAC:
-    """The HMAC of ``sender|receiver|`` under ``key``, kept per link and direction (a message's MAC
-    copies it and adds the body: the key's pads are not hashed again for every message; bounded)."""
+    """The HMAC of ``sender|receiver|`` under ``key``, kept per (key, sender, receiver), 256 at
+    most in the process (a message's MAC copies it and adds the body: the key's pads are not hashed
+    again for every message); :func:`forget_keys` drops them all."""
     return hmac.new(key, sender.encode() + b"|" + receiver.encode() + b"|", hashlib.sha256)
+
+
+def forget_keys() -> None:
+    """Drop every kept HMAC state (an endpoint calls this when it forgets a link's key, so that no
+    state derived from a dropped key outlives it; the others are rebuilt on their next message)."""
+    _mac_prefix.cache_clear()
 
 
 def _mac(key: bytes, sender: str, receiver: str, body: bytes) -> str:

@@ -213,3 +213,33 @@ def test_a_req_p_dropped_before_knowing_d_is_repeated(resend_s: float, completes
     finally:
         d.close()
         p.close()
+
+
+def test_a_closed_link_leaves_no_hmac_state_of_its_key() -> None:
+    """The signed messages of a pull keep HMAC states derived from the link's key
+    (kvgeom_nixl/protocol.py); closing the link forgets them with the key (control: they are
+    there right before)."""
+    from kvgeom_nixl import protocol
+
+    pair = Pair(EngineGeometry.build(M, tp=1, kernel_block_tokens=16, num_blocks=8, name="prefill"),
+                EngineGeometry.build(M, tp=1, kernel_block_tokens=16, num_blocks=8, name="decode"))
+    request = fresh_request(pair, 32, prefill_first_block=1, decode_first_block=2)
+    p_caches, d_caches = allocate_caches(pair.prefill), allocate_caches(pair.decode)
+    fill_caches(pair, request, p_caches, d_caches)
+    p = Endpoint(pair.prefill, "prefill", 0, p_caches[0], warm_prober=False)
+    d = Endpoint(pair.decode, "decode", 0, d_caches[0], warm_prober=False)
+    try:
+        d_link, p_link = d.connect([p.handshake()]), p.connect([d.handshake()])
+        hold, pull = p_link.hold("r1", timeout_s=10), d_link.pull("r1", request, timeout_s=10)
+        until = time.perf_counter() + 10
+        while not (pull.settled and hold.settled) and time.perf_counter() < until:
+            d.progress()
+            p.progress()
+            time.sleep(1e-3)
+        assert pull.done and check_caches(pair, request, d_caches)[0] == []
+        assert protocol._mac_prefix.cache_info().currsize >= 2  # (both directions of the link)
+        d_link.close()
+        assert protocol._mac_prefix.cache_info().currsize == 0
+    finally:
+        d.close()
+        p.close()

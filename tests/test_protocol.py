@@ -49,3 +49,16 @@ def test_controls_another_key_sender_receiver_or_byte_is_refused() -> None:
     assert decode(raw, "P-0", "D-0", key) is None  # (the other direction)
     flipped = raw.replace(b"held", b"hold")
     assert flipped != raw and decode(flipped, "D-0", "P-0", key) is None
+
+
+def test_forget_keys_drops_every_kept_hmac_state() -> None:
+    """An endpoint that forgets a link's key calls ``forget_keys``: nothing derived from the key
+    stays in the cache; the next message is signed as before (a fresh state)."""
+    from kvgeom_nixl import protocol
+
+    key = new_secret()
+    raw = encode(key, "D-0", "P-0", "held", "r", 1, 2)
+    assert protocol._mac_prefix.cache_info().currsize >= 1
+    protocol.forget_keys()
+    assert protocol._mac_prefix.cache_info().currsize == 0
+    assert encode(key, "D-0", "P-0", "held", "r", 1, 2) == raw and decode(raw, "D-0", "P-0", key) is not None

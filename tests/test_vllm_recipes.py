@@ -378,6 +378,29 @@ def test_p_ids_inside_the_hit_are_not_part_of_the_shape(cell: tuple[Any, ...]) -
         assert book.apply(moved) is None and moved.key != same.key
 
 
+def test_a_clipped_window_list_is_keyed_whole() -> None:
+    """vLLM clips a sliding window's lists to their last blocks: P's list then starts inside the
+    hit (token 48 here, S = 64), and ids at its head ARE read. Requests that differ there are
+    other shapes, and a shape's recipe gives the planner's rows for every shift. (Regression: the
+    first 4 ids of every list were left out of the key, and a third request with other ids at
+    positions 2-3 was posted from the recipe, reading the blocks of the learnt ones.)"""
+    m = ModelSpec("m", [AttentionSpec("win", "sliding", 3, 4, 64, window_tokens=49)])
+    pair = Pair(EngineGeometry.build(m, tp=1, kernel_block_tokens=16, num_blocks=96, name="P"),
+                EngineGeometry.build(m, tp=1, kernel_block_tokens=16, num_blocks=96, name="D"))
+    M, S = 128, 64
+    book = PullRecipes(PlanningLink(pair), STRATEGY, 0)  # type: ignore[arg-type]
+    p_rel, d_rel = tuple(range(5)), tuple(range(3))  # P: blocks 3-7 of 8; D: tokens [80, 128)
+    learn(book, pair, 0, M, S, 10, 20, p_rel, d_rel)
+    learn(book, pair, 0, M, S, 30, 40, p_rel, d_rel)
+    assert book.counts["learnt"] == 1, book.counts
+    request = table(pair, M, S, 30, 40, p_rel, d_rel)
+    assert request.groups[0].prefill.first_token == 48  # (the list starts inside the hit)
+    for p0, d0 in ((50, 7), (1, 60)):
+        assert_applies_as_planned(book, pair, 0, M, S, p0, d0, p_rel, d_rel)
+    other = book.shape(M, S, M, [(50, 60, 70, 80, 34)], [(40, 41, 42)])  # ids at positions 2-3 differ
+    assert other is not None and book.apply(other) is None
+
+
 def test_a_plan_past_max_rows_is_planned_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
     pair = engines(16, 1, 16, 1)
     rel = tuple(range(4))
@@ -387,6 +410,10 @@ def test_a_plan_past_max_rows_is_planned_every_time(monkeypatch: pytest.MonkeyPa
         learn(book, pair, 0, 64, 0, 3, 5, rel, rel)
         learn(book, pair, 0, 64, 0, 9, 9, rel, rel)
         assert book.counts[want] == 1, (limit, book.counts)
+
+
+class _Sub(np.ndarray):
+    """An ndarray subclass: ``_lowered`` leaves it to ``_check_rows``' numpy check."""
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 32, 33, 200])
@@ -417,3 +444,9 @@ def test_post_pulls_descriptors_are_base_plus_offset_on_both_paths(rows: int) ->
             link._lowered("d", region, bad, nbytes, regions)
         with pytest.raises(PlanError, match="int64"):
             link._lowered("d", region.astype(np.int32), offset, nbytes, regions)
+        huge, one = offset.copy(), nbytes.copy()  # (offset + nbytes wraps past 2**63 in int64)
+        huge[-1], one[-1] = 2**63 - 1, 1
+        with pytest.raises(PlanError, match=rf"reads\.d_offset\[{rows - 1}\]"):
+            link._lowered("d", region, huge, one, regions)
+        with pytest.raises(PlanError, match=rf"reads\.d_offset\[{rows - 1}\]"):  # (a subclass: numpy's check)
+            link._lowered("d", region.view(_Sub), huge, one, regions)

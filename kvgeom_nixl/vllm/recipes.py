@@ -22,8 +22,8 @@ dimension, so moving every id of one side by ``k`` moves every byte of that side
 times its region's block stride; the request keeps its relative pattern, so the planner builds the
 same rows in the same order (coalescing merges rows adjacent on both sides within one region pair,
 and a shift that is uniform per region keeps adjacency). P's blocks wholly inside D's prefix hit
-(the first S // P's block tokens of each list) are never read, since D holds those tokens: they
-are left out of the shape (on a 1-block hit after 4096 tokens, 1 id of P's 129 is made relative, not
+(the first S // P's block tokens of each full-attention list, which starts at token 0) are never
+read, since D holds those tokens: they are left out of the shape (on a 1-block hit after 4096 tokens, 1 id of P's 129 is made relative, not
 129) and out of the probes, and a pull from a recipe never looks at them. Each recipe is checked before it is kept:
 two probe plans (the ids of one side + 1) measure every row's step, and a recipe is refused when
 rows of one region disagree, when the probe changes anything but the shifted side's offsets, or
@@ -177,6 +177,10 @@ class PullRecipes:
         pair = link.pair
         self._attention_only = all(isinstance(g, AttentionSpec) for g in pair.model.groups)
         self._p_block_tokens = pair.prefill.logical_block_tokens
+        # groups whose P list starts at token 0 (no window): their blocks inside the hit are left out
+        # of the key; a window's list is placed by its end (clipped, or led by null blocks) and
+        # keyed whole (it is short: the window's blocks)
+        self._from_zero = tuple(isinstance(g, AttentionSpec) and g.window_tokens is None for g in pair.model.groups)
         self._pool = {side: min((pair.side(side).num_logical_blocks(r) for gi in range(len(pair.model.groups))
                                  for r in pair.side(side).group_regions(gi)), default=0)
                       for side in ("prefill", "decode")}
@@ -187,10 +191,10 @@ class PullRecipes:
               local: Sequence[Sequence[int]]) -> Shape | None:
         """The request's shape, or None when no recipe can apply (a model with state groups, an id
         that is not an int)."""
-        if not self._attention_only:
+        if not self._attention_only or len(remote) != len(self._from_zero):
             return None
         skip = prefix_hit_tokens // self._p_block_tokens  # P's blocks wholly inside the hit: never read
-        p = _relative([one[skip:] for one in remote] if skip else remote)
+        p = _relative([one[skip:] if zero else one for one, zero in zip(remote, self._from_zero)] if skip else remote)
         d = _relative(local)
         if p is None or d is None:
             return None
@@ -259,11 +263,12 @@ class PullRecipes:
         hit_blocks = request.prefix_hit_tokens // self._p_block_tokens
         try:
             groups = []
-            for g in request.groups:
+            for g, zero in zip(request.groups, self._from_zero):
                 p, d = g.prefill, g.decode
                 if not isinstance(p, BlockList) or not isinstance(d, BlockList):
                     return None
-                keep = max(0, hit_blocks - p.first_token // self._p_block_tokens)  # (the ids shape() leaves out)
+                # (the ids shape() leaves out: a full-attention list's blocks inside the hit)
+                keep = max(0, hit_blocks - p.first_token // self._p_block_tokens) if zero else 0
                 p_ids = p.block_ids[:keep] + tuple(b + dp for b in p.block_ids[keep:])
                 groups.append(GroupRequest(BlockList(p_ids, p.first_token),
                                            BlockList(tuple(b + dd for b in d.block_ids), d.first_token)))
