@@ -23,9 +23,10 @@ times its region's block stride; the request keeps its relative pattern, so the 
 same rows in the same order (coalescing merges rows adjacent on both sides within one region pair,
 and a shift that is uniform per region keeps adjacency). P's blocks wholly inside D's prefix hit
 (the first S // P's block tokens of each full-attention list, which starts at token 0) are never
-read, since D holds those tokens: they are left out of the shape (on a 1-block hit after 4096 tokens, 1 id of P's 129 is made relative, not
-129) and out of the probes, and a pull from a recipe never looks at them. Each recipe is checked before it is kept:
-two probe plans (the ids of one side + 1) measure every row's step, and a recipe is refused when
+read, since D holds those tokens: they are left out of the shape (on a 1-block hit after 4096
+tokens, 1 id of P's 129 is made relative, not 129) and out of the probes, and a pull from a recipe
+never looks at them; a window's list, placed by its end (vLLM clips it), is keyed whole. Each
+recipe is checked before it is kept: two probe plans (the ids of one side + 1) measure every row's step, and a recipe is refused when
 rows of one region disagree, when the probe changes anything but the shifted side's offsets, or
 when it does not reproduce, row for row, the plan of the earlier request of the same shape (a
 shape is learnt on its second request, so a shape seen once costs no probes). Only plans of copies
