@@ -33,15 +33,28 @@ vLLM's calls, in the order a request sees them (``vllm.distributed.kv_transfer.k
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Pull", "Release", "KvgeomMetadataFields", "KvgeomScheduler", "DEFAULT_PORT", "DEFAULT_LEASE_S"]
+from kvgeom.errors import value_text
+from kvgeom_nixl.errors import ExecutorError
+from kvgeom_nixl.protocol import MAX_ID
+
+__all__ = ["Pull", "Release", "KvgeomMetadataFields", "KvgeomScheduler", "DEFAULT_PORT", "DEFAULT_LEASE_S",
+           "MAX_REMOTE_IDS", "MAX_REMOTE_GROUPS"]
 
 DEFAULT_PORT = 5700  # KVGEOM_SIDE_CHANNEL_PORT (or extra config side_channel_port): rank r listens on port + r
 DEFAULT_LEASE_S = 120.0  # kv_connector_extra_config["kv_lease_duration"]
 REQUIRED = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+MAX_REMOTE_IDS = 1 << 20  # block ids one request's remote_block_ids may hold, all groups together
+MAX_REMOTE_GROUPS = 256  # lists in remote_block_ids
+_MAX_BLOCK_ID = (1 << 31) - 1
+_MAX_TOKENS = (1 << 31) - 1
+_MAX_TP = 4096
+_MAX_HOST = 255  # characters of remote_host (a DNS name's limit)
+_log = logging.getLogger("kvgeom_nixl.vllm")
 
 
 @dataclass(frozen=True)
@@ -77,16 +90,81 @@ class KvgeomMetadataFields:
     sends: dict[str, float] = field(default_factory=dict)  # P request -> its lease in seconds
 
 
+# ---- kv_transfer_params: a client's (through a proxy) input, checked before anything uses it -----
+# vLLM takes kv_transfer_params from the request body, so any client of the API sets them: every
+# field is checked for its type and bounds here, and a request whose fields do not pass is served
+# without remote KV (D computes the prompt itself) and logged, never raised into vLLM's scheduler.
+
+
+def _field_error(key: str, what: str, value: Any, expected: str) -> ExecutorError:
+    return ExecutorError(f"kv_transfer_params.{key}", f"{what}, got {value_text(value, 60)}", actual=value_text(value, 60),
+                         expected=expected, fix="pass the kv_transfer_params P's response returned, unchanged")
+
+
+def _text(params: dict[str, Any], key: str, limit: int) -> str:
+    value = params.get(key)
+    if type(value) is not str or not value or len(value) > limit:
+        raise _field_error(key, "must be a non-empty string", value, f"a string of 1 to {limit} characters")
+    return value
+
+
+def _count(params: dict[str, Any], key: str, lo: int, hi: int) -> int:
+    value = params.get(key)
+    if type(value) is not int or not lo <= value <= hi:
+        raise _field_error(key, "must be an integer in range", value, f"an int in [{lo}, {hi}]")
+    return value
+
+
 def _release_of(params: dict[str, Any]) -> Release:
-    return Release(str(params["remote_request_id"]), str(params["remote_host"]), int(params["remote_port"]),
-                   int(params.get("tp_size") or 1))
+    """P's side channel and request from ``params`` (checked: ``ExecutorError`` names a bad field)."""
+    tp = 1 if params.get("tp_size") is None else _count(params, "tp_size", 1, _MAX_TP)
+    port = _count(params, "remote_port", 1, 65536 - tp)  # (P's ranks listen on port + rank)
+    request_id = _text(params, "remote_request_id", MAX_ID)
+    if "|" in request_id:
+        raise _field_error("remote_request_id", "must not contain '|'", request_id, "P's request id")
+    return Release(request_id, _text(params, "remote_host", _MAX_HOST), port, tp)
 
 
-def _lists(value: Any) -> tuple[tuple[int, ...], ...]:
-    """``remote_block_ids`` as per-group tuples (vLLM's proxies pass one list per group, or one flat list)."""
+def _lists(value: Any, key: str = "remote_block_ids") -> tuple[tuple[int, ...], ...]:
+    """``remote_block_ids`` as per-group tuples (vLLM's proxies pass one list per group, or one flat
+    list): ints in [0, 2**31), at most ``MAX_REMOTE_IDS`` in all and ``MAX_REMOTE_GROUPS`` lists
+    (checked on the lengths first); ``ExecutorError`` names what is wrong."""
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_REMOTE_IDS:
+        raise _field_error(key, "must be a list of block ids or a list of such lists", value,
+                           f"at most {MAX_REMOTE_IDS} ids in at most {MAX_REMOTE_GROUPS} lists")
+    groups = [value] if all(type(v) is int for v in value) else value
+    if len(groups) > MAX_REMOTE_GROUPS or not all(isinstance(g, (list, tuple)) for g in groups) \
+            or sum(len(g) for g in groups) > MAX_REMOTE_IDS:
+        raise _field_error(key, "must be a list of block ids or a list of such lists", value,
+                           f"at most {MAX_REMOTE_IDS} ids in at most {MAX_REMOTE_GROUPS} lists")
+    out = tuple(tuple(g) for g in groups)
+    for gi, g in enumerate(out):
+        if not all(type(b) is int and 0 <= b <= _MAX_BLOCK_ID for b in g):
+            raise _field_error(f"{key}[{gi}]", "must hold block ids only", list(g), f"ints in [0, {_MAX_BLOCK_ID}]")
+    return out
+
+
+def _own_lists(value: Any) -> tuple[tuple[int, ...], ...]:
+    """P's own block ids from vLLM (one list, or one per group) as per-group tuples."""
     if value and all(isinstance(v, int) for v in value):
         return (tuple(int(v) for v in value),)
     return tuple(tuple(int(v) for v in group) for group in value)
+
+
+@dataclass(frozen=True)
+class _Remote:
+    """A D request's checked ``kv_transfer_params``."""
+
+    blocks: tuple[tuple[int, ...], ...]
+    engine_id: str
+    release: Release
+    num_tokens: int | None
+
+
+def _remote_of(params: dict[str, Any]) -> _Remote:
+    tokens = None if not params.get("remote_num_tokens") else _count(params, "remote_num_tokens", 0, _MAX_TOKENS)
+    return _Remote(_lists(params.get("remote_block_ids")), _text(params, "remote_engine_id", MAX_ID),
+                   _release_of(params), tokens)
 
 
 class KvgeomScheduler:
@@ -120,11 +198,28 @@ class KvgeomScheduler:
         request.max_tokens = 1
         params["_kvgeom_short"] = True  # once, even if the request is scheduled again
 
+    def _refused(self, request: Any, params: dict[str, Any], e: ExecutorError) -> None:
+        """A D request whose params do not pass: served without remote KV; P released if it can be."""
+        params["do_remote_prefill"] = False
+        self._local_hit.pop(request.request_id, None)
+        _log.warning("kvgeom connector: request %s computes its prompt itself, its kv_transfer_params are "
+                     "refused: %s", request.request_id, e)
+        try:
+            self._step.releases.append(_release_of(params))
+        except ExecutorError:
+            pass  # (no side channel to tell: P frees on its lease)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or not all(k in params for k in REQUIRED):
+        if not isinstance(params, dict) or not params.get("do_remote_prefill") \
+                or not all(k in params for k in REQUIRED):
             return 0, False
-        remote = int(params.get("remote_num_tokens") or request.num_prompt_tokens)
+        try:
+            checked = _remote_of(params)
+        except ExecutorError as e:
+            self._refused(request, params, e)
+            return 0, False
+        remote = checked.num_tokens or request.num_prompt_tokens
         last = request.num_prompt_tokens - 1 if self.mamba else request.num_prompt_tokens
         count = min(remote, last) - num_computed_tokens
         if count <= 0:
@@ -134,12 +229,18 @@ class KvgeomScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return
+        if not all(k in params for k in REQUIRED):
+            params["do_remote_prefill"] = False  # one transfer per request
+            return
+        try:
+            checked = _remote_of(params)
+        except ExecutorError as e:
+            self._refused(request, params, e)
             return
         params["do_remote_prefill"] = False  # one transfer per request
-        if not all(k in params for k in REQUIRED):
-            return
-        release = _release_of(params)
+        release = checked.release
         hit = self._local_hit.pop(request.request_id, 0)
         if num_external_tokens <= 0:
             self._step.releases.append(release)  # a full local hit: nothing to pull, P may free now
@@ -150,8 +251,8 @@ class KvgeomScheduler:
         # scheduler steps back and recomputes that token to sample (Scheduler._update_from_kv_xfer_
         # finished), so that token's window must be on D, not the next one's (design §15.2).
         recomputed = 1 if computed >= int(request.num_tokens) else 0
-        self._step.pulls.append(Pull(request.request_id, local, _lists(params["remote_block_ids"]), computed, hit,
-                                     str(params["remote_engine_id"]), release, recomputed))
+        self._step.pulls.append(Pull(request.request_id, local, checked.blocks, computed, hit, checked.engine_id,
+                                     release, recomputed))
 
     def build_connector_meta(self) -> KvgeomMetadataFields:
         step, self._step = self._step, KvgeomMetadataFields()
@@ -159,22 +260,26 @@ class KvgeomScheduler:
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """``block_ids``: one list (a one-group model) or one list per group (``request_finished_all_groups``)."""
-        from vllm.v1.request import RequestStatus
-
         params = request.kv_transfer_params
-        if not params:
+        if not isinstance(params, dict):
             return False, None
         self._local_hit.pop(request.request_id, None)
         if params.get("do_remote_prefill"):  # D: finished before its blocks were allocated (aborted)
             params["do_remote_prefill"] = False
             if all(k in params for k in REQUIRED):
-                self._step.releases.append(_release_of(params))
+                try:
+                    self._step.releases.append(_release_of(params))
+                except ExecutorError as e:
+                    _log.warning("kvgeom connector: request %s aborted, P not released (its lease frees it): %s",
+                                 request.request_id, e)
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
+        from vllm.v1.request import RequestStatus
+
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted on P: free now, nothing to send
-        groups = _lists(block_ids) if block_ids else ()
+        groups = _own_lists(block_ids) if block_ids else ()
         if not any(groups):
             return False, None
         from .executor import local_executor
