@@ -38,7 +38,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgeom.errors import value_text
+from kvgeom import value_text
 from kvgeom_nixl.errors import ExecutorError
 from kvgeom_nixl.protocol import MAX_ID
 
@@ -54,7 +54,7 @@ _MAX_BLOCK_ID = (1 << 31) - 1
 _MAX_TOKENS = (1 << 31) - 1
 _MAX_TP = 4096
 _MAX_HOST = 255  # characters of remote_host (a DNS name's limit)
-_log = logging.getLogger("kvgeom_nixl.vllm")
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
