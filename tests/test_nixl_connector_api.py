@@ -179,18 +179,24 @@ def test_a_progressor_needs_endpoints_and_reports_errors() -> None:
     prog.stop()
 
 
+def _filled_pair(tokens: int, decode_first_block: int, **endpoint: Any) -> tuple[Any, Any, Any, Endpoint, Endpoint]:
+    """TP1 block-16 P and D of 8 blocks, P's caches filled for a fresh request of ``tokens``:
+    (pair, request, D's caches, P's endpoint, D's endpoint), both made with ``endpoint``."""
+    pair = Pair(EngineGeometry.build(M, tp=1, kernel_block_tokens=16, num_blocks=8, name="prefill"),
+                EngineGeometry.build(M, tp=1, kernel_block_tokens=16, num_blocks=8, name="decode"))
+    request = fresh_request(pair, tokens, prefill_first_block=1, decode_first_block=decode_first_block)
+    p_caches, d_caches = allocate_caches(pair.prefill), allocate_caches(pair.decode)
+    fill_caches(pair, request, p_caches, d_caches)
+    return (pair, request, d_caches, Endpoint(pair.prefill, "prefill", 0, p_caches[0], **endpoint),
+            Endpoint(pair.decode, "decode", 0, d_caches[0], **endpoint))
+
+
 @pytest.mark.parametrize("resend_s, completes", [(0.5, True), (60.0, False)])
 def test_a_req_p_dropped_before_knowing_d_is_repeated(resend_s: float, completes: bool) -> None:
     """D pulls before P has connected to it: P's inbox drops D's req (``unknown_sender``: no key for
     that agent yet). Once P connects and holds, D's repeated req (every ``resend_s``) is granted and
     the pull lands byte-exact; the control repeats too late and times out waiting for P's grant."""
-    pair = Pair(EngineGeometry.build(M, tp=1, kernel_block_tokens=16, num_blocks=8, name="prefill"),
-                EngineGeometry.build(M, tp=1, kernel_block_tokens=16, num_blocks=8, name="decode"))
-    request = fresh_request(pair, 50, prefill_first_block=1, decode_first_block=4)
-    p_caches, d_caches = allocate_caches(pair.prefill), allocate_caches(pair.decode)
-    fill_caches(pair, request, p_caches, d_caches)
-    p = Endpoint(pair.prefill, "prefill", 0, p_caches[0], staging_grace_s=resend_s)
-    d = Endpoint(pair.decode, "decode", 0, d_caches[0], staging_grace_s=resend_s)
+    pair, request, d_caches, p, d = _filled_pair(50, 4, staging_grace_s=resend_s)
     try:
         pull = d.connect([p.handshake()]).pull("r1", request, timeout_s=6)
         until = time.perf_counter() + 0.3
@@ -221,13 +227,7 @@ def test_a_closed_link_leaves_no_hmac_state_of_its_key() -> None:
     there right before)."""
     from kvgeom_nixl import protocol
 
-    pair = Pair(EngineGeometry.build(M, tp=1, kernel_block_tokens=16, num_blocks=8, name="prefill"),
-                EngineGeometry.build(M, tp=1, kernel_block_tokens=16, num_blocks=8, name="decode"))
-    request = fresh_request(pair, 32, prefill_first_block=1, decode_first_block=2)
-    p_caches, d_caches = allocate_caches(pair.prefill), allocate_caches(pair.decode)
-    fill_caches(pair, request, p_caches, d_caches)
-    p = Endpoint(pair.prefill, "prefill", 0, p_caches[0], warm_prober=False)
-    d = Endpoint(pair.decode, "decode", 0, d_caches[0], warm_prober=False)
+    pair, request, d_caches, p, d = _filled_pair(32, 2, warm_prober=False)
     try:
         d_link, p_link = d.connect([p.handshake()]), p.connect([d.handshake()])
         hold, pull = p_link.hold("r1", timeout_s=10), d_link.pull("r1", request, timeout_s=10)
