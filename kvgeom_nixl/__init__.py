@@ -43,6 +43,7 @@ from .handshake import HANDSHAKE_VERSION, HandshakeLimits, RankInfo, decode_rank
 from .lowering import MODES
 from .memory import RankMemory, RegionMemory, region_buffers
 from .receive import apply_rearranges, apply_receive_steps, apply_zeros
+from .staging import staging_bytes_for
 from .threads import Progressor
 from .transfer import Transfer, TransferResult, wait_all
 
@@ -71,6 +72,7 @@ __all__ = [
     "decode_rank",
     "encode_rank",
     "region_buffers",
+    "staging_bytes_for",
     "wait_all",
 ]
 

@@ -71,7 +71,7 @@ from .lowering import MAX_TABLE_TILES
 from .memory import RankMemory
 from .packed import DEFAULT_GRACE_S
 from .probe import ProbeRefused, prober
-from .protocol import encode, forget_keys, link_key, new_secret
+from .protocol import document_mac, document_signed, encode, forget_keys, link_key, new_secret
 from .receive import apply_receive_steps
 from .staging import DEFAULT_SLOTS, StagingBuffer, run_steps
 from .threads import locked
@@ -406,6 +406,23 @@ class Endpoint:
         peer = t.peer_nonce.get(agent, 0)
         d, p = (t.nonce, peer) if self.role == "decode" else (peer, t.nonce)
         return encode(self.inbox.keys.get(agent, b""), self.name, agent, kind, t.request_id, d, p, *args)
+
+    def sign_document(self, agent: str, request_id: str, document_sha256: bytes) -> str:
+        """The MAC of a document (about ``request_id``, given its SHA-256) from this endpoint to peer
+        ``agent``, under their link's key (:func:`kvgeom_nixl.protocol.document_mac`): for what
+        crosses a channel of the caller's own, e.g. the vLLM connector's side channel."""
+        key = self.inbox.keys.get(agent)
+        if key is None:
+            raise ExecutorError("agent", f"{agent[:80]!r} is not a connected peer of {self.name}",
+                                fix="connect to the peer before signing for it")
+        return document_mac(key, self.name, agent, request_id, document_sha256)
+
+    def document_signed(self, agent: str, request_id: str, document_sha256: bytes, mac: str) -> bool:
+        """Whether peer ``agent`` signed the document (about ``request_id``, given its SHA-256) for
+        this endpoint (False for an agent that is not a connected peer, or a dead one)."""
+        key = self.inbox.keys.get(agent)
+        return key is not None and agent not in self.dead and document_signed(key, agent, self.name, request_id,
+                                                                              document_sha256, mac)
 
     def say(self, t: Transfer, agent: str, kind: str, *args: int) -> bool:
         """Send ``t``'s message to ``agent``; False when the peer is gone (disconnected or removed; its

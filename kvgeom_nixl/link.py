@@ -38,6 +38,7 @@ import numpy as np
 from kvgeom import (
     CompiledPair,
     Copies,
+    CostModel,
     EngineGeometry,
     Pair,
     PlanBudget,
@@ -104,6 +105,10 @@ class Owner(Messenger, Protocol):
 
     def run_staged(self, steps: Sequence[Any], slot: int, pack: bool) -> Any: ...
 
+    def sign_document(self, agent: str, request_id: str, document_sha256: bytes) -> str: ...
+
+    def document_signed(self, agent: str, request_id: str, document_sha256: bytes, mac: str) -> bool: ...
+
 
 class Link:
     """The local endpoint's connection to every rank of one peer engine; holds the :class:`Pair`."""
@@ -128,13 +133,16 @@ class Link:
 
     # ---- planning --------------------------------------------------------------------------
     @locked
-    def plan(self, request: Request, *, strategy: str = "direct", budget: PlanBudget | None = None) -> TransferPlan:
+    def plan(self, request: Request, *, strategy: str = "direct", budget: PlanBudget | None = None,
+             cost_model: CostModel | None = None) -> TransferPlan:
         """The plan for ``request`` on this pair (:func:`kvgeom.planning.plan_pair`) under ``budget``
         (default: the endpoint's); raises :class:`kvgeom.PlanBudgetExceeded` before building a plan
         beyond it. Packed and auto plans use :attr:`staging_bytes` as the chunk capacity, so without
         staging on both sides auto never picks packed and packed raises
-        :class:`~kvgeom.errors.StagingCapacityError`."""
+        :class:`~kvgeom.errors.StagingCapacityError`. ``cost_model``: what auto weighs (default
+        ``CostModel.cpu()``)."""
         return plan_pair(self.pair, request, strategy=strategy,  # type: ignore[arg-type]
+                         cost_model=CostModel() if cost_model is None else cost_model,
                          staging_bytes=self.staging_bytes, budget=self.endpoint.budget if budget is None else budget)
 
     @property
@@ -366,6 +374,25 @@ class Link:
                      peers={info.agent: r for r, info in self.peers.items()}, expect_count=consumers,
                      started=started, resend_s=ep.staging_grace_s)
         return ep.track(t)
+
+    # ---- documents beside NIXL --------------------------------------------------------------
+    @locked
+    def sign_document(self, peer: int, request_id: str, document_sha256: bytes) -> tuple[str, str]:
+        """``(this rank's agent, MAC)`` for a document about ``request_id`` (given its SHA-256), for
+        peer rank ``peer`` to check with :meth:`document_signer`: a caller's own channel (the vLLM
+        connector's side channel) then carries it with the same authentication as the link's
+        notifications (docs/design.md §8.1). The caller hashes the document, outside the lock."""
+        return self.endpoint.name, self.endpoint.sign_document(self.peer_info(peer).agent, request_id, document_sha256)
+
+    @locked
+    def document_signer(self, agent: str, request_id: str, document_sha256: bytes, mac: str) -> int | None:
+        """The peer rank whose agent ``agent`` signed a document about ``request_id`` (given its
+        SHA-256, hashed by the caller before taking any lock) for this rank (:meth:`sign_document`),
+        or None: not a peer of this link, a closed link, or a MAC that does not check."""
+        rank = next((r for r, info in self.peers.items() if info.agent == agent), None)
+        if rank is None or self.closed or not self.endpoint.document_signed(agent, request_id, document_sha256, mac):
+            return None
+        return rank
 
     # ---- one request -----------------------------------------------------------------------
     def _begin(self, role: str, what: str, request_id: Any, timeout_s: Any, request: Any, plan: Any) -> float:

@@ -34,7 +34,7 @@ import attrs
 from .errors import ExecutorError
 
 __all__ = ["KINDS", "MAX_MESSAGE", "MAX_ID", "Message", "encode", "decode", "link_key", "new_nonce",
-           "new_secret", "forget_keys", "SECRET_BYTES"]
+           "new_secret", "forget_keys", "SECRET_BYTES", "document_mac", "document_signed"]
 
 TAG = "kvgeom2"
 KINDS = {
@@ -153,3 +153,25 @@ def decode(raw: bytes, sender: str, receiver: str, key: bytes) -> Message | None
             return None
         args.append(int(a))
     return Message(sender, kind, d_nonce, p_nonce, tuple(args), parts[n])
+
+
+_DOC_TAG = b"kvgeom2-document"
+
+
+def document_mac(key: bytes, sender: str, receiver: str, request_id: str, document_sha256: bytes) -> str:
+    """The MAC of a document ``sender`` hands ``receiver`` about ``request_id`` outside NIXL (the
+    connector's side channel), given the document's SHA-256 (hashed by the caller, so that a
+    receiver hashes a peer's document before it takes any lock): HMAC-SHA256 of
+    ``sender|receiver|kvgeom2-document|<request id>|<sha256 hex>`` under the link key, 32 hex
+    digits. Its tag keeps it apart from every notification (those start ``kvgeom2|``), so neither
+    can be replayed as the other."""
+    body = b"|".join([_DOC_TAG, request_id.encode(), document_sha256.hex().encode()])
+    return _mac(key, sender, receiver, body)
+
+
+def document_signed(key: bytes, sender: str, receiver: str, request_id: str, document_sha256: bytes,
+                    mac: str) -> bool:
+    """Whether ``mac`` is :func:`document_mac` of the document (constant-time compare; a missing key never is)."""
+    if not key or not isinstance(mac, str) or len(mac) != _MAC_HEX:
+        return False
+    return hmac.compare_digest(document_mac(key, sender, receiver, request_id, document_sha256), mac)

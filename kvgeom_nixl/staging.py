@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvgeom import StagingStep, value_text
+from kvgeom import EngineGeometry, StagingStep, value_text
 from kvgeom.lowering import staged_rows, staged_runs
 from kvgeom.values import check_int
 
@@ -37,9 +37,34 @@ from .errors import ExecutorError
 from .handshake import MAX_SLOTS
 from .memory import RankMemory
 
-__all__ = ["StagingBuffer", "run_steps", "DEFAULT_SLOTS", "host_copies"]
+__all__ = ["StagingBuffer", "run_steps", "DEFAULT_SLOTS", "host_copies", "staging_bytes_for", "MAX_AUTO_SLOT_BYTES",
+           "MIN_AUTO_SLOT_BYTES"]
 
 DEFAULT_SLOTS = 2  # pack chunk i + 1 while chunk i is on the wire
+MAX_AUTO_SLOT_BYTES = 64 << 20  # staging_bytes_for's cap: a longer request moves in more chunks
+MIN_AUTO_SLOT_BYTES = 1 << 20
+
+
+def staging_bytes_for(engine: EngineGeometry, rank: int, max_tokens: int, *, cap: int = MAX_AUTO_SLOT_BYTES,
+                      floor: int = MIN_AUTO_SLOT_BYTES) -> int:
+    """A staging slot for rank ``rank`` of ``engine`` (``Endpoint(staging_bytes=...)``): what the
+    rank holds of ``max_tokens`` tokens (every region's logical page per logical block, so a state
+    group counts a page per block, an over-estimate), between ``floor`` and ``cap``, in whole 4 KiB
+    pages. A request of up to ``max_tokens`` tokens then packs in one chunk per slot when it fits
+    ``cap``, and a longer one in more chunks (a packed plan is cut to the slot, docs/design.md §12.3).
+
+    Worked number: the e2e tiny Llama (2 layers, 4 KV heads of 32 float32 dims, blocks of 32
+    tokens: a logical page of 2 x 4 x 32 x 32 x 4 = 32 KiB per layer, 2 KiB a token) at
+    ``max_tokens=2048``: 4 MiB; a Llama-8B-like rank (32 layers, 8 heads of 128, float32, 256 KiB
+    a token) at 16384 tokens: 4 GiB, capped at 64 MiB."""
+    rank = check_int("rank", rank, minimum=0, error=ExecutorError)
+    if rank >= engine.num_ranks:
+        raise ExecutorError("rank", f"rank {rank} of an engine of {engine.num_ranks} ranks", actual=rank,
+                            expected=f"< {engine.num_ranks}", fix="pass this worker's rank")
+    max_tokens = check_int("max_tokens", max_tokens, minimum=1, error=ExecutorError)
+    per_block = sum(engine.logical_page_bytes(r) for r in engine.rank_regions(rank))
+    want = -(-per_block * max_tokens // engine.logical_block_tokens)
+    return -(-min(max(want, floor), cap) // 4096) * 4096
 
 
 class StagingBuffer:

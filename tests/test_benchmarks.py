@@ -205,6 +205,29 @@ def test_connector_overhead_runs_every_variant() -> None:
     assert text.count("the READ's posting") == 2
 
 
+def test_connector_packed_runs_both_paths() -> None:
+    """``python -m benchmarks.connector_packed`` in miniature: the direct D pulls direct and the
+    packed D packed (``measure`` raises when a variant took the other path), every request timed,
+    P's packing measured only where P packed; nothing asserts a speed."""
+    pytest.importorskip("torch")
+    from nixl_env import NIXL_API
+    pytest.importorskip(NIXL_API, reason="the connector benchmark needs the nixl extra")
+    from benchmarks import connector_packed
+
+    samples = connector_packed.measure([100, 517], 2)
+    assert list(samples) == [100, 517]
+    for cell in samples.values():
+        assert {v: {k: len(x) for k, x in c.items()} for v, c in cell.items()} == {
+            v: {k: 2 for k in connector_packed.METRICS} for v in connector_packed.VARIANTS}
+        assert all(x > 0 for v in cell.values() for x in v["wall"] + v["d_cpu"])
+        assert all(x == 0 for x in cell["direct"]["p_pack"]) and all(x > 0 for x in cell["packed"]["p_pack"])
+        assert cell["direct"]["packed"] == [0.0, 0.0] and cell["packed"]["packed"] == [1.0, 1.0]
+        assert cell["auto"]["packed"] == [0.0, 0.0]  # short prompts: the 12 ms setup makes auto go direct
+    text = connector_packed.render(samples, "1.0")
+    assert "517-token prompt" in text and "packed/direct" in text and text.count("P packing CPU") == 2
+    assert text.count("auto packed 0% of its pulls") == 2
+
+
 def test_connector_overhead_key_table_times_both_keys() -> None:
     """The recipe-key table in miniature: both keys timed for each context, one row each; the
     whole-list key really reads P's whole list (it is the slower one at 4k P ids, by far more than

@@ -95,7 +95,8 @@ def test_compiled_plans_equal_the_reference_on_topologies(t: Any) -> None:
 # auto under cost models that pick each of direct, staged and packed, with posted counts exact
 # (coalesced per group) or estimated (rows before coalescing), and no staging at all
 COST_MODELS = (CostModel(), CostModel(exact_rows=0), CostModel(descriptor_seconds=1e-3, exact_rows=1 << 30),
-               CostModel(rearrange_bytes_per_second=1e15, op_seconds=1.0, exact_rows=16))
+               CostModel(rearrange_bytes_per_second=1e15, op_seconds=1.0, exact_rows=16),
+               CostModel(packed_setup_seconds=1.0))  # (a packed transfer's fixed cost: packed loses)
 
 
 @settings(max_examples=100, **SETTINGS)  # type: ignore[arg-type]

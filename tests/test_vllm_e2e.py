@@ -91,6 +91,14 @@ RUNS = [(conn, cell) for conn in CONNECTORS for model in FLEETS for cell in CELL
 # per turn instead (its docstring has the measurements); vLLM computes and moves the same bytes.
 
 
+# The connector adds a packed pull's fixed cost (12 ms) to auto's weighing, so between CPU_ATTN
+# block sizes it packs from about 1k tokens on; these prompts (100, 517) would move directly. With
+# that cost at 0, auto packs them as it packs longer ones: the cells then prove the packed path
+# (D's offer, P's plan, pack, unpack) on real vLLM, and the assertion on D's counters below says
+# which path ran. The direct path between block sizes is what these cells proved before packing
+# existed, and tests/test_vllm_e2e_units.py keeps it byte-exact.
+KVGEOM_EXTRA = {"packed_setup_ms": 0}
+
 PARAMS = [pytest.param(k, c, id=f"{k}-{c.name.replace(' ', '_').replace('->', '_to_')}") for k, c in RUNS]
 
 
@@ -168,7 +176,8 @@ class Fleet:
             if name not in self.needed.get((connector, model), set()):
                 continue
             self.instances[name] = Instance(f"{model}-{connector}-{name}", self.paths[model], block_size=block,
-                                            tp=tp, connector=connector, log_dir=self.logs, kv_cache_mb=16)
+                                            tp=tp, connector=connector, log_dir=self.logs, kv_cache_mb=16,
+                                            extra=KVGEOM_EXTRA if connector == "kvgeom" else None)
         for inst in self.instances.values():
             inst.wait_ready()
         self.key = (connector, model)
@@ -241,6 +250,16 @@ def run_cell(fleet: Fleet, cell: Cell, p: Instance, d: Instance) -> tuple[list[C
     return main, controls
 
 
+def packed_pulls(d: Instance) -> int:
+    """How many of D's pulls were packed so far (KvgeomConnector's counters; 0 where D is TP2,
+    whose workers are not in the instance's process: the check below is then vacuous, so it is
+    made only for TP1 D instances)."""
+    if d.tp != 1:
+        return 0
+    counters = d.stats()["connector"] or {}
+    return int(counters.get("pulls packed", 0))
+
+
 NIXL_WARMUPS = 3
 
 
@@ -267,6 +286,7 @@ def test_pd_equals_monolithic(fleet: Fleet, connector: str, cell: Cell) -> None:
     started = time.monotonic()
     if connector == "nixl":
         warm_nixl(p, d, cell)
+    packed_before = packed_pulls(d) if connector == "kvgeom" and d.tp == 1 else None
     main, controls = run_cell(fleet, cell, p, d)
     got = outcome(main)
     worst = max(c.max_diff for c in main)
@@ -277,3 +297,12 @@ def test_pd_equals_monolithic(fleet: Fleet, connector: str, cell: Cell) -> None:
     assert got == want, f"{connector} {cell.name}: {got}, expected {want}: " + "; ".join(c.reason for c in main)
     for what, c in controls:
         assert not c.ok, f"control ({what}) matched the monolithic run: {c.reason}"
+    if packed_before is not None:  # which path moved the KV (a TP1 D reports its counters)
+        packed = packed_pulls(d) - packed_before
+        # CPU_ATTN's K is dim-major, so a direct pull is a copy per K dim and block wherever the two
+        # sides' pages are not whole pages of one size: two block sizes, or a window (its tokens end
+        # and start inside pages). auto packs there; whole pages of one size move directly.
+        if p.block_size != d.block_size or cell.model == "mistral-sw":
+            assert packed >= len(main), f"{cell.name}: {packed} packed pulls for {len(main)} requests"
+        else:
+            assert packed == 0, f"{cell.name}: {packed} packed pulls between whole pages of one size"

@@ -133,6 +133,7 @@ class Fleet:
     def _instance(self, name: str, model: str, block: int, connector: str) -> Instance:
         hybrid = model in MAMBA
         return Instance(f"{model}-{name}", self.paths[model], block_size=block, connector=connector,
+                        extra={"packed_setup_ms": 0} if connector == "kvgeom" else None,  # (packed, as tests/test_vllm_e2e.py)
                         log_dir=self.logs, kv_cache_mb=64 if model == "qwen3-next" else 32, prefix_caching=not hybrid,
                         env=HYBRID_ENV if hybrid else None, attention_backend=BACKEND.get(model, ""),
                         dtype=DTYPE.get(model, "float32"))

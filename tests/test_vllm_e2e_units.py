@@ -200,8 +200,9 @@ class Engines:
     """P and D engines of executors (one per rank), their caches and P's side-channel port."""
 
     def __init__(self, p_block: int, p_tp: int, d_block: int, d_tp: int, *, lease_s: float = 30.0,
-                 pull_timeout_s: float = 30.0, window: int | None = None, eager: bool = False) -> None:
-        self.window, self.eager = window, eager
+                 pull_timeout_s: float = 30.0, window: int | None = None, eager: bool = False,
+                 staging_bytes: int = 0, packed_setup_s: float = 0.0) -> None:
+        self.window, self.eager, self.staging_bytes, self.packed_setup_s = window, eager, staging_bytes, packed_setup_s
         self.port = free_ports(p_tp)
         self.p_caches = [caches(p_block, p_tp, seed=10 + r) for r in range(p_tp)]
         self.d_caches = [caches(d_block, d_tp, fill=-7.0) for _ in range(d_tp)]
@@ -215,7 +216,8 @@ class Engines:
         geo, layers = geometry_from_kv_caches(kv, [group(block, self.window)], tp=tp, name=engine)
         return ConnectorExecutor(geo, rank, tp, layers, engine_id=engine, producer=producer, consumer=not producer,
                                  port=self.port + rank if producer else 0, pull_timeout_s=pull_timeout_s,
-                                 handshake_timeout_s=30.0, eager=self.eager)
+                                 handshake_timeout_s=30.0, eager=self.eager, staging_bytes=self.staging_bytes,
+                                 packed_setup_s=self.packed_setup_s)
 
     def pull(self, rid: str, tokens: int, p_ids: list[int], d_ids: list[int], *, hit: int = 0,
              port: int | None = None, recomputed: int = 0) -> None:

@@ -18,6 +18,7 @@ import pytest
 from kvgeom import (
     AttentionSpec,
     BlockList,
+    CostModel,
     EngineGeometry,
     GroupRequest,
     ModelSpec,
@@ -41,10 +42,10 @@ class PlanningLink:
         self.pair = pair
         self.plans = 0
 
-    def plan(self, request: Request, *, strategy: str) -> TransferPlan:
+    def plan(self, request: Request, *, strategy: str, cost_model: CostModel | None = None) -> TransferPlan:
         self.plans += 1
         return plan_pair(self.pair, request, strategy=strategy, staging_bytes=0,  # type: ignore[arg-type]
-                         budget=PlanBudget())
+                         budget=PlanBudget(), cost_model=cost_model or CostModel())
 
 
 def engines(p_block: int, p_tp: int, d_block: int, d_tp: int, **kw: Any) -> Pair:
@@ -244,9 +245,9 @@ def test_probes_use_the_request_as_listed() -> None:
     link = PlanningLink(pair)
     plan = link.plan
 
-    def record(request: Request, *, strategy: str) -> TransferPlan:
+    def record(request: Request, *, strategy: str, cost_model: CostModel | None = None) -> TransferPlan:
         seen.append(request)
-        return plan(request, strategy=strategy)
+        return plan(request, strategy=strategy, cost_model=cost_model)
 
     link.plan = record  # type: ignore[method-assign]
     book = PullRecipes(link, STRATEGY, 0)  # type: ignore[arg-type]

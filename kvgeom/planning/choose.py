@@ -80,6 +80,9 @@ class CostModel:
       makes the totals in the notes honest.
     * ``exact_rows``: candidates with at most this many rows before coalescing are built and
       coalesced to count their posted descriptors exactly.
+    * ``packed_setup_seconds`` 0: a packed transfer's fixed cost beyond its rows and operations,
+      for a caller whose packed transfers pay one (the vLLM connector: D's offer to P, P planning
+      the same plan, the staging protocol's round trips, about 12 ms here, docs/design.md §15.3).
     """
 
     descriptor_seconds: float = 1.5e-6
@@ -88,6 +91,7 @@ class CostModel:
     op_seconds: float = 20e-6
     wire_bytes_per_second: float = 1.5e10
     exact_rows: int = 1 << 18
+    packed_setup_seconds: float = 0.0
 
     @classmethod
     def cpu(cls) -> CostModel:
@@ -106,16 +110,18 @@ class CostModel:
         return copies * self.descriptor_seconds + rearranged_bytes / self.rearrange_bytes_per_second
 
     def packed_cost(self, wire_rows: int, nbytes: int, operations: int) -> float:
-        """Packed: wire rows, two copy passes over ``nbytes``, and the pack and unpack operations."""
+        """Packed: wire rows, two copy passes over ``nbytes``, the pack and unpack operations, and
+        the fixed ``packed_setup_seconds``."""
         return (wire_rows * self.descriptor_seconds + 2 * nbytes / self.copy_bytes_per_second
-                + operations * self.op_seconds)
+                + operations * self.op_seconds + self.packed_setup_seconds)
 
     def wire_seconds(self, nbytes: int) -> float:
         return nbytes / self.wire_bytes_per_second
 
     def describe(self) -> str:
         return (f"{self.descriptor_seconds * 1e6:g} us/descriptor, copy {self.copy_bytes_per_second:.3g} B/s, "
-                f"rearrange {self.rearrange_bytes_per_second:.3g} B/s, {self.op_seconds * 1e6:g} us/op")
+                f"rearrange {self.rearrange_bytes_per_second:.3g} B/s, {self.op_seconds * 1e6:g} us/op"
+                + (f", packed setup {self.packed_setup_seconds * 1e3:g} ms" if self.packed_setup_seconds else ""))
 
 
 DEFAULT_COST_MODEL = CostModel()

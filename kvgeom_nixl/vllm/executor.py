@@ -13,10 +13,12 @@ progress never waits for an engine step:
                          pending (50 ms idle), under the lock:
                          decode/prefill .get_finished() -> results; P: hold on D's req, free on release
     jobs thread          D: side-channel handshake (no lock) -> connect, plan, link.pull (lock);
-                         a shape seen before: its recipe, link.post_pull (lock), no planning
+                         a shape seen before: its recipe, link.post_pull (lock), no planning;
+                         a packed plan: its offer to P first (side channel, no lock, .packed_pulls)
     releases thread      D: releases to P over the side channel (no lock; apart from the jobs so
                          that a P that never answers delays no pull)
-    side-channel threads P: a D engine's handshake -> prefill.connect (lock) once all its ranks arrived
+    side-channel threads P: a D engine's handshake -> prefill.connect (lock) once all its ranks arrived;
+                         a D rank's packed offer -> checked (lock), planned (no lock), kept (lock)
 
 Both endpoints share :attr:`ConnectorExecutor.lock` (one ``RLock`` per worker rank, passed as
 ``Endpoint(..., lock=)``, docs/design.md §8.2), and the executor's own state is guarded by it too,
@@ -29,7 +31,8 @@ other busy threads: starting the prober process alone can take seconds there).
 One attempt per request. D pulls with the id P gave its request (``remote_request_id``), so P can
 tell which of its pending sends a D rank's ``req`` asks for: the progress thread finds the id
 among :meth:`~kvgeom_nixl.Endpoint.pending_notifications`, and holds it (``link.hold``, P knows
-only its own blocks) on the link of the D engine that asked, for what is left of its lease. P frees
+only its own blocks; ``link.serve_pull`` with the plan of D's offer for a packed pull) on the link of
+the D engine that asked, for what is left of its lease. P frees
 a request (``finished_sending``) once every D rank released it over the side channel and its hold
 is over, or when its lease expires (a live hold is then cancelled: a READ still in flight gets
 ``cancel``, so D fails that pull and recomputes, docs/design.md §8.1).
@@ -55,12 +58,23 @@ from kvgeom_nixl.handshake import HandshakeLimits, RankInfo, decode_rank
 from kvgeom_nixl.probe import ProbeRefused, ProberUnavailable, prober
 
 from .holds import MAX_COLLECTING, MAX_SEEN, HoldSide, _Collect, _Send
-from .pulls import DEFAULT_PULL_TIMEOUT_S, STRATEGY, PullJob, PullSide, ReleaseJob, Results, whole_pages
+from .packed_pulls import PlannedOffer
+from .pulls import (
+    DEFAULT_PULL_TIMEOUT_S,
+    PACKED_SETUP_S,
+    STRATEGY,
+    PullJob,
+    PullSide,
+    ReleaseJob,
+    Results,
+    connector_costs,
+    whole_pages,
+)
 from .recipes import PullRecipes
 from .side_channel import SideChannelServer
 
 __all__ = ["ConnectorExecutor", "PullJob", "ReleaseJob", "Results", "local_executor", "whole_pages", "STRATEGY",
-           "DEFAULT_PULL_TIMEOUT_S", "DEFAULT_HANDSHAKE_TIMEOUT_S", "MAX_COLLECTING", "MAX_SEEN"]
+           "DEFAULT_PULL_TIMEOUT_S", "PACKED_SETUP_S", "DEFAULT_HANDSHAKE_TIMEOUT_S", "MAX_COLLECTING", "MAX_SEEN"]
 
 DEFAULT_HANDSHAKE_TIMEOUT_S = 120.0
 FAST_POLL_S = 0.0005  # progress interval while a transfer or a hold is in flight (each protocol step waits a tick)
@@ -126,14 +140,18 @@ class ConnectorExecutor(PullSide, HoldSide):
     handshakes :class:`~kvgeom_nixl.vllm.holds.HoldSide`'s; this class owns their state, the lock,
     the endpoints and the threads. ``recipes=False`` plans every pull (no per-shape recipes,
     :mod:`kvgeom_nixl.vllm.recipes`); ``eager=True`` READs at once instead of asking P (``req``)
-    and waiting for its grant (``Link.pull(..., eager=True)``; the trade: docs/design.md §15.4)."""
+    and waiting for its grant (``Link.pull(..., eager=True)``; the trade: docs/design.md §15.4);
+    ``packed_setup_s`` is what auto adds to a packed pull's cost (:func:`~.pulls.connector_costs`;
+    0 packs wherever kvgeom's cost model alone says packing is cheaper)."""
 
     def __init__(self, engine: EngineGeometry, rank: int, tp: int, layers: Sequence[LayerTensors], *, engine_id: str,
                  producer: bool = True, consumer: bool = True, host: str = "127.0.0.1", port: int = 0,
                  staging_bytes: int = 0, pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
                  handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S, strategy: str = STRATEGY,
-                 log: logging.Logger | None = None, recipes: bool = True, eager: bool = False) -> None:
+                 log: logging.Logger | None = None, recipes: bool = True, eager: bool = False,
+                 packed_setup_s: float = PACKED_SETUP_S) -> None:
         self.log = log or logging.getLogger(__name__)
+        self.cost_model = connector_costs(packed_setup_s)
         self.engine_id, self.rank, self.tp = engine_id, rank, tp
         self.pull_timeout_s, self.handshake_timeout_s, self.strategy = pull_timeout_s, handshake_timeout_s, strategy
         self.lock = threading.RLock()
@@ -155,6 +173,8 @@ class ConnectorExecutor(PullSide, HoldSide):
         self._seen: dict[str, None] = {}  # every send registered, oldest first (at most MAX_SEEN)
         self._hs: dict[str, _Collect] = {}
         self._hs_cond = threading.Condition()
+        self._offers: dict[str, PlannedOffer] = {}  # P: packed offers by P request id (.packed_pulls)
+        self._offers_pruned = 0.0
         self._out = Results()
         self.outcomes: collections.Counter[str] = collections.Counter()  # see counters()
         self._jobs: queue.Queue[PullJob | None] = queue.Queue()
@@ -163,7 +183,7 @@ class ConnectorExecutor(PullSide, HoldSide):
         self._wake = threading.Event()
         self.server: SideChannelServer | None = None
         if self.prefill is not None:
-            self.server = SideChannelServer(host, port, self.prefill.handshake(), self._on_handshake)
+            self.server = SideChannelServer(host, port, self.prefill.handshake(), self._on_handshake, self._on_packed)
         self._threads = [threading.Thread(target=self._progress_loop, name=f"kvgeom-progress-{rank}", daemon=True),
                          threading.Thread(target=self._jobs_loop, name=f"kvgeom-jobs-{rank}", daemon=True),
                          threading.Thread(target=self._releases_loop, name=f"kvgeom-releases-{rank}", daemon=True)]
@@ -182,7 +202,8 @@ class ConnectorExecutor(PullSide, HoldSide):
     def pending(self) -> dict[str, int]:
         """Counts, for tests and logs: posted pulls, pending sends, P and D links, release entries."""
         with self.lock:
-            return {"pulls": len(self._pulls), "sends": len(self._sends), "p_links": len(self._p_links),
+            return {"pulls": len(self._pulls), "sends": len(self._sends), "offers": len(self._offers),
+                    "p_links": len(self._p_links),
                     "d_links": len(self._d_links), "releases": self.server.pending() if self.server else 0,
                     "jobs": self._jobs.qsize() + self._releases.qsize()}
 

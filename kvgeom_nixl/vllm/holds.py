@@ -3,7 +3,8 @@
 
 vLLM hands P's finished requests over as pending sends (:meth:`HoldSide.send`, with a lease). The
 progress thread holds each one on the link of the D engine whose rank asked for it (``req``, or
-the ``read`` of D's eager READ; ``link.hold``: P knows only its own blocks), and frees it (``finished_sending``) once every D rank
+the ``read`` of D's eager READ; ``link.hold``: P knows only its own blocks; ``link.serve_pull`` with
+the plan of D's packed offer, :mod:`kvgeom_nixl.vllm.packed_pulls`), and frees it (``finished_sending``) once every D rank
 released it over the side channel and its hold is over, or when its lease expires. The
 side-channel threads collect a D engine's handshakes and connect once all its ranks arrived.
 
@@ -23,10 +24,12 @@ from typing import Any
 
 from kvgeom_nixl.endpoint import Endpoint, Link
 from kvgeom_nixl.errors import ExecutorError
+from kvgeom_nixl.packed import PackedTransfer
 from kvgeom_nixl.transfer import Transfer
 
+from .packed_pulls import MAX_OFFERS, OFFER_TTL_S, PlannedOffer, check_offer, plan_offer
 from .pulls import Results
-from .side_channel import SideChannelError, SideChannelServer
+from .side_channel import PackedOffer, SideChannelError, SideChannelServer
 
 __all__ = ["HoldSide", "MAX_COLLECTING", "MAX_SEEN"]
 
@@ -72,6 +75,8 @@ class HoldSide:
     _seen: dict[str, None]
     _hs: dict[str, _Collect]
     _hs_cond: threading.Condition
+    _offers: dict[str, PlannedOffer]
+    _offers_pruned: float
     _out: Results
     _wake: threading.Event
 
@@ -101,8 +106,13 @@ class HoldSide:
             engine = next((self._agent_engine[a] for a in sorted(agents) if a in self._agent_engine), None)
             if engine is None:
                 continue
+            link = self._p_links[engine]
+            offer = self._offers.get(rid)
             try:
-                s.hold = self._p_links[engine].hold(rid, timeout_s=max(s.expiry - now, 0.5))
+                if offer is not None and offer.link is link:  # a packed pull: pack what D planned
+                    s.hold = link.serve_pull(rid, plan=offer.plan, timeout_s=max(s.expiry - now, 0.5))
+                else:
+                    s.hold = link.hold(rid, timeout_s=max(s.expiry - now, 0.5))
             except ExecutorError as e:
                 self.log.warning("kvgeom connector: cannot hold %s for D engine %s: %s", rid, engine, e)
 
@@ -113,8 +123,18 @@ class HoldSide:
         D's failed pull ended the hold) is dropped, not kept for the side channel's hour."""
         if server.pending():
             server.forget_if(lambda rid: rid in self._seen and rid not in self._sends)
+        if self._offers and now - self._offers_pruned > 1.0:
+            self._prune_offers(now)
+            self._offers_pruned = now
         for rid, s in list(self._sends.items()):
             if not s.closing:
+                t = s.hold
+                if isinstance(t, PackedTransfer) and not t.settled:
+                    # a D rank of the packed plan released without asking (it failed before posting):
+                    # the chunks it reads would wait for its req until the others' timeout; end now
+                    gone = (server.released_ranks(rid) & {d for ch in t.chunks for d in ch.peers}) - t.asked
+                    if gone:
+                        t.cancel("aborted", f"D rank(s) {sorted(gone)} released {rid!r:.80} without pulling it")
                 if server.released(rid):
                     s.closing = "released"
                 elif now > s.expiry:
@@ -130,10 +150,59 @@ class HoldSide:
             if t is None or t.fenced:
                 self.log.debug("kvgeom connector: %s freed (%s)", rid, s.closing)
                 del self._sends[rid]
+                self._offers.pop(rid, None)
                 self.outcomes[f"freed {s.closing}"] += 1
                 server.forget(rid)
                 self._out.finished_sending.add(rid)
 
+
+    # ---- P: a D rank's packed offer (side-channel threads) ---------------------------------
+    def _on_packed(self, offer: PackedOffer) -> None:
+        """Accept ``offer`` once this rank planned the same packed plan (:mod:`.packed_pulls`);
+        raises :class:`SideChannelError` to refuse it (D's pull then fails before posting). The
+        MAC is checked before anything else of the offer is looked at."""
+        with self.lock:
+            link = self._p_links.get(offer.engine)
+            if self.prefill is None or link is None:
+                raise SideChannelError("packed.engine", f"P rank {self.rank} has no link with D engine "
+                                       f"{offer.engine!r:.80}", fix="handshake before offering a packed pull")
+            budget = self.prefill.budget
+        check_offer(link, offer, self.lock)
+        with self.lock:
+            have = self._offers.get(offer.request)
+            if have is not None and have.link is link and have.digest == offer.digest:
+                return  # (another D rank of the same pull, or a retry)
+            self._check_servable(offer.request)
+        planned = plan_offer(link, offer, budget)
+        with self.lock:
+            self._check_servable(offer.request)  # (again: the send may have been freed or held meanwhile)
+            have = self._offers.get(offer.request)
+            if have is not None and not (have.link is link and have.digest == planned.digest):
+                raise SideChannelError("packed.request", f"{offer.request!r:.80} was offered with another plan",
+                                       actual=planned.digest, expected=have.digest)
+            self._prune_offers(time.monotonic())
+            if have is None and len(self._offers) >= MAX_OFFERS:
+                raise SideChannelError("packed", f"{MAX_OFFERS} packed offers kept, refusing more")
+            if self._offers.setdefault(offer.request, planned) is planned:
+                self.outcomes["packed offers accepted"] += 1
+        self.log.debug("kvgeom connector: packed offer for %s from D engine %s rank %d accepted", offer.request,
+                       offer.engine, offer.d_rank)
+
+    def _check_servable(self, rid: str) -> None:
+        """(Under the lock.) Refuse an offer for a request P freed, or already serves without one."""
+        if rid in self._seen and rid not in self._sends:
+            raise SideChannelError("packed.request", f"P freed {rid!r:.80} already")
+        s = self._sends.get(rid)
+        if s is not None and s.hold is not None and rid not in self._offers:
+            raise SideChannelError("packed.request", f"P holds {rid!r:.80} for a direct pull already")
+
+    def _prune_offers(self, now: float) -> None:
+        """(Under the lock.) Forget offers past :data:`OFFER_TTL_S` whose send never came, and offers
+        of links no longer in use (a D engine that re-handshook)."""
+        links = set(map(id, self._p_links.values()))
+        for rid in [r for r, o in self._offers.items()
+                    if r not in self._sends and (now - o.arrived > OFFER_TTL_S or id(o.link) not in links)]:
+            del self._offers[rid]
 
     # ---- P: a D engine's handshake (side-channel threads) ----------------------------------
     def _on_handshake(self, engine: str, rank: int, tp: int, payload: bytes) -> None:

@@ -2,7 +2,8 @@
 
 The engine thread queues a :class:`PullJob` per request (:meth:`PullSide.pull`); the jobs thread
 handshakes with the P engine once (the link), builds the request from the block tables, plans it
-and posts the pull under the executor's lock (``eager``: the READ goes out at once, P's ``held``
+(a packed plan: offers it to P first, :mod:`kvgeom_nixl.vllm.packed_pulls`) and posts the pull under
+the executor's lock (``eager``: the READ goes out at once, P's ``held``
 after it decides whether the bytes count); the progress thread reports it done or failed
 (``_d_finished``). Releases to P go out on their own thread, so a P that never answers delays no
 pull. Each request shape's plan and lowering is learnt once (:mod:`kvgeom_nixl.vllm.recipes`):
@@ -22,17 +23,28 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgeom import AttentionSpec, GroupKind, KvGeomError, Pair, request_from_block_tables
+from kvgeom import AttentionSpec, CostModel, GroupKind, KvGeomError, Pair, plan_pair, request_from_block_tables
 from kvgeom_nixl.endpoint import Endpoint, Link
 from kvgeom_nixl.errors import ExecutorError, TransferFailed
 
+from .packed_pulls import OFFER_TIMEOUT_S, offer_packed
 from .recipes import PullRecipes
 from .side_channel import SideChannelError, exchange_handshake, send_release
 
-__all__ = ["PullSide", "PullJob", "ReleaseJob", "Results", "whole_pages", "full_attention_only", "STRATEGY", "DEFAULT_PULL_TIMEOUT_S"]
+__all__ = ["PullSide", "PullJob", "ReleaseJob", "Results", "whole_pages", "full_attention_only", "STRATEGY",
+           "DEFAULT_PULL_TIMEOUT_S", "PACKED_SETUP_S", "connector_costs"]
 
-STRATEGY = "auto"  # with no staging ring: the cheapest of direct and staged (P serves both by holding its blocks)
+STRATEGY = "auto"  # the cheapest of direct, staged (P holds its blocks) and packed (P packs D's offer, .packed_pulls)
 DEFAULT_PULL_TIMEOUT_S = 120.0
+PACKED_SETUP_S = 12e-3  # a packed pull's fixed cost here: the offer, P's planning, the staging round trips
+
+
+def connector_costs(packed_setup_s: float = PACKED_SETUP_S) -> CostModel:
+    """What the connector's ``auto`` weighs: ``CostModel.cpu()`` plus a packed pull's fixed cost
+    (``python -m benchmarks.connector_packed``, P block 32 -> D block 64 on the tiny Llama: a packed
+    pull took 17 ms against 5.5 ms direct at 100 tokens, both about 20 ms at 1024, 23 against 34 ms
+    at 2048; 12 ms puts auto's crossover near 1k tokens too, where the measured one is)."""
+    return CostModel(packed_setup_seconds=packed_setup_s)
 
 
 def full_attention_only(pair: Pair) -> bool:
@@ -113,6 +125,7 @@ class PullSide:
     decode: Endpoint | None
     outcomes: Counter[str]
     recipes: bool  # learn and use per-shape recipes (False: plan every request, as the first of a shape)
+    cost_model: CostModel  # what auto weighs (connector_costs)
     eager: bool  # READ at once, no req/grant (Link.pull's eager): P's held after the READ decides
     _d_payload: bytes
     _d_links: dict[str, Link]
@@ -213,7 +226,7 @@ class PullSide:
             return None
         book = self._d_recipes.get(engine)
         if book is None or book.link is not link:
-            book = self._d_recipes[engine] = PullRecipes(link, self.strategy, self.rank)
+            book = self._d_recipes[engine] = PullRecipes(link, self.strategy, self.rank, self.cost_model)
         return book
 
     def _start_pull(self, job: PullJob) -> None:
@@ -255,7 +268,14 @@ class PullSide:
                 request = request_from_block_tables(link.pair, tokens, remote, job.local_blocks,
                                                     prefix_hit_tokens=job.prefix_hit_tokens, decode_tokens=N,
                                                     null_block=0)
-                plan = link.plan(request, strategy=self.strategy)
+                # (planned outside the lock, as the design says: only this thread plans on D's pairs)
+                plan = plan_pair(link.pair, request, strategy=self.strategy,  # type: ignore[arg-type]
+                                 cost_model=self.cost_model, staging_bytes=link.staging_bytes,
+                                 budget=link.endpoint.budget)
+                if plan.packed:  # P packs for D's plan: it learns the request first (.packed_pulls)
+                    offer_packed(link, request, plan, request_id=job.transfer_id, engine=self.engine_id,
+                                 rank=self.rank, tp=self.tp, host=job.release.host, port=job.release.port,
+                                 timeout_s=min(OFFER_TIMEOUT_S, self.pull_timeout_s))
                 with self.lock:
                     self._pulls[job.transfer_id] = job
                     try:
@@ -265,6 +285,8 @@ class PullSide:
                         del self._pulls[job.transfer_id]
                         raise
                     posted = t.failure is None
+                    if posted and plan.packed:
+                        self.outcomes["pulls packed"] += 1
                     consumers = {t.peers[a]: n for a, n in t.consumers.items() if a in t.peers}
                     invalid = dict(t.invalid_blocks)
                 if book is not None and shape is not None and posted:

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvgeom import AttentionSpec, BlockList, GroupRequest, KvGeomError, Request, TransferPlan
+from kvgeom import AttentionSpec, BlockList, CostModel, GroupRequest, KvGeomError, Request, TransferPlan
 from kvgeom_nixl.endpoint import Link
 
 __all__ = ["PullRecipes", "Shape", "Applied", "MAX_RECIPES", "MAX_ROWS"]
@@ -171,10 +171,11 @@ class PullRecipes:
     Used by one thread (the executor's jobs thread); planning for the probes holds the link's lock
     as :meth:`Link.plan` does."""
 
-    def __init__(self, link: Link, strategy: str, rank: int) -> None:
+    def __init__(self, link: Link, strategy: str, rank: int, cost_model: CostModel | None = None) -> None:
         self.link = link
         self.strategy = strategy
         self.rank = rank
+        self.cost_model = cost_model  # (the pulls' own: a probe plans as they do)
         pair = link.pair
         self._attention_only = all(isinstance(g, AttentionSpec) for g in pair.model.groups)
         self._p_block_tokens = pair.prefill.logical_block_tokens
@@ -274,7 +275,7 @@ class PullRecipes:
                 groups.append(GroupRequest(BlockList(p_ids, p.first_token),
                                            BlockList(tuple(b + dd for b in d.block_ids), d.first_token)))
             moved = Request(request.computed_tokens, tuple(groups), request.prefix_hit_tokens, partial=request.partial)
-            plan = self.link.plan(moved, strategy=self.strategy)
+            plan = self.link.plan(moved, strategy=self.strategy, cost_model=self.cost_model)
         except KvGeomError:
             return None
         part = plan.for_decode_rank(self.rank)

@@ -1,6 +1,6 @@
 """The connector's side channel: a small TCP listener per P worker rank (docs/design.md §15.3).
 
-Two requests cross it, each one length-prefixed JSON frame each way:
+Three requests cross it, each one length-prefixed JSON frame each way:
 
 * ``{"op": "handshake", "engine": <D engine id>, "rank": d, "tp": n, "payload": <base64>}`` ->
   ``{"payload": <base64>}``: D worker rank ``d`` of ``n`` hands over its decode endpoint's
@@ -10,6 +10,12 @@ Two requests cross it, each one length-prefixed JSON frame each way:
 * ``{"op": "release", "request": <P's request id>, "d_rank": r, "d_tp": n}`` -> ``{"ok": true}``:
   a D rank is done with a request (its pull ended, or none was needed); P frees the request's
   blocks once all ``n`` D ranks said so (or its lease expires).
+* ``{"op": "packed", "engine", "d_rank", "d_tp", "agent", "request", "document", "staging_bytes",
+  "digest", "mac"}`` -> ``{"ok": true}``: before a packed pull, a D rank hands each P rank it reads
+  from the request it planned (a kvgeom request document, both block tables), the staging capacity
+  the plan was cut for and the plan's digest, signed with their link's key (:class:`PackedOffer`).
+  P answers once it planned the same plan (its digest equal), so that it packs what D unpacks;
+  an offer it refuses is answered ``{"error": ...}`` and D's pull fails before anything is posted.
 
 Everything read from the socket is hostile (docs/design.md §14): frames beyond ``MAX_FRAME``
 bytes, non-JSON, wrong types, ids beyond 512 characters and unbounded tables are refused with
@@ -32,12 +38,13 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvgeom_nixl.errors import ExecutorError
 
-__all__ = ["MAX_FRAME", "MAX_PENDING", "MAX_CONNECTIONS", "SideChannelError", "SideChannelServer",
-           "exchange_handshake", "send_release", "read_frame", "write_frame"]
+__all__ = ["MAX_FRAME", "MAX_PENDING", "MAX_CONNECTIONS", "MAX_DOCUMENT", "SideChannelError", "SideChannelServer",
+           "PackedOffer", "exchange_handshake", "send_release", "send_packed", "read_frame", "write_frame"]
 
 MAX_FRAME = 16 << 20  # a handshake payload of a large engine is ~100 KB; 16 MiB bounds a hostile one
 MAX_PENDING = 100_000  # release entries kept for requests P has not yet been told about
@@ -47,8 +54,38 @@ PENDING_TTL_S = 3600.0
 IO_TIMEOUT_S = 120.0  # generous: on a loaded host a worker thread can stall for seconds
 _LEN = struct.Struct("!I")
 
+MAX_DOCUMENT = 8 << 20  # characters of a packed offer's request document (about 500k block ids in all;
+# a request beyond it is refused: D's pull fails before posting and vLLM recomputes)
+MAX_REQUEST_ID = 256  # characters of a request id in the NIXL protocol (kvgeom_nixl.protocol.MAX_ID)
 OnHandshake = Callable[[str, int, int, bytes], None]
 """``(D engine id, D rank, D tp, D payload)``: returns once this P rank is linked to that D engine."""
+
+
+@dataclass(frozen=True)
+class PackedOffer:
+    """D rank ``d_rank`` of engine ``engine`` (NIXL agent ``agent``) will pull P's ``request`` with a
+    packed plan: ``document`` is the kvgeom request it planned (``kvgeom.tools.dumps``),
+    ``staging_bytes`` the capacity the plan was cut for, ``digest`` the plan's
+    (:func:`kvgeom_nixl.vllm.packed_pulls.plan_digest`), ``mac`` :meth:`signed_bytes` signed with the
+    link's key (``Link.sign_document``)."""
+
+    engine: str
+    d_rank: int
+    d_tp: int
+    agent: str
+    request: str
+    document: str
+    staging_bytes: int
+    digest: str
+    mac: str = ""
+
+    def signed_bytes(self) -> bytes:
+        """What the MAC covers: every field P acts on (the engine, ranks and agent name the link)."""
+        return f"{self.engine}|{self.d_rank}|{self.d_tp}|{self.staging_bytes}|{self.digest}|{self.document}".encode()
+
+
+OnPacked = Callable[[PackedOffer], None]
+"""Returns once this P rank planned the offer's plan and will serve it; raises to refuse it."""
 
 
 class SideChannelError(ExecutorError):
@@ -75,6 +112,8 @@ def read_frame(sock: socket.socket) -> dict[str, Any]:
         msg = json.loads(_recv_exact(sock, n))
     except (ValueError, UnicodeDecodeError) as e:
         raise SideChannelError("frame", f"not JSON: {e}") from None
+    except RecursionError:
+        raise SideChannelError("frame", "JSON nested too deeply") from None
     if not isinstance(msg, dict):
         raise SideChannelError("frame", f"a frame is a JSON object, got {type(msg).__name__}")
     return msg
@@ -101,6 +140,29 @@ def _str_field(msg: dict[str, Any], op: str, name: str) -> str:
     return v
 
 
+def _packed_offer(msg: dict[str, Any]) -> PackedOffer:
+    """A ``packed`` frame's fields, each checked for type and bounds (the MAC is P's to check)."""
+    d_tp = _int_field(msg, "packed", "d_tp", 1, 4096)
+    doc = msg.get("document")
+    if not isinstance(doc, str) or not 0 < len(doc) <= MAX_DOCUMENT:
+        raise SideChannelError("packed.document", f"expected a request document of 1-{MAX_DOCUMENT} characters",
+                               actual=f"{type(doc).__name__} of {len(doc) if isinstance(doc, str) else '?'}",
+                               expected=f"1-{MAX_DOCUMENT} characters")
+    digest, mac = msg.get("digest"), msg.get("mac")
+    for name, v, n in (("digest", digest, 64), ("mac", mac, 32)):
+        if not isinstance(v, str) or len(v) != n or any(c not in "0123456789abcdef" for c in v):
+            raise SideChannelError(f"packed.{name}", f"expected {n} lowercase hex digits, got {v!r:.60}",
+                                   actual=repr(v)[:60], expected=f"{n} hex digits")
+    request = _str_field(msg, "packed", "request")
+    if len(request) > MAX_REQUEST_ID or "|" in request:
+        raise SideChannelError("packed.request", f"a request id of at most {MAX_REQUEST_ID} characters without "
+                               f"'|' (the NIXL protocol's), got {request!r:.60}", actual=request[:60],
+                               expected=f"<= {MAX_REQUEST_ID} characters, no '|'")
+    return PackedOffer(_str_field(msg, "packed", "engine"), _int_field(msg, "packed", "d_rank", 0, d_tp - 1), d_tp,
+                       _str_field(msg, "packed", "agent"), request, doc,
+                       _int_field(msg, "packed", "staging_bytes", 1, 1 << 40), str(digest), str(mac))
+
+
 def _b64(value: Any, path: str) -> bytes:
     if not isinstance(value, str):
         raise SideChannelError(path, f"expected base64 text, got {type(value).__name__}")
@@ -111,14 +173,18 @@ def _b64(value: Any, path: str) -> bytes:
 
 
 class SideChannelServer:
-    """One P worker rank's listener: exchanges handshake payloads and collects D's releases.
+    """One P worker rank's listener: exchanges handshake payloads, collects D's releases and hands
+    D's packed offers on.
 
-    ``on_handshake`` (None: a server that refuses handshakes, for tests of the release table) is
-    called on the connection's thread; what it raises is answered as an error."""
+    ``on_handshake`` and ``on_packed`` (None: a server that refuses handshakes or offers, for tests
+    of the release table) are called on the connection's thread; what they raise is answered as an
+    error."""
 
-    def __init__(self, host: str, port: int, payload: bytes, on_handshake: OnHandshake | None = None) -> None:
+    def __init__(self, host: str, port: int, payload: bytes, on_handshake: OnHandshake | None = None,
+                 on_packed: OnPacked | None = None) -> None:
         self._payload = base64.b64encode(payload).decode()
         self._on_handshake = on_handshake
+        self._on_packed = on_packed
         self._lock = threading.Lock()
         self._released: dict[str, tuple[float, int, set[int]]] = {}  # request -> (first seen, d_tp, d ranks)
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
@@ -195,7 +261,13 @@ class SideChannelServer:
                                            actual=d_tp, expected=tp)
                 ranks.add(d_rank)
             return {"ok": True}
-        raise SideChannelError("op", f"unknown op {op!r:.60}", actual=repr(op)[:60], expected=["handshake", "release"])
+        if op == "packed":
+            if self._on_packed is None:
+                raise SideChannelError("packed", "this listener serves no packed pulls (no prefill endpoint)")
+            self._on_packed(_packed_offer(msg))
+            return {"ok": True}
+        raise SideChannelError("op", f"unknown op {op!r:.60}", actual=repr(op)[:60],
+                               expected=["handshake", "release", "packed"])
 
     def _prune(self) -> None:
         cutoff = time.monotonic() - PENDING_TTL_S
@@ -210,6 +282,12 @@ class SideChannelServer:
                 return False
             del self._released[request]
             return True
+
+    def released_ranks(self, request: str) -> frozenset[int]:
+        """The D ranks that released ``request`` so far (kept until all have: :meth:`released`)."""
+        with self._lock:
+            entry = self._released.get(request)
+            return frozenset(entry[2]) if entry is not None else frozenset()
 
     def forget(self, request: str) -> None:
         with self._lock:
@@ -261,3 +339,9 @@ def exchange_handshake(host: str, port: int, engine: str, rank: int, tp: int, pa
 def send_release(host: str, port: int, request: str, d_rank: int, d_tp: int, timeout_s: float = IO_TIMEOUT_S) -> None:
     """Tell the P rank on ``host:port`` that D rank ``d_rank`` of ``d_tp`` is done with ``request``."""
     _call(host, port, {"op": "release", "request": request, "d_rank": d_rank, "d_tp": d_tp}, timeout_s)
+
+
+def send_packed(host: str, port: int, offer: PackedOffer, timeout_s: float = IO_TIMEOUT_S) -> None:
+    """Hand the P rank on ``host:port`` a packed pull's offer; returns once P planned the same plan
+    (:class:`SideChannelError` when it refused, with P's reason)."""
+    _call(host, port, {"op": "packed", **asdict(offer)}, timeout_s)

@@ -21,12 +21,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from kvgeom import EngineGeometry
 from kvgeom_nixl.errors import ExecutorError
+from kvgeom_nixl.staging import staging_bytes_for
 
 from .caches import CacheGroup, geometry_from_kv_caches
 from .executor import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
     DEFAULT_PULL_TIMEOUT_S,
+    PACKED_SETUP_S,
     ConnectorExecutor,
     PullJob,
     ReleaseJob,
@@ -116,18 +119,13 @@ class KvgeomWorker:
         self.groups = len(groups)
         geo, layers = geometry_from_kv_caches(kv_caches, groups, tp=self.tp, name=self.engine_id,
                                               model=config_model(self.kv_cache_config, groups, self.tp))
-        if "staging_bytes" in self.extra:
-            raise ExecutorError("kv_connector_extra_config.staging_bytes", "packed pulls need P to pack for D's "
-                                "plan, and this connector's P serves pulls by holding its blocks (direct and "
-                                "staged plans only)", actual=self.extra["staging_bytes"], expected="absent",
-                                fix="remove staging_bytes from kv_connector_extra_config (docs/design.md §15.3)")
-        staging = 0  # no staging ring: auto then never picks a packed plan, which P could not serve
+        staging = _staging_bytes(self.extra, geo, self.rank, int(self.vllm_config.model_config.max_model_len))
         self.executor = ConnectorExecutor(
             geo, self.rank, self.tp, layers, engine_id=self.engine_id, producer=self.producer, consumer=self.consumer,
             host=self.host, port=self.port + self.rank, staging_bytes=staging,
             pull_timeout_s=float(self.extra.get("pull_timeout_s", DEFAULT_PULL_TIMEOUT_S)),
             handshake_timeout_s=float(self.extra.get("handshake_timeout_s", DEFAULT_HANDSHAKE_TIMEOUT_S)),
-            log=self.log, eager=_flag(self.extra, "eager_pull", False))
+            log=self.log, eager=_flag(self.extra, "eager_pull", False), packed_setup_s=_packed_setup_s(self.extra))
         self.log.info("kvgeom connector rank %d: %s, side channel %s:%d, staging %d B", self.rank, geo.summary(),
                       self.host, self.port + self.rank, staging)
 
@@ -175,6 +173,33 @@ class KvgeomWorker:
 def _release_job(rel: Release) -> ReleaseJob:
     return ReleaseJob(rel.remote_request_id, rel.remote_host, rel.remote_port, rel.remote_tp)
 
+
+
+def _staging_bytes(extra: dict[str, Any], geo: EngineGeometry, rank: int, max_model_len: int) -> int:
+    """The rank's staging slot (``kv_connector_extra_config.staging_bytes``): absent or ``"auto"``,
+    :func:`~kvgeom_nixl.staging.staging_bytes_for` of ``max_model_len`` tokens (a request packs in one
+    chunk up to 64 MiB); an int, that many bytes; 0, no staging ring (auto then never packs)."""
+    value = extra.get("staging_bytes", "auto")
+    if value == "auto":
+        return staging_bytes_for(geo, rank, max_model_len)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 40:
+        raise ExecutorError("kv_connector_extra_config.staging_bytes", "must be \"auto\" or a byte count",
+                            actual=value, expected='"auto" (default), 0 (no packed pulls) or bytes per slot <= 2**40',
+                            fix='write "staging_bytes": "auto", or a JSON integer such as 16777216')
+    return value
+
+
+def _packed_setup_s(extra: dict[str, Any]) -> float:
+    """``kv_connector_extra_config.packed_setup_ms``: what auto adds to a packed pull's cost, in
+    milliseconds (default :data:`~kvgeom_nixl.vllm.pulls.PACKED_SETUP_S`, measured here; 0 packs
+    wherever kvgeom's cost model alone says packing is cheaper)."""
+    value = extra.get("packed_setup_ms", PACKED_SETUP_S * 1e3)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 60_000:
+        raise ExecutorError("kv_connector_extra_config.packed_setup_ms", "must be a number of milliseconds",
+                            actual=value, expected=f"0 <= ms <= 60000 (default {PACKED_SETUP_S * 1e3:g})",
+                            fix='write "packed_setup_ms": 12 (a JSON number), or 0 to weigh packing by kvgeom\'s '
+                                'cost model alone')
+    return float(value) / 1e3
 
 
 def _flag(extra: dict[str, Any], name: str, default: bool) -> bool:
