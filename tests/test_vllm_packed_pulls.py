@@ -375,3 +375,25 @@ def test_an_offer_whose_send_never_comes_is_forgotten(linked: Engines, monkeypat
         time.sleep(0.05)
     with linked.p[0].lock:
         assert not linked.p[0]._offers
+
+
+@pytest.mark.timeout(300)
+def test_a_packed_pull_after_ps_lease_fails_and_vllm_recomputes() -> None:
+    """P's lease ends at once (0 s), before D has linked and planned: P refuses D's offer (the
+    request is freed), so D's pull fails before posting, well before its 30 s timeout, with every
+    listed D block invalid, and neither side keeps anything."""
+    e = Engines(32, 1, 64, 1, staging_bytes=SLOT, lease_s=0.0, pull_timeout_s=30.0)
+    try:
+        m = 517
+        started = time.monotonic()
+        e.pull("r1", m, ids_for(m, 32, 3), ids_for(m, 64, 5))
+        d_out, p_out = e.wait(timeout_s=25)
+        assert time.monotonic() - started < 20
+        assert d_out[0].finished_recving == {"d-r1"}
+        assert d_out[0].failed == {"d-r1": {0: set(ids_for(m, 64, 5))}}, d_out
+        assert p_out[0].finished_sending == {"r1"}
+        c = e.p[0].counters()
+        assert c["offers"] == c["sends"] == c["in_flight"] == 0 and c["freed lease expired"] == 1, c
+        assert e.d[0].counters()["pull failed before posting"] == 1
+    finally:
+        e.close()
