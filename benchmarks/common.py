@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 
 __all__ = ["Measurement", "Config", "Progress", "measurement", "interleaved_medians", "stderr_progress",
-           "SECTIONS", "load_average"]
+           "SECTIONS", "load_average", "thread_cpu_hook"]
 
 SECTIONS: tuple[str, ...] = ("plan", "memory", "descriptors", "transfer", "receive", "packed")
 
@@ -182,6 +182,26 @@ def interleaved_medians(funcs: dict[str, Callable[[], Any]], repeats: int,
             times[key].append(time.perf_counter() - t0)
             del out
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def thread_cpu_hook(owner: type, name: str, record: Callable[..., None]) -> Callable[[], None]:
+    """Wrap method ``name`` of class ``owner`` so that every call also calls ``record(cpu_s, self,
+    *args, **kwargs)`` with the thread CPU time it took (even when it raised); returns the undo. The
+    connector benchmarks time the executor's own methods this way, on whichever thread runs them."""
+    import functools
+
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        c0 = time.thread_time()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            record(time.thread_time() - c0, self, *args, **kwargs)
+
+    setattr(owner, name, timed)
+    return lambda: setattr(owner, name, original)
 
 
 def load_average() -> str:

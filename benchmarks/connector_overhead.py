@@ -72,36 +72,22 @@ class _Clock:
             if read:
                 self.read[tid] = self.read.get(tid, 0.0) + cpu
 
+    def _post(self, cpu: float, t: Any, *_: Any) -> None:
+        if t.kind == "pull":  # (D's READ; P's transfers post nothing timed here)
+            self.add(t.request_id, cpu, read=True)
+
     def install(self) -> Callable[[], None]:
         """Wrap ``PullSide._start_pull`` and ``Transfer._post_to``; returns the undo."""
+        from benchmarks.common import thread_cpu_hook
         from kvgeom_nixl.transfer import Transfer
         from kvgeom_nixl.vllm.pulls import PullSide
 
-        start, post = PullSide._start_pull, Transfer._post_to
-
-        @functools.wraps(start)
-        def start_pull(ex: Any, job: Any) -> None:
-            c0 = time.thread_time()
-            try:
-                start(ex, job)
-            finally:
-                self.add(job.transfer_id, time.thread_time() - c0)
-
-        @functools.wraps(post)
-        def post_to(t: Any, agent: str, kind: str, *args: int) -> None:
-            c0 = time.thread_time()
-            try:
-                post(t, agent, kind, *args)
-            finally:
-                if t.kind == "pull":
-                    self.add(t.request_id, time.thread_time() - c0, read=True)
-
-        PullSide._start_pull = start_pull  # type: ignore[method-assign,assignment]
-        Transfer._post_to = post_to  # type: ignore[method-assign,assignment]
+        undos = [thread_cpu_hook(PullSide, "_start_pull", lambda cpu, ex, job: self.add(job.transfer_id, cpu)),
+                 thread_cpu_hook(Transfer, "_post_to", self._post)]
 
         def undo() -> None:
-            PullSide._start_pull = start  # type: ignore[method-assign]
-            Transfer._post_to = post  # type: ignore[method-assign]
+            for u in undos:
+                u()
         return undo
 
 

@@ -20,7 +20,6 @@ one warm-up request per cell; nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import random
 import statistics
@@ -47,45 +46,33 @@ WARMUP = 1
 
 
 class _Clock:
-    """D's ``_start_pull`` CPU and P's packing CPU, by P's request id; D's posted descriptors."""
+    """D's ``_start_pull`` CPU and P's packing CPU, by P's request id."""
 
     def __init__(self) -> None:
         self.d_cpu: dict[str, float] = {}
         self.p_pack: dict[str, float] = {}
-        self.descs: dict[str, int] = {}
         self.lock = threading.Lock()
 
+    def _start(self, cpu: float, ex: Any, job: Any) -> None:
+        with self.lock:
+            self.d_cpu[job.transfer_id] = cpu
+
+    def _run(self, cpu: float, t: Any, ch: Any, pack: bool) -> None:
+        if pack:
+            with self.lock:
+                self.p_pack[t.request_id] = self.p_pack.get(t.request_id, 0.0) + cpu
+
     def install(self) -> Callable[[], None]:
+        """Wrap ``PullSide._start_pull`` and ``PackedTransfer._run``; returns the undo."""
+        from benchmarks.common import thread_cpu_hook
         from kvgeom_nixl.packed import PackedTransfer
         from kvgeom_nixl.vllm.pulls import PullSide
 
-        start, run = PullSide._start_pull, PackedTransfer._run
-
-        @functools.wraps(start)
-        def start_pull(ex: Any, job: Any) -> None:
-            c0 = time.thread_time()
-            try:
-                start(ex, job)
-            finally:
-                with self.lock:
-                    self.d_cpu[job.transfer_id] = time.thread_time() - c0
-
-        @functools.wraps(run)
-        def run_chunk(t: Any, ch: Any, pack: bool) -> None:
-            c0 = time.thread_time()
-            try:
-                run(t, ch, pack)
-            finally:
-                if pack:
-                    with self.lock:
-                        self.p_pack[t.request_id] = self.p_pack.get(t.request_id, 0.0) + time.thread_time() - c0
-
-        PullSide._start_pull = start_pull  # type: ignore[method-assign,assignment]
-        PackedTransfer._run = run_chunk  # type: ignore[method-assign,assignment]
+        undos = [thread_cpu_hook(PullSide, "_start_pull", self._start), thread_cpu_hook(PackedTransfer, "_run", self._run)]
 
         def undo() -> None:
-            PullSide._start_pull = start  # type: ignore[method-assign]
-            PackedTransfer._run = run  # type: ignore[method-assign]
+            for u in undos:
+                u()
         return undo
 
 
